@@ -1,0 +1,337 @@
+"""Read a checkpoint folder from its config and safetensors headers only (no tensor data).
+
+``Checkpoint.open`` reads ``config.json`` (VL or text-only form), the quantization config
+(auto-round, FP8, compressed-tensors), the index, and the header of EVERY ``*.safetensors`` file
+in the folder, listed in the index or not (Intel's MTP tensors live in a file the index may not
+list). What is wrong is collected as ``Problem``s, not raised, so ``inspect`` can show them all;
+``require_clean`` turns error-level problems into one ``SourceError``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from .errors import SourceError
+from .layout import classify, dtype_storage, layer_index, module_storage, split_module
+from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
+
+log = logging.getLogger(__name__)
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    severity: str  # "error" | "warning" | "info"
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    in_index: bool
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+    klass: str
+    storage: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "file": self.file, "in_index": self.in_index, "dtype": self.dtype,
+                "shape": list(self.shape), "bytes": self.nbytes, "class": self.klass, "storage": self.storage}
+
+
+@dataclass
+class QuantizationInfo:
+    """The parts of ``quantization_config`` that hybrid-build acts on, whatever the method."""
+
+    method: str | None
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def bits(self) -> int | None:
+        return self.raw.get("bits")
+
+    @property
+    def group_size(self) -> int | None:
+        return self.raw.get("group_size")
+
+    @property
+    def sym(self) -> bool | None:
+        return self.raw.get("sym")
+
+    @property
+    def packing_format(self) -> str | None:
+        return self.raw.get("packing_format")
+
+    @property
+    def extra_config(self) -> dict[str, dict]:
+        return self.raw.get("extra_config") or {}
+
+    @property
+    def weight_block_size(self) -> list[int] | None:
+        return self.raw.get("weight_block_size")
+
+    @property
+    def config_groups(self) -> dict:
+        return self.raw.get("config_groups") or {}
+
+    def layer_override(self, module: str) -> dict | None:
+        """auto-round's per-layer ``extra_config`` entry for a module: an exact key wins,
+        then the first regex key that matches the whole name."""
+        extra = self.extra_config
+        if module in extra:
+            return extra[module]
+        for key, value in extra.items():
+            try:
+                if re.fullmatch(key, module):
+                    return value
+            except re.error:
+                continue
+        return None
+
+    def module_bits(self, module: str) -> int | None:
+        if self.method == "auto-round":
+            override = self.layer_override(module) or {}
+            return override.get("bits", self.bits)
+        if self.method == "compressed-tensors":
+            for group in self.config_groups.values():
+                for target in group.get("targets", []):
+                    pattern = target[3:] if target.startswith("re:") else re.escape(target)
+                    if re.fullmatch(pattern, module) or (not target.startswith("re:") and module.endswith(target)):
+                        return (group.get("weights") or {}).get("num_bits")
+            return None
+        return self.bits
+
+
+def _quantization(config: dict) -> QuantizationInfo:
+    raw = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not raw:
+        return QuantizationInfo(None, {})
+    method = raw.get("quant_method")
+    if method in ("intel/auto-round", "auto_round", "autoround"):
+        method = "auto-round"
+    return QuantizationInfo(method, raw)
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: dict
+    quant: QuantizationInfo
+    index: dict | None
+    tensors: dict[str, TensorInfo]
+    files: list[str]
+    problems: list[Problem]
+    source_id: str | None = None
+    revision: str | None = None
+
+    # ------------------------------------------------------------------ config views
+    @property
+    def is_vl(self) -> bool:
+        return "text_config" in self.config
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config") or self.config
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    @property
+    def lm_prefix(self) -> str:
+        return "model.language_model." if self.is_vl else "model."
+
+    @property
+    def hybrid_info(self) -> dict | None:
+        """The ``hybrid_build`` block this tool writes into the configs it produces."""
+        return self.config.get("hybrid_build")
+
+    @cached_property
+    def modules(self) -> dict[str, dict[str, TensorInfo]]:
+        """module name -> part name -> tensor."""
+        out: dict[str, dict[str, TensorInfo]] = {}
+        for t in self.tensors.values():
+            module, part = split_module(t.name)
+            out.setdefault(module, {})[part] = t
+        return out
+
+    def by_class(self, klass: str) -> list[TensorInfo]:
+        return [t for t in self.tensors.values() if t.klass == klass]
+
+    def path_of(self, t: TensorInfo) -> Path:
+        return self.root / t.file
+
+    def header_of(self, t: TensorInfo) -> TensorHeader:
+        return TensorHeader(t.name, t.dtype, t.shape, t.start, t.nbytes)
+
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    def require_clean(self) -> None:
+        errors = self.errors()
+        if errors:
+            more = f" (and {len(errors) - 1} more problem(s); `hybrid-build inspect` lists them)" if len(errors) > 1 else ""
+            raise SourceError(errors[0].message + more)
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def open(cls, source: str | os.PathLike, revision: str | None = None) -> "Checkpoint":
+        root, source_id, resolved_rev = resolve_source(source, revision)
+        return cls.read_folder(root, source_id=source_id, revision=resolved_rev)
+
+    @classmethod
+    def read_folder(cls, root: Path, source_id: str | None = None, revision: str | None = None) -> "Checkpoint":
+        root = Path(root)
+        if not root.exists():
+            raise SourceError(f"{root}: no such file or directory")
+        if not root.is_dir():
+            raise SourceError(f"{root}: not a directory (a checkpoint is a folder with config.json)")
+        cfg_path = root / "config.json"
+        if not cfg_path.exists():
+            raise SourceError(f"{root}: missing config.json (not a transformers checkpoint folder)")
+        try:
+            config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})")
+        quant = _quantization(config)
+        problems: list[Problem] = []
+
+        index = None
+        index_path = root / INDEX_NAME
+        if index_path.exists():
+            try:
+                index = json.loads(index_path.read_text())
+                weight_map = index["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SourceError(f"{index_path.name}: invalid index (expected JSON with a weight_map)")
+        weight_map: dict[str, str] = (index or {}).get("weight_map", {})
+
+        files = sorted(p.name for p in root.glob("*.safetensors") if not p.name.endswith(TMP_SUFFIX))
+        if not files:
+            raise SourceError(f"{root}: no *.safetensors files")
+        for missing in sorted(set(weight_map.values()) - set(files)):
+            n = sum(1 for f in weight_map.values() if f == missing)
+            problems.append(Problem("error", "missing_file",
+                                    f"index lists {n} tensor(s) in {missing}, which does not exist"))
+        indexed_files = set(weight_map.values())
+        if index is not None:
+            for f in files:
+                if f not in indexed_files:
+                    problems.append(Problem("info", "unindexed_file",
+                                            f"{f} is not listed in the index; its tensors are read too"))
+
+        headers = {}
+        for f in files:
+            try:
+                headers[f] = read_header(root / f)
+            except SourceError as e:
+                problems.append(Problem("error", "bad_file", str(e)))
+
+        # first pass: where each tensor lives, and duplicates
+        located: dict[str, tuple[str, TensorHeader]] = {}
+        for f, h in headers.items():
+            for name, th in h.tensors.items():
+                if name in located:
+                    problems.append(Problem("error", "duplicate_tensor",
+                                            f"tensor {name} is stored in both {located[name][0]} and {f}"))
+                    continue
+                located[name] = (f, th)
+        for name, f in weight_map.items():
+            if f in headers and name not in headers[f].tensors:
+                problems.append(Problem("error", "missing_tensor", f"index maps {name} to {f}, which does not hold it"))
+            elif name in located and located[name][0] != f and f in headers:
+                problems.append(Problem("error", "index_mismatch",
+                                        f"index maps {name} to {f}, but it is stored in {located[name][0]}"))
+
+        # module-level storage: every part of a quantized module shares the module's storage
+        parts_of: dict[str, dict[str, str]] = {}
+        for name, (_, th) in located.items():
+            module, part = split_module(name)
+            parts_of.setdefault(module, {})[part] = th.dtype
+        tensors: dict[str, TensorInfo] = {}
+        for name, (f, th) in sorted(located.items()):
+            module, _ = split_module(name)
+            storage = module_storage(parts_of[module], quant.module_bits(module)) or dtype_storage(th.dtype)
+            in_index = (weight_map.get(name) == f) if index is not None else True
+            tensors[name] = TensorInfo(name, f, in_index, th.dtype, th.shape, th.start, th.nbytes,
+                                       classify(name), storage)
+
+        ckpt = cls(root, config, quant, index, tensors, files, problems, source_id, revision)
+        ckpt.problems.extend(_packing_problems(ckpt))
+        if ckpt.hybrid_info or any(t.storage == "fp8" and t.klass == "shared_expert" for t in tensors.values()):
+            ckpt.problems.append(Problem("warning", "already_hybrid",
+                                         "this checkpoint is already a hybrid (FP8 shared experts or a hybrid_build block)"))
+        return ckpt
+
+
+def _packing_problems(ckpt: Checkpoint) -> list[Problem]:
+    """GPTQ packing rules: qweight [K/pack, N] int32, scales [K/g, N], qzeros [K/g, N/pack]."""
+    out = []
+    for module, parts in ckpt.modules.items():
+        qw = parts.get("qweight")
+        if qw is None:
+            continue
+        bits = ckpt.quant.module_bits(module) or 4
+        pack = 32 // bits
+        scales = parts.get("scales")
+        if qw.dtype != "I32" or len(qw.shape) != 2:
+            out.append(Problem("error", "bad_packing", f"{module}.qweight must be a 2-D int32 tensor, is {qw.dtype} {list(qw.shape)}"))
+            continue
+        k, n = qw.shape[0] * pack, qw.shape[1]
+        if scales is None or len(scales.shape) != 2:
+            out.append(Problem("error", "bad_packing", f"{module} has qweight but no 2-D scales"))
+            continue
+        groups = scales.shape[0]
+        if scales.shape[1] != n:
+            out.append(Problem("error", "bad_packing", f"{module}.scales has {scales.shape[1]} columns, qweight {n}"))
+        group_size = ckpt.quant.group_size or 128
+        override = ckpt.quant.layer_override(module) or {}
+        group_size = override.get("group_size", group_size)
+        if group_size and group_size > 0 and groups != -(-k // group_size):
+            out.append(Problem("error", "bad_packing",
+                               f"{module}: {groups} scale groups for K={k} does not match group_size {group_size}"))
+        qz = parts.get("qzeros")
+        if qz is not None and (qz.shape[0] != groups or qz.shape[1] * pack != n):
+            out.append(Problem("error", "bad_packing",
+                               f"{module}.qzeros shape {list(qz.shape)} does not match {groups} groups x N={n}/{pack}"))
+    return out
+
+
+def resolve_source(source: str | os.PathLike, revision: str | None = None) -> tuple[Path, str | None, str | None]:
+    """A local folder as is; a Hub id (``org/name``) through huggingface_hub's cache."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return path, None, revision
+    text = str(source)
+    if not HUB_ID.match(text) or text.startswith((".", "/")):
+        raise SourceError(f"{source}: no such file or directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
+    try:
+        local = snapshot_download(text, revision=revision, local_files_only=offline)
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        raise SourceError(f"{source}: not a local folder, and not in the Hub cache (offline)" if offline
+                          else f"{source}: could not be downloaded from the Hub")
+    except RepositoryNotFoundError:
+        raise SourceError(f"{source}: no such repository on the Hub (or no access)")
+    except HfHubHTTPError as e:
+        raise SourceError(f"{source}: Hub download failed: {str(e).splitlines()[0]}")
+    rev = Path(local).name  # snapshot folders are named by commit hash
+    return Path(local), text, rev
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,156 @@
+"""The embedded default: a tiny but real Qwen3.5-MoE INT4 AutoRound checkpoint, built offline.
+
+The real input is 62 GiB; this one is ~6 MB and shaped like it. transformers builds a random
+``Qwen3_5MoeForConditionalGeneration`` (VL form: 4 layers with one full-attention layer, 8
+experts, untied lm-head, hidden 256 so that 128-wide groups apply), auto-round exports it with
+RTN as ``auto_round:auto_gptq`` keeping the shared experts BF16 (as Intel's checkpoint does), and
+then the layout of Intel's upload is reproduced: the weights re-sharded into several files, and
+the MTP tensors in ``model_extra_tensors.safetensors``, which the index does not list.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .checkpoint import Checkpoint
+from .safetensors_io import ByteRange, OutTensor, plan_shards, write_index, write_shard
+
+log = logging.getLogger(__name__)
+
+MTP_FILE = "model_extra_tensors.safetensors"
+DEMO_NAME = "tiny-qwen3.5-moe-int4-autoround"
+
+TEXT_CONFIG = dict(
+    vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+    linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+    shared_expert_intermediate_size=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    pad_token_id=3, max_position_embeddings=4096, mtp_num_hidden_layers=1,
+)
+VISION_CONFIG = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
+                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# what the tokenizer learns from: enough English, code and tool-call JSON to tokenise the bundled texts
+TOKENIZER_TEXT = [
+    "The capital of France is Paris. The capital of Italy is Rome. ",
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    "Tea was first drunk in China, then traded along the Silk Road to India, Persia and Europe. ",
+    "hello world, the quick brown fox jumps over the lazy dog. 0123456789 ",
+]
+
+
+def _train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TEXT_CONFIG["vocab_size"],
+                                  special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_TEXT * 40, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _mtp_tensors(config, seed: int) -> dict:
+    """MTP weights as the real checkpoint stores them: one full-attention decoder layer with a
+    per-expert MoE under ``mtp.layers.0.``, plus the fc and norms. transformers never builds the
+    MTP block, so the layer comes from a real one-layer text model, exported by save_pretrained."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
+
+    text = dict(TEXT_CONFIG, num_hidden_layers=1, layer_types=["full_attention"])
+    torch.manual_seed(seed + 1)
+    layer_model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text)).to(torch.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        layer_model.save_pretrained(tmp)
+        state = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            state.update(load_file(f))
+    out = {"mtp." + k[len("model."):]: v for k, v in state.items() if k.startswith("model.layers.0.")}
+    h = config.text_config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 2)
+    out["mtp.fc.weight"] = (torch.randn(h, 2 * h, generator=gen) * 0.02).to(torch.bfloat16)
+    for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
+        out[norm] = torch.zeros(h, dtype=torch.bfloat16)  # Qwen3.5 RMSNorm scales by (1 + weight)
+    return out
+
+
+def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int = 3) -> Path:
+    """Build the tiny checkpoint into ``out_dir`` (created; must not exist or be empty) and return it."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".demo-", dir=out_dir.parent))
+    try:
+        tokenizer = _train_tokenizer()
+        torch.manual_seed(seed)
+        config = Qwen3_5MoeConfig(text_config=TEXT_CONFIG, vision_config=VISION_CONFIG, tie_word_embeddings=False)
+        config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+        model = Qwen3_5MoeForConditionalGeneration(config).to(torch.bfloat16)
+
+        exported = _export_autoround(model, tokenizer, work / "export")
+        final = work / "final"
+        final.mkdir()
+        _reshard(exported, final, shards)
+        save_file(_mtp_tensors(config, seed), final / MTP_FILE, metadata={"format": "pt"})
+        cfg = json.loads((final / "config.json").read_text())
+        cfg["text_config"]["mtp_num_hidden_layers"] = 1
+        (final / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(final, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("demo checkpoint at %s", out_dir)
+    return out_dir
+
+
+def _export_autoround(model, tokenizer, export_dir: Path) -> Path:
+    from auto_round import AutoRound
+
+    quiet = logging.getLogger("autoround")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        # RTN (iters=0) needs no data; the optimised RTN crashes on the full-attention layer's mask
+        ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", iters=0, disable_opt_rtn=True,
+                       ignore_layers="shared_expert.", device_map="cpu")
+        ar.quantize_and_save(str(export_dir), format="auto_round:auto_gptq")
+    finally:
+        quiet.setLevel(level)
+    found = [p.parent for p in export_dir.rglob("config.json")]
+    if len(found) != 1:
+        raise RuntimeError(f"auto-round export: expected one config.json under {export_dir}, found {found}")
+    return found[0]
+
+
+def _reshard(src: Path, dst: Path, shards: int) -> None:
+    """Copy an exported folder, re-sharding its weights into ``shards`` files by byte ranges."""
+    ckpt = Checkpoint.read_folder(src)
+    tensors = [OutTensor(t.name, t.dtype, t.shape, ByteRange(ckpt.path_of(t), t.start, t.nbytes))
+               for t in ckpt.tensors.values()]
+    total = sum(t.nbytes for t in tensors)
+    plans = plan_shards(tensors, max_shard_bytes=-(-total // shards) + 1)
+    for p in plans:
+        write_shard(p, dst)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+    write_index(dst, plans)

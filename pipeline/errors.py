@@ -1,0 +1,38 @@
+"""The few typed errors of hybrid-build and the exit code each maps to.
+
+A user mistake (bad path, bad recipe, bad argument) is a ``UserError``: the CLI prints one line
+and exits 2. A problem found in a checkpoint or artifact while working is an ``ArtifactError``
+and a numerics check that fails is a ``NumericsError``: both exit 1.
+"""
+
+
+class HybridBuildError(Exception):
+    """Base class; ``exit_code`` is what the CLI returns."""
+
+    exit_code = 1
+
+
+class UserError(HybridBuildError):
+    """The input or the request is wrong; fixing the command line fixes it."""
+
+    exit_code = 2
+
+
+class SourceError(UserError):
+    """The source checkpoint cannot be read as a checkpoint (missing files, bad headers)."""
+
+
+class RecipeError(UserError):
+    """A recipe does not validate; the message names the field."""
+
+
+class ArtifactError(HybridBuildError):
+    """An output or intermediate artifact is inconsistent, or a stage could not complete."""
+
+
+class NumericsError(HybridBuildError):
+    """A numerics check failed its threshold."""
+
+
+class ExternalToolError(HybridBuildError):
+    """A tool we drive (vLLM, Docker, the Hub) is missing or failed."""

@@ -1,0 +1,280 @@
+"""Safetensors at the byte level: read headers without touching data, and write shards in a stream.
+
+The safetensors layout is ``u64 header length | JSON header | tensor bytes``; every tensor's
+``data_offsets`` are relative to the first byte after the header. Reading a header costs two
+small reads, so inspecting a 70 GB checkpoint reads a few megabytes.
+
+The writer plans every shard (names, header, offsets) from metadata before writing a byte,
+copies an unchanged tensor as a byte range from its source file (no tensor is built), takes a
+changed tensor from a producer that yields bounded chunks, writes each shard under a temporary
+name and renames it when complete. The index is written last, so a folder that has one is whole.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ArtifactError, SourceError
+
+log = logging.getLogger(__name__)
+
+# bytes per element for every dtype string safetensors writes
+DTYPE_SIZES: dict[str, float] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+    "F4": 0.5,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+COPY_CHUNK = 64 * 1024 * 1024
+INDEX_NAME = "model.safetensors.index.json"
+TMP_SUFFIX = ".partial"
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """One tensor as its file's header describes it; ``start`` is an absolute file offset."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    path: Path
+    tensors: dict[str, TensorHeader]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
+    if dtype not in DTYPE_SIZES:
+        raise ArtifactError(f"unknown safetensors dtype {dtype!r}")
+    return int(math.ceil(math.prod(shape) * DTYPE_SIZES[dtype]))
+
+
+def read_header(path: str | os.PathLike) -> FileHeader:
+    """Parse one file's header; raise ``SourceError`` naming the file for anything malformed."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise SourceError(f"{path.name}: not a safetensors file (only {size} bytes)")
+        (hlen,) = struct.unpack("<Q", raw)
+        if hlen > MAX_HEADER_BYTES:
+            raise SourceError(f"{path.name}: not a safetensors file (header length {hlen} is implausible)")
+        if 8 + hlen > size:
+            raise SourceError(f"{path.name}: truncated safetensors header ({hlen} header bytes declared, "
+                              f"{size - 8} present)")
+        blob = f.read(hlen)
+    try:
+        header = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{path.name}: not a safetensors file (header is not JSON: {e.msg if hasattr(e, 'msg') else e})")
+    if not isinstance(header, dict):
+        raise SourceError(f"{path.name}: not a safetensors file (header is not a JSON object)")
+    data_start = 8 + hlen
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorHeader] = {}
+    for name, entry in header.items():
+        try:
+            dtype, shape, (lo, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise SourceError(f"{path.name}: malformed header entry for {name!r}")
+        expected = tensor_nbytes(dtype, shape) if dtype in DTYPE_SIZES else hi - lo
+        if hi - lo != expected or lo < 0:
+            raise SourceError(f"{path.name}: tensor {name!r} spans {hi - lo} bytes, its dtype and shape need {expected}")
+        if data_start + hi > size:
+            raise SourceError(f"{path.name}: truncated: tensor {name!r} ends at byte {data_start + hi}, "
+                              f"file has {size}")
+        tensors[name] = TensorHeader(name, dtype, shape, data_start + lo, hi - lo)
+    return FileHeader(path, tensors, metadata, data_start, size)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """An unchanged tensor: copied from ``path`` as bytes."""
+
+    path: Path
+    start: int
+    nbytes: int
+
+
+ChunkProducer = Callable[[], Iterator[bytes | memoryview]]
+
+
+@dataclass
+class OutTensor:
+    """A tensor to write: either a byte range of a source file, or a producer of its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    source: ByteRange | ChunkProducer
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+@dataclass
+class ShardPlan:
+    """One output file: its tensors in order and the exact header that will precede them."""
+
+    filename: str
+    tensors: list[OutTensor]
+    metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})
+    in_index: bool = True
+
+    def header_bytes(self) -> bytes:
+        header: dict = {"__metadata__": self.metadata} if self.metadata else {}
+        offset = 0
+        for t in self.tensors:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned, as the reference writer does
+        return struct.pack("<Q", len(blob)) + blob
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.header_bytes()) + self.data_bytes
+
+
+def plan_shards(tensors: list[OutTensor], max_shard_bytes: int, prefix: str = "model") -> list[ShardPlan]:
+    """Split tensors, in the given order, into shards of at most ``max_shard_bytes`` of data
+    (a tensor larger than that gets a shard to itself) named ``{prefix}-0000i-of-0000n.safetensors``."""
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    n = len(groups)
+    if n == 1:
+        return [ShardPlan(f"{prefix}.safetensors", groups[0])]
+    return [ShardPlan(f"{prefix}-{i:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups, 1)]
+
+
+def _copy_range(src: ByteRange, dst, buf: bytearray) -> None:
+    with open(src.path, "rb") as f:
+        left, pos = src.nbytes, src.start
+        copy_file_range = getattr(os, "copy_file_range", None)
+        if copy_file_range is not None:
+            dst.flush()
+            try:
+                while left:
+                    n = copy_file_range(f.fileno(), dst.fileno(), min(left, 1 << 30), pos)
+                    if n == 0:
+                        raise ArtifactError(f"{src.path.name}: ended early while copying bytes {src.start}..")
+                    left -= n
+                    pos += n
+                dst.seek(0, os.SEEK_END)
+                return
+            except OSError:  # e.g. across filesystems on old kernels: fall back to a buffered copy
+                dst.seek(0, os.SEEK_END)
+                if left != src.nbytes:
+                    raise
+        f.seek(pos)
+        view = memoryview(buf)
+        while left:
+            n = f.readinto(view[: min(left, len(buf))])
+            if not n:
+                raise ArtifactError(f"{src.path.name}: ended early while copying bytes {src.start}..")
+            dst.write(view[:n])
+            left -= n
+
+
+def _shard_is_complete(path: Path, plan: ShardPlan) -> bool:
+    """A finished shard from an earlier, interrupted run: same header and same size."""
+    if not path.exists() or path.stat().st_size != plan.total_bytes:
+        return False
+    head = plan.header_bytes()
+    with open(path, "rb") as f:
+        return f.read(len(head)) == head
+
+
+def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
+                progress: Callable[[int], None] | None = None) -> Path:
+    """Write one shard under a temporary name, check its size, then rename it into place."""
+    final = out_dir / plan.filename
+    if resume and _shard_is_complete(final, plan):
+        log.info("keeping complete shard %s", plan.filename)
+        if progress:
+            progress(plan.data_bytes)
+        return final
+    tmp = out_dir / (plan.filename + TMP_SUFFIX)
+    buf = bytearray(COPY_CHUNK)
+    with open(tmp, "wb") as out:
+        out.write(plan.header_bytes())
+        for t in plan.tensors:
+            if isinstance(t.source, ByteRange):
+                if t.source.nbytes != t.nbytes:
+                    raise ArtifactError(f"{t.name}: source range has {t.source.nbytes} bytes, header says {t.nbytes}")
+                _copy_range(t.source, out, buf)
+            else:
+                written = 0
+                for chunk in t.source():
+                    out.write(chunk)
+                    written += len(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.nbytes
+                if written != t.nbytes:
+                    raise ArtifactError(f"{t.name}: producer wrote {written} bytes, header says {t.nbytes}")
+            if progress:
+                progress(t.nbytes)
+        out.flush()
+        os.fsync(out.fileno())
+    if tmp.stat().st_size != plan.total_bytes:
+        raise ArtifactError(f"{plan.filename}: wrote {tmp.stat().st_size} bytes, planned {plan.total_bytes}")
+    os.replace(tmp, final)
+    return final
+
+
+def write_index(out_dir: Path, shards: list[ShardPlan], extra_metadata: dict | None = None) -> Path:
+    """Write ``model.safetensors.index.json`` (atomically) for the shards marked ``in_index``."""
+    weight_map = {t.name: s.filename for s in shards if s.in_index for t in s.tensors}
+    meta = {"total_size": sum(s.data_bytes for s in shards if s.in_index)}
+    meta.update(extra_metadata or {})
+    index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+    return write_text_atomic(out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def tensor_bytes(path: str | os.PathLike, header: TensorHeader) -> bytes:
+    """Read one tensor's raw bytes (for hashing and for the small tensors a stage changes)."""
+    with open(path, "rb") as f:
+        f.seek(header.start)
+        data = f.read(header.nbytes)
+    if len(data) != header.nbytes:
+        raise ArtifactError(f"{Path(path).name}: {header.name} is truncated")
+    return data

@@ -1,0 +1,55 @@
+"""Shared fixtures: an isolated, offline Hub cache, and the tiny real checkpoint built once.
+
+The tiny checkpoint is built by ``hybrid_build.pipeline.demo`` (transformers + auto-round) once
+per machine and cached under ``$HYBRID_BUILD_TEST_CACHE`` (default ``~/.cache/hybrid-build/tests``)
+keyed by the builder's source hash, so a changed builder rebuilds it. Tests must not modify it:
+copy it (``tiny_copy``) to plant defects.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_hub(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.getbasetemp() / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+def _builder_key() -> str:
+    from hybrid_build.pipeline import demo
+
+    return hashlib.sha256(Path(demo.__file__).read_bytes()).hexdigest()[:12]
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("HYBRID_BUILD_TEST_CACHE", Path.home() / ".cache" / "hybrid-build" / "tests"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Path:
+    """The tiny INT4 AutoRound Qwen3.5-MoE checkpoint (read-only: copy before changing)."""
+    from hybrid_build.pipeline.demo import build_demo_checkpoint
+
+    target = _cache_root() / f"tiny-{_builder_key()}"
+    if not (target / "model.safetensors.index.json").exists():
+        shutil.rmtree(target, ignore_errors=True)
+        build_demo_checkpoint(target)
+    return target
+
+
+@pytest.fixture
+def tiny_copy(tiny_checkpoint, tmp_path) -> Path:
+    """A private copy of the tiny checkpoint that a test may damage."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, dst)
+    return dst
