@@ -1,0 +1,199 @@
+"""The recipe schema, the shipped recipes, and how a recipe is chosen for a source.
+
+A recipe names what to convert (targets are exact module names or ``re:`` patterns), the scheme
+for each part, the output format, the validation thresholds and the serving profiles. Unknown
+keys are rejected; a validation error names the field and the allowed values (``RecipeError``,
+exit 2).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hybrid_build.pipeline.errors import RecipeError
+from hybrid_build.serve.profiles import ServeProfile
+
+RECIPE_DIR = Path(__file__).resolve().parent
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_targets(targets: list[str]) -> list[str]:
+    for t in targets:
+        if t.startswith("re:"):
+            try:
+                re.compile(t[3:])
+            except re.error as e:
+                raise ValueError(f"bad regular expression {t!r}: {e}")
+    return targets
+
+
+def target_matches(targets: list[str], module: str) -> bool:
+    """A target is an exact module name, a name suffix after a dot, or ``re:`` + a full-match regex."""
+    for t in targets:
+        if t.startswith("re:"):
+            if re.fullmatch(t[3:], module):
+                return True
+        elif module == t or module.endswith("." + t):
+            return True
+    return False
+
+
+class SharedExpertSpec(_Strict):
+    enabled: bool = True
+    targets: list[str] = Field(default_factory=lambda: [r"re:.*mlp\.shared_expert\.(gate|up|down)_proj"])
+    scheme: Literal["fp8-block128"] = "fp8-block128"
+    observer: Literal["minmax", "mse"] = "minmax"
+    source: Literal["calibrate", "checkpoint"] = Field(
+        "calibrate", description="calibrate locally, or take the tensors from an official FP8 checkpoint")
+    fp8_checkpoint: str | None = Field(None, description="Hub id or folder of the official FP8 checkpoint")
+
+    _targets = field_validator("targets")(classmethod(lambda cls, v: _check_targets(v)))
+
+
+class HeadSpec(_Strict):
+    enabled: bool = True
+    targets: list[str] = Field(default_factory=lambda: ["lm_head"])
+    scheme: Literal["int8-row"] = "int8-row"
+    storage: Literal["gptq-int8", "bf16"] = "gptq-int8"
+    chunk_rows: int = Field(16384, ge=1, description="rows quantized at a time (bounds memory)")
+
+    _targets = field_validator("targets")(classmethod(lambda cls, v: _check_targets(v)))
+
+
+class OutputSpec(_Strict):
+    format: Literal["inc-hybrid", "compressed-tensors"] = "inc-hybrid"
+    max_shard_bytes: int = Field(5_000_000_000, ge=1_000_000)
+
+
+class ValidateSpec(_Strict):
+    """Pass/fail thresholds. The FP8 and int8 bounds are a margin above the formats' floors on
+    Gaussian weights (FP8 E4M3 block-128 ~0.026 relative error, int8 per-row ~0.009)."""
+
+    fp8_max_rel_error: float = Field(0.045, gt=0)
+    int8_max_rel_error: float = Field(0.015, gt=0)
+    min_cosine: float = Field(0.998, gt=0, le=1)
+    mlp_max_rel_error: float = Field(0.06, gt=0)
+    head_min_top1: float = Field(0.97, ge=0, le=1)
+    head_min_top5_overlap: float = Field(0.9, ge=0, le=1)
+    head_max_kl: float = Field(0.01, ge=0)
+    e2e_max_kl: float = Field(0.02, ge=0)
+    e2e_min_top1: float = Field(0.9, ge=0, le=1)
+    e2e_max_ppl_change: float = Field(0.03, ge=0, description="relative perplexity change")
+    e2e: bool = Field(True, description="run the end-to-end transformers forward (needs the model to fit in RAM)")
+
+
+class MatchSpec(_Strict):
+    """Config values (of the text config) that a source must have for this recipe to be chosen."""
+
+    model_type: list[str] = Field(default_factory=list)
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_experts: int | None = None
+
+
+class ServeSpec(_Strict):
+    default_profile: str = "dense"
+    profiles: dict[str, ServeProfile] = Field(default_factory=dict)
+
+
+class Recipe(_Strict):
+    name: str
+    description: str = ""
+    source: str | None = Field(None, description="the source checkpoint this recipe was written for")
+    match: MatchSpec = Field(default_factory=MatchSpec)
+    shared_experts: SharedExpertSpec = Field(default_factory=SharedExpertSpec)
+    lm_head: HeadSpec = Field(default_factory=HeadSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")
+    serve: ServeSpec = Field(default_factory=ServeSpec)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+    def matches(self, text_config: dict, model_type: str) -> bool:
+        m = self.match
+        if m.model_type and model_type not in m.model_type and text_config.get("model_type") not in m.model_type:
+            return False
+        for key in ("hidden_size", "num_hidden_layers", "num_experts"):
+            want = getattr(m, key)
+            if want is not None and text_config.get(key) != want:
+                return False
+        return True
+
+
+def _allowed_at(loc: tuple) -> list[str]:
+    """Field names valid at the place an unknown key was found (dict levels take any key)."""
+    model: Any = Recipe
+    parts = list(loc[:-1])
+    while parts:
+        part = parts.pop(0)
+        fields = getattr(model, "model_fields", None) or {}
+        info = next((f for n, f in fields.items() if n == part or f.alias == part), None)
+        if info is None:
+            return []
+        model = info.annotation
+        if getattr(model, "__origin__", None) is dict:  # dict[str, Model]: skip the key
+            model = model.__args__[1]
+            parts = parts[1:]
+    fields = getattr(model, "model_fields", {})
+    return [f.alias or n for n, f in fields.items()]
+
+
+def _explain(e: ValidationError, where: str) -> RecipeError:
+    err = e.errors()[0]
+    loc = tuple(err["loc"])
+    field = ".".join(str(p) for p in loc)
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_at(loc)
+        return RecipeError(f"{where}: unknown field '{field}' (allowed: {', '.join(allowed)})")
+    msg = err["msg"]
+    if err["type"] == "literal_error":
+        msg = "must be one of " + err["ctx"]["expected"]
+    return RecipeError(f"{where}: field '{field}': {msg}")
+
+
+def parse_recipe(data: Any, where: str) -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: a recipe is a YAML mapping, got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise _explain(e, where) from None
+
+
+def list_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(RECIPE_DIR.glob("*.yaml"))}
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A shipped recipe by name, or a YAML file."""
+    shipped = list_recipes()
+    path = shipped.get(str(name_or_path)) or Path(name_or_path)
+    if not path.exists():
+        raise RecipeError(f"recipe {name_or_path!r}: not a file and not a shipped recipe "
+                          f"(shipped: {', '.join(shipped)})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path.name}: not valid YAML ({str(e).splitlines()[0]})")
+    return parse_recipe(data, path.name)
+
+
+def select_recipe(text_config: dict, model_type: str) -> Recipe:
+    """The first shipped recipe whose ``match`` block fits the source config."""
+    for name in list_recipes():
+        recipe = load_recipe(name)
+        if recipe.match != MatchSpec() and recipe.matches(text_config, model_type):
+            return recipe
+    raise RecipeError(f"no shipped recipe matches this model (model_type {model_type!r}, hidden "
+                      f"{text_config.get('hidden_size')}, {text_config.get('num_hidden_layers')} layers); "
+                      f"pass --recipe (shipped: {', '.join(list_recipes())})")

@@ -1,0 +1,43 @@
+"""Serving profiles: data that says how to start vLLM for one use (dense, dflash, base, mtp).
+
+Profiles live in the recipe YAML (``serve.profiles``) so that a model's recipe carries the engine
+settings measured for it; these models validate them.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DrafterSpec(BaseModel):
+    """The speculative-decoding drafter: DFlash (a separate model) or the model's own MTP head."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["dflash", "mtp"]
+    model: str | None = Field(None, description="drafter Hub id or folder (dflash only)")
+    revision: str | None = None
+    num_speculative_tokens: int = Field(12, ge=1, le=64)
+    attention_backend: str | None = Field(
+        "FLASH_ATTN", description="the DFlash drafter is non-causal: its backend must support that")
+
+
+class ServeProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    description: str = ""
+    artifact: Literal["hybrid", "source"] = Field(
+        "hybrid", description="serve the hybrid artifact, or the untouched source checkpoint")
+    int8_lm_head: bool = Field(False, description="serve the lm-head as int8 (stored, or quantized at load)")
+    speculative: DrafterSpec | None = None
+    attention_backend: str | None = None
+    gpu_memory_utilization: float = Field(0.82, gt=0, le=1)
+    max_model_len: int = Field(262144, ge=256)
+    max_num_seqs: int = Field(4, ge=1)
+    enable_prefix_caching: bool = True
+    tool_call_parser: str | None = "qwen3_coder"
+    reasoning_parser: str | None = "qwen3"
+    load_format: str | None = None
+    served_model_name: str = "qwen"
+    extra_args: list[str] = Field(default_factory=list)
