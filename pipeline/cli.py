@@ -1,0 +1,123 @@
+"""The ``hybrid-build`` command line: one parser, subcommands registered from their packages.
+
+Each subcommand lives beside the code it drives and exposes ``register(subparsers, common)``,
+where ``common`` is the parent parser holding ``-v/--quiet``. The handler it sets returns an exit
+code. Every error funnels through ``main``: a ``UserError`` prints one line and exits 2, any
+other ``HybridBuildError`` one line and exits 1; tracebacks appear only with ``-vv``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from typing import Any
+
+from . import __version__
+from .errors import HybridBuildError
+
+# name -> module with register(); order is the order of `hybrid-build --help`
+COMMANDS: dict[str, str] = {
+    "inspect": "hybrid_build.pipeline.inspection",
+    "demo-checkpoint": "hybrid_build.pipeline.demo_command",
+    "run": "hybrid_build.pipeline.run_command",
+    "validate": "hybrid_build.validate.command",
+    "plan": "hybrid_build.pipeline.plan_command",
+    "publish": "hybrid_build.pipeline.publish_command",
+    "serve": "hybrid_build.serve.command",
+    "bench": "hybrid_build.serve.bench_command",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(2)
+
+
+class ExampleFormatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+
+
+def emit_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def _common_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("output")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug and tracebacks)")
+    g.add_argument("-q", "--quiet", action="store_true", help="only errors; no progress bars")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="hybrid-build",
+        description="Turn an INT4 AutoRound MoE checkpoint into an INT4 + FP8 + int8-head hybrid; "
+                    "validate, publish and serve it.",
+        formatter_class=ExampleFormatter,
+        epilog="examples:\n"
+               "  hybrid-build run -o out/                 # the whole pipeline on the tiny demo model\n"
+               "  hybrid-build inspect Intel/Qwen3.5-122B-A10B-int4-AutoRound\n"
+               "  hybrid-build serve out/ --profile dense --dry-run",
+    )
+    parser.add_argument("--version", action="version", version=f"hybrid-build {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    common = _common_parser()
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name == module:  # that command has not landed yet
+                continue
+            raise
+        mod.register(sub, common)
+    return parser
+
+
+def setup_logging(verbose: int, quiet: bool) -> None:
+    level = logging.ERROR if quiet else (logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    for noisy in ("autoround", "transformers", "httpx", "urllib3", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    setup_logging(args.verbose, args.quiet)
+    try:
+        return int(args.handler(args) or 0)
+    except HybridBuildError as e:
+        if args.verbose >= 2:
+            logging.exception("failed")
+        sys.stderr.write(f"error: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: run the same command again to resume\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def progress(quiet: bool, **kw):
+    """A tqdm bar the CLI owns; disabled with --quiet or when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(disable=quiet or None, **kw)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
