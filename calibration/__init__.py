@@ -1,1 +1,4 @@
-"""."""
+"""Pure tensor transforms: FP8 block and int8 per-row quantization, GPTQ packing, error metrics.
+
+No file I/O here; the pipeline feeds tensors in and writes what comes out.
+"""
