@@ -45,7 +45,7 @@ def pack_int8_gptq(q: torch.Tensor) -> torch.Tensor:
 
 
 def int8_gptq_qzeros(n: int) -> torch.Tensor:
-    return torch.full((1, n // 4), SYM_ZERO_WORD[8] - (1 << 32), dtype=torch.int32)
+    return torch.full((1, n // 4), SYM_ZERO_WORD[8], dtype=torch.int32)  # 0x7f7f7f7f fits in int32
 
 
 def _little_endian() -> bool:

@@ -1,0 +1,97 @@
+"""Stage manifests and fingerprints: what a stage read, with which parameters, and what it wrote.
+
+A stage is skipped when its manifest's input key still matches and every output it recorded is
+still there with the recorded size (and hash, for files small enough to hash quickly). The key
+hashes the source's identity (file names, sizes and header hashes; config.json), the recipe
+section the stage uses, the tool version and the keys of the stages it depends on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .safetensors_io import write_text_atomic
+
+HASH_CHUNK = 16 * 1024 * 1024
+QUICK_HASH_LIMIT = 64 * 1024 * 1024  # outputs up to this size are re-hashed when checking a manifest
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        buf = bytearray(HASH_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def sha256_json(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def source_fingerprint(root: Path, files: list[str]) -> dict:
+    """Cheap identity of a checkpoint: config hash, and per file its size and header hash."""
+    out: dict[str, Any] = {}
+    for name in ["config.json", *files]:
+        p = root / name
+        if not p.exists():
+            continue
+        with open(p, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 and name.endswith(".safetensors") else 0
+            blob = head + f.read(min(n, 100 * 1024 * 1024)) if n else (head + f.read() if name.endswith(".json") else head)
+        out[name] = {"bytes": p.stat().st_size, "head_sha256": hashlib.sha256(blob).hexdigest()}
+    return out
+
+
+@dataclass
+class StageManifest:
+    stage: str
+    key: str
+    inputs: dict
+    outputs: dict[str, dict] = field(default_factory=dict)  # path relative to the output folder -> bytes, sha256
+    details: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    finished_at: float = 0.0
+
+    @classmethod
+    def load(cls, path: Path) -> "StageManifest | None":
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, TypeError):
+            return None
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(asdict(self), indent=2, default=str) + "\n")
+
+    def still_valid(self, root: Path, key: str) -> bool:
+        if self.key != key:
+            return False
+        for rel, info in self.outputs.items():
+            p = root / rel
+            if not p.exists() or p.stat().st_size != info["bytes"]:
+                return False
+            if info["bytes"] <= QUICK_HASH_LIMIT and info.get("sha256") and sha256_file(p) != info["sha256"]:
+                return False
+        return True
+
+
+def describe_outputs(root: Path, paths: list[Path], hashes: dict[str, str] | None = None) -> dict[str, dict]:
+    out = {}
+    for p in paths:
+        rel = os.path.relpath(p, root)
+        size = p.stat().st_size
+        sha = (hashes or {}).get(rel) or (sha256_file(p) if size <= QUICK_HASH_LIMIT else None)
+        out[rel] = {"bytes": size, "sha256": sha}
+    return out
+
+
+def now() -> float:
+    return time.time()

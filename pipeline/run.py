@@ -1,0 +1,357 @@
+"""The build: recipe -> plan (headers only) -> stages -> artifact folder.
+
+Stages, in order: ``inspect`` (check the source), ``calibrate`` (shared experts -> FP8 block-128),
+``quantize-head`` (lm-head -> int8 per row), ``assemble`` (write the output checkpoint) and
+``validate``. Intermediate results live in ``OUT/.hybrid-build/`` as safetensors files written
+atomically; each stage leaves a manifest there, and a stage whose manifest still matches its
+inputs is skipped, so an interrupted build resumes where it stopped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybrid_build.calibration.fp8_block import dequantize_fp8_block, quantize_fp8_block
+from hybrid_build.calibration.gptq import int8_gptq_qzeros, pack_int8_gptq
+from hybrid_build.calibration.int8_rows import dequantize_int8_rows, quantize_int8_rows
+from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
+from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
+
+from . import __version__
+from .checkpoint import Checkpoint
+from .conversion import Conversion, ConversionPlan, plan_conversion
+from .errors import ArtifactError, SourceError, UserError
+from .manifest import StageManifest, describe_outputs, sha256_json, source_fingerprint
+from .safetensors_io import ByteRange, OutTensor, ShardPlan, write_shard
+from .weights import read_rows, read_tensor
+
+log = logging.getLogger(__name__)
+
+STAGES = ("inspect", "calibrate", "quantize-head", "assemble", "validate")
+WORK_DIR = ".hybrid-build"
+ProgressFactory = Callable[..., object]
+
+
+def _null_progress(**_kw):
+    class _Bar:
+        def update(self, n=1):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    return _Bar()
+
+
+@dataclass
+class BuildContext:
+    source: Checkpoint
+    recipe: Recipe
+    recipe_note: str
+    out: Path
+    plan: ConversionPlan
+    progress: ProgressFactory = _null_progress
+    manifests: dict[str, StageManifest] = field(default_factory=dict)
+
+    @property
+    def work(self) -> Path:
+        return self.out / WORK_DIR
+
+    def stage_dir(self, stage: str) -> Path:
+        d = self.work / stage
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def fingerprint(self) -> dict:
+        return source_fingerprint(self.source.root, self.source.files)
+
+
+# ---------------------------------------------------------------------------- stage inputs
+
+
+def stage_inputs(ctx: BuildContext, stage: str) -> dict:
+    """What a stage's result depends on; its hash is the manifest key."""
+    r = ctx.recipe
+    base = {"tool": __version__, "source": ctx.fingerprint()}
+    if stage == "inspect":
+        return base
+    if stage == "calibrate":
+        return {**base, "shared_experts": r.shared_experts.model_dump(mode="json"),
+                "modules": [c.module for c in ctx.plan.of_kind("fp8")]}
+    if stage == "quantize-head":
+        return {**base, "lm_head": r.lm_head.model_dump(mode="json"), "format": r.output.format,
+                "modules": [c.module for c in ctx.plan.of_kind("int8")]}
+    if stage == "assemble":
+        return {**base, "recipe": r.model_dump(mode="json", by_alias=True),
+                "calibrate": _key(ctx, "calibrate"), "quantize-head": _key(ctx, "quantize-head")}
+    if stage == "validate":
+        return {"assemble": _key(ctx, "assemble"), "validate": r.validate_.model_dump(mode="json")}
+    raise KeyError(stage)
+
+
+def _key(ctx: BuildContext, stage: str) -> str:
+    return sha256_json(stage_inputs(ctx, stage))
+
+
+# ---------------------------------------------------------------------------- calibrate
+
+FP8_FILE = "shared_experts_fp8.safetensors"
+HEAD_FILE = "lm_head_int8.safetensors"
+
+
+def calibrate(ctx: BuildContext) -> tuple[list[Path], dict]:
+    """Shared-expert projections -> FP8 E4M3 + float32 ``weight_scale_inv`` per 128x128 block."""
+    convs = ctx.plan.of_kind("fp8")
+    out = ctx.stage_dir("calibrate") / FP8_FILE
+    spec = ctx.recipe.shared_experts
+    metrics: dict[str, dict] = {}
+    if spec.source == "checkpoint":
+        from .fp8_source import take_from_fp8_checkpoint
+
+        tensors, metrics = take_from_fp8_checkpoint(ctx.source, convs, spec)
+    else:
+        pending: dict[str, torch.Tensor] = {}
+        bar = ctx.progress(total=len(convs), desc="calibrate FP8", unit="tensor")
+
+        def weight_bytes(c: Conversion):
+            def produce():
+                w = read_tensor(ctx.source, c.module + ".weight")
+                q, s = quantize_fp8_block(w, observer=spec.observer)
+                metrics[c.module] = error_metrics(w.float(), dequantize_fp8_block(q, s))
+                pending[c.module] = s.contiguous()
+                bar.update(1)
+                yield q.view(torch.uint8).numpy().tobytes()
+            return produce
+
+        def scale_bytes(c: Conversion):
+            def produce():
+                yield pending.pop(c.module).numpy().tobytes()
+            return produce
+
+        tensors = []
+        for c in convs:
+            n, k = c.shape
+            tensors.append(OutTensor(c.module + ".weight", "F8_E4M3", (n, k), weight_bytes(c)))
+            tensors.append(OutTensor(c.module + ".weight_scale_inv", "F32",
+                                     (-(-n // 128), -(-k // 128)), scale_bytes(c)))
+    write_shard(ShardPlan(out.name, tensors), out.parent)
+    return [out], {"metrics": metrics, "count": len(convs)}
+
+
+# ---------------------------------------------------------------------------- quantize-head
+
+
+def quantize_head(ctx: BuildContext) -> tuple[list[Path], dict]:
+    """lm-head -> int8 codes with float per-row scales, in row chunks (bounded memory).
+
+    ``gptq-int8`` stores ``qweight`` int32 [K/4, N], which interleaves all rows, so the packed
+    words are gathered in memory (N*K bytes, 763 MB for the real head) and written at the end;
+    compressed-tensors' row-major int8 is streamed chunk by chunk."""
+    convs = ctx.plan.of_kind("int8")
+    spec = ctx.recipe.lm_head
+    if spec.storage == "bf16" or not convs:
+        return [], {"storage": spec.storage, "note": "lm-head left BF16; quantized at load time by the serve plugin"}
+    out = ctx.stage_dir("quantize-head") / HEAD_FILE
+    fmt = ctx.recipe.output.format
+    details: dict = {"storage": spec.storage, "metrics": {}}
+    tensors: list[OutTensor] = []
+    for c in convs:
+        n, k = c.shape
+        chunk = spec.chunk_rows
+        m = StreamingMetrics()
+        bar = ctx.progress(total=n, desc=f"quantize {c.module}", unit="row")
+        if fmt == "compressed-tensors":
+            scales: list[torch.Tensor] = []
+
+            def rows(c=c, n=n, m=m, scales=scales, bar=bar):
+                for lo in range(0, n, chunk):
+                    w = read_rows(ctx.source, c.module + ".weight", lo, min(n, lo + chunk)).float()
+                    q, s = quantize_int8_rows(w)
+                    m.update(w, dequantize_int8_rows(q, s))
+                    scales.append(s)
+                    bar.update(q.shape[0])
+                    yield q.numpy().tobytes()
+                details["metrics"][c.module] = m.result()
+
+            def scale_blob(scales=scales):
+                yield torch.cat(scales).float().reshape(-1, 1).numpy().tobytes()
+
+            tensors.append(OutTensor(c.module + ".weight", "I8", (n, k), rows))
+            tensors.append(OutTensor(c.module + ".weight_scale", "F32", (n, 1), scale_blob))
+        else:
+            qweight = torch.empty((k // 4, n), dtype=torch.int32)
+            scales16 = torch.empty((1, n), dtype=torch.float16)
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                w = read_rows(ctx.source, c.module + ".weight", lo, hi).float()
+                q, s = quantize_int8_rows(w)
+                s16 = s.half()  # GPTQ scales are fp16: measure the error of what is stored
+                m.update(w, dequantize_int8_rows(q, s16.float()))
+                qweight[:, lo:hi] = pack_int8_gptq(q)
+                scales16[0, lo:hi] = s16
+                bar.update(hi - lo)
+            details["metrics"][c.module] = m.result()
+            for name, t in (("qweight", qweight), ("qzeros", int8_gptq_qzeros(n)), ("scales", scales16)):
+                tensors.append(OutTensor(f"{c.module}.{name}", {torch.int32: "I32", torch.float16: "F16"}[t.dtype],
+                                         tuple(t.shape), (lambda t=t: iter([t.numpy().tobytes()]))))
+    write_shard(ShardPlan(out.name, tensors), out.parent)
+    return [out], details
+
+
+# ---------------------------------------------------------------------------- runner
+
+
+def resolve_recipe(source: Checkpoint, recipe_arg: str | None) -> tuple[Recipe, str]:
+    if recipe_arg:
+        return load_recipe(recipe_arg), f"recipe {recipe_arg} (given)"
+    recipe = select_recipe(source.text_config, source.model_type)
+    return recipe, f"recipe {recipe.name} (chosen from the source's config.json)"
+
+
+def check_output_folder(out: Path, source_root: Path) -> None:
+    if out.resolve() == source_root.resolve() or source_root.resolve() in out.resolve().parents:
+        raise UserError(f"{out}: the output folder must not be the source folder or inside it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not (out / WORK_DIR).exists():
+        raise UserError(f"{out}: exists, is not empty and is not a hybrid-build output; choose another folder")
+
+
+def select_stages(only: list[str] | None, start: str | None) -> list[str]:
+    for s in (only or []) + ([start] if start else []):
+        if s not in STAGES:
+            raise UserError(f"unknown stage {s!r} (stages: {', '.join(STAGES)})")
+    if only and start:
+        raise UserError("--only and --from cannot be combined")
+    if only:
+        return [s for s in STAGES if s in only]
+    if start:
+        return list(STAGES[STAGES.index(start):])
+    return list(STAGES)
+
+
+def prepare(source: str | Path, out: Path, recipe_arg: str | None = None,
+            progress: ProgressFactory = _null_progress, revision: str | None = None) -> BuildContext:
+    """Open the source, pick the recipe and plan the conversion; nothing is written."""
+    ckpt = Checkpoint.open(source, revision=revision)
+    ckpt.require_clean()
+    if ckpt.hybrid_info:
+        raise SourceError(f"{source}: already a hybrid-build artifact (config.json has a hybrid_build block)")
+    recipe, note = resolve_recipe(ckpt, recipe_arg)
+    check_output_folder(Path(out), ckpt.root)
+    plan = plan_conversion(ckpt, recipe)
+    if not plan.conversions:
+        raise SourceError(f"{source}: recipe {recipe.name} finds nothing to convert (no BF16 shared experts or lm_head)")
+    return BuildContext(ckpt, recipe, note, Path(out), plan, progress)
+
+
+STAGE_FUNCS: dict[str, Callable[[BuildContext], tuple[list[Path], dict]]] = {}
+
+
+def _inspect_stage(ctx: BuildContext) -> tuple[list[Path], dict]:
+    return [], {"conversion": ctx.plan.to_json()}
+
+
+def _assemble_stage(ctx: BuildContext) -> tuple[list[Path], dict]:
+    from .assemble import assemble
+
+    return assemble(ctx)
+
+
+def _validate_stage(ctx: BuildContext) -> tuple[list[Path], dict]:
+    try:
+        from hybrid_build.validate.report import validate_artifact
+    except ImportError as e:
+        raise ArtifactError(f"the validate stage is not available in this installation ({e})")
+    report = validate_artifact(ctx.out, ctx.source.root, recipe=ctx.recipe, progress=ctx.progress)
+    files = [p for p in (ctx.out / "hybrid_build").glob("validation.*")]
+    details = {"passed": report.passed, "failures": list(getattr(report, "failures", []))}
+    if not report.passed:
+        raise _ValidationFailed(details)
+    return files, details
+
+
+class _ValidationFailed(Exception):
+    def __init__(self, details: dict):
+        self.details = details
+
+
+STAGE_FUNCS.update({"inspect": _inspect_stage, "calibrate": calibrate, "quantize-head": quantize_head,
+                    "assemble": _assemble_stage, "validate": _validate_stage})
+
+
+@dataclass
+class StageResult:
+    stage: str
+    status: str  # "ran" | "skipped" | "failed"
+    seconds: float
+    details: dict
+
+
+def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool = False,
+              on_stage: Callable[[StageResult], None] | None = None) -> list[StageResult]:
+    """Run the selected stages in order, skipping those whose manifests still match."""
+    from .errors import NumericsError
+
+    stages = stages or list(STAGES)
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    ctx.work.mkdir(exist_ok=True)
+    results = []
+    for stage in stages:
+        key = _key(ctx, stage)
+        mpath = ctx.work / f"{stage}.json"
+        manifest = StageManifest.load(mpath)
+        if not force and manifest and manifest.still_valid(ctx.out, key):
+            res = StageResult(stage, "skipped", 0.0, manifest.details)
+        else:
+            _require_upstream(ctx, stage)
+            t = time.perf_counter()
+            try:
+                paths, details = STAGE_FUNCS[stage](ctx)
+            except _ValidationFailed as e:
+                res = StageResult(stage, "failed", time.perf_counter() - t, e.details)
+                results.append(res)
+                if on_stage:
+                    on_stage(res)
+                raise NumericsError("validation failed: " + "; ".join(e.details["failures"][:3])
+                                    + (f" (and {len(e.details['failures']) - 3} more)" if len(e.details["failures"]) > 3 else "")
+                                    + f"; report in {ctx.out / 'hybrid_build' / 'validation.md'}")
+            secs = time.perf_counter() - t
+            hashes = details.pop("_hashes", None)
+            manifest = StageManifest(stage, key, stage_inputs(ctx, stage), describe_outputs(ctx.out, paths, hashes),
+                                     details, round(secs, 3), time.time())
+            manifest.save(mpath)
+            res = StageResult(stage, "ran", secs, details)
+        ctx.manifests[stage] = manifest
+        results.append(res)
+        if on_stage:
+            on_stage(res)
+    return results
+
+
+def _require_upstream(ctx: BuildContext, stage: str) -> None:
+    """A stage may only run on current results of the stages it reads."""
+    needs = {"assemble": ("calibrate", "quantize-head"), "validate": ("assemble",)}.get(stage, ())
+    for up in needs:
+        m = StageManifest.load(ctx.work / f"{up}.json")
+        if not m or not m.still_valid(ctx.out, _key(ctx, up)):
+            raise UserError(f"stage {stage} needs a current {up} result; run without --only/--from, or --from {up}")
+        ctx.manifests[up] = m
+
+
+def stage_status(ctx: BuildContext) -> dict[str, str]:
+    """For --dry-run: which stages would run and which are up to date."""
+    out = {}
+    for stage in STAGES:
+        m = StageManifest.load(ctx.work / f"{stage}.json")
+        out[stage] = "up to date" if m and m.still_valid(ctx.out, _key(ctx, stage)) else "would run"
+    return out
+

@@ -1,0 +1,145 @@
+"""``hybrid-build run``: the whole build, or selected stages, with resume and a dry run."""
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from .inspection import human_bytes
+
+log = logging.getLogger(__name__)
+
+
+def _split_stages(text: str | None) -> list[str] | None:
+    return [s.strip() for s in text.split(",") if s.strip()] if text else None
+
+
+def _demo_source(args) -> Path:
+    """No SOURCE: build (once) the tiny demo checkpoint next to the output folder's work dir."""
+    from .demo import build_demo_checkpoint
+    from .run import WORK_DIR
+
+    path = args.out / WORK_DIR / "demo-source"
+    if not (path / "model.safetensors.index.json").exists():
+        if not args.quiet:
+            print("no SOURCE given: building the tiny demo checkpoint (~15 s) ...", flush=True)
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_demo_checkpoint(path)
+    return path
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from .cli import emit_json, progress
+    from .run import prepare, run_build, select_stages, stage_status
+
+    stages = select_stages(_split_stages(args.only), getattr(args, "from"))
+    if args.source is None:
+        if args.recipe is None:
+            args.recipe = "tiny"
+        from .run import check_output_folder
+
+        check_output_folder(args.out, Path(tempfile.gettempdir()) / "hybrid-build-none")
+        source = _demo_source(args)
+    else:
+        source = args.source
+
+    def bar(**kw):
+        return progress(args.quiet or args.json, leave=False, **kw)
+
+    ctx = prepare(source, args.out, args.recipe, progress=bar, revision=args.revision)
+    if args.observer:
+        ctx.recipe.shared_experts.observer = args.observer
+    if args.fp8_source:
+        ctx.recipe.shared_experts.source = "checkpoint"
+        ctx.recipe.shared_experts.fp8_checkpoint = args.fp8_source
+    if args.format:
+        ctx.recipe.output.format = args.format
+        from .conversion import plan_conversion
+
+        ctx.plan = plan_conversion(ctx.source, ctx.recipe)
+    if args.no_validate and "validate" in stages:
+        stages.remove("validate")
+
+    if args.dry_run:
+        from .assemble import plan_output
+
+        status = stage_status(ctx)
+        shards = plan_output(ctx) if status["calibrate"] == status["quantize-head"] == "up to date" else None
+        data = {"source": str(source), "recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note,
+                "output": str(args.out), "format": ctx.recipe.output.format,
+                "stages": {s: status[s] for s in stages}, "conversion": ctx.plan.to_json(),
+                "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values())}
+        data["output_bytes_estimate"] = data["source_bytes"] - ctx.plan.bytes_before + ctx.plan.bytes_after
+        if shards:
+            data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
+        if args.json:
+            emit_json(data)
+        else:
+            print(f"{ctx.recipe_note}; output format {data['format']}")
+            print(f"source {human_bytes(data['source_bytes'])} -> output ~{human_bytes(data['output_bytes_estimate'])}")
+            for c in ctx.plan.conversions:
+                print(f"  {c.kind:<5} {c.module}  {c.shape[0]}x{c.shape[1]}  "
+                      f"{human_bytes(c.in_bytes)} -> {human_bytes(c.out_bytes)}")
+            for s in data.get("shards", []):
+                print(f"  shard {s['file']}: {s['tensors']} tensors, {human_bytes(s['bytes'])}")
+            for s, st in data["stages"].items():
+                print(f"stage {s}: {st}")
+        return 0
+
+    if not args.quiet and not args.json:
+        print(ctx.recipe_note)
+    t0 = time.perf_counter()
+
+    def report(res):
+        if not args.quiet and not args.json:
+            extra = ""
+            if res.stage == "validate" and res.status == "ran":
+                extra = "  passed" if res.details.get("passed") else "  FAILED"
+            print(f"  {res.stage:<14} {res.status:<8} {res.seconds:7.2f} s{extra}", flush=True)
+
+    results = run_build(ctx, stages, force=args.force, on_stage=report)
+    if args.json:
+        emit_json({"output": str(args.out), "recipe": ctx.recipe.name, "seconds": round(time.perf_counter() - t0, 3),
+                   "stages": [{"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 3)} for r in results]})
+    elif not args.quiet:
+        print(f"hybrid checkpoint in {args.out} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def register(sub, common) -> None:
+    from .cli import ExampleFormatter, add_json_flag
+    from .run import STAGES
+
+    p = sub.add_parser(
+        "run", parents=[common], formatter_class=ExampleFormatter,
+        help="build the hybrid checkpoint (FP8 shared experts + int8 lm-head)",
+        description="Convert an INT4 AutoRound checkpoint into the hybrid checkpoint: calibrate the BF16 shared "
+                    "experts to FP8 block-128, quantize the lm-head to int8 per row, assemble the output and "
+                    "validate it. Stages leave manifests in OUT/.hybrid-build; running again skips finished "
+                    "stages, so an interrupted run resumes. Stages: " + ", ".join(STAGES) + ".",
+        epilog="examples:\n"
+               "  hybrid-build run -o out/                            # tiny demo model, whole pipeline\n"
+               "  hybrid-build run Intel/Qwen3.5-122B-A10B-int4-AutoRound -o hybrid/ --dry-run\n"
+               "  hybrid-build run ./int4 -o hybrid/ --recipe qwen3.5-122b-a10b --format compressed-tensors\n"
+               "  hybrid-build run ./int4 -o hybrid/ --from assemble   # redo assembly and validation")
+    p.add_argument("source", nargs="?", help="INT4 checkpoint folder or Hub id (default: the tiny demo model)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
+    p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from the source's config)")
+    p.add_argument("--revision", help="Hub revision of the source")
+    p.add_argument("--dry-run", action="store_true", help="print the plan with sizes and do nothing")
+    p.add_argument("--only", metavar="STAGE[,STAGE]", help="run only these stages")
+    p.add_argument("--from", metavar="STAGE", help="run this stage and the ones after it")
+    p.add_argument("--force", action="store_true", help="re-run stages even if their manifests match")
+    p.add_argument("--format", choices=["inc-hybrid", "compressed-tensors"], help="override the recipe's output format")
+    p.add_argument("--observer", choices=["minmax", "mse"], help="override the FP8 observer")
+    p.add_argument("--fp8-source", metavar="CKPT",
+                   help="take the FP8 shared experts from this official FP8 checkpoint (folder or Hub id)")
+    p.add_argument("--no-validate", action="store_true", help="skip the validate stage")
+    add_json_flag(p)
+    p.set_defaults(handler=_handle)
+

@@ -1,0 +1,299 @@
+"""Weight-only int8 x bf16 GEMV for the lm-head: one Triton launch, weight read once per call.
+
+Owns the Triton kernel ``out[B, N] = x[B, K] @ (W_int8[N, K] * s[N]).T``, its launch-config
+table, the torch wrapper :func:`int8_linear`, and the pure-torch reference
+:func:`int8_linear_reference` that the tests and the runtime fall back to. Triton is imported
+lazily, so this module imports on machines without it.
+
+Design (docs/kernel.md has the numbers): every program owns ``BLOCK_N`` output rows and all
+batch rows at once, so each weight byte is read exactly once whatever B is. The int8 tile is
+turned into bf16 in registers and fed to ``tl.dot`` as the left operand against ``x.T``
+(B padded to 16/32/64), which keeps the reduction on the tensor cores; the per-row scale is
+applied once to the fp32 accumulator after the K loop.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton.language as tl
+except ImportError:  # the reference path and the config table need no Triton
+    tl = None
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GemvConfig",
+    "DEQUANT_MODES",
+    "config_for",
+    "int8_linear",
+    "int8_linear_reference",
+    "kernel_available",
+]
+
+# How the int8 tile becomes bf16 before the dot:
+#   "cvt":  Triton's own int8 -> bf16 cast (an I2F conversion per element on Hopper);
+#   "bits": a magic-number trick in plain Triton ops (integer add into an fp32 mantissa, one
+#           fp32 subtract, one fp32 -> bf16 pack); runs under the interpreter, so CPU tests
+#           cover it;
+#   "asm":  inline PTX, four bytes per 32-bit register: two byte permutes build bf16 values
+#           with a known offset, one packed bf16 subtract per pair removes it (GPU, sm_90+).
+DEQUANT_MODES = ("cvt", "bits", "asm")
+_DEQUANT_CODE = {name: i for i, name in enumerate(DEQUANT_MODES)}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of one kernel instance."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    dequant: str = "asm"
+
+    def as_dict(self) -> dict:
+        return {
+            "block_n": self.block_n,
+            "block_k": self.block_k,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "dequant": self.dequant,
+        }
+
+
+# Fixed table per padded batch width, chosen by benchmarks/bench_lmhead_gemv.py on an H200
+# (results in benchmarks/results/lmhead_gemv_h200.json). Keyed by BLOCK_B.
+_H200_TABLE: dict[int, GemvConfig] = {
+    16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
+    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
+    64: GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=3),
+}
+
+MAX_BLOCK_B = 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def block_b_for(batch: int) -> int:
+    """Padded batch width the dot runs at (tl.dot needs every dimension >= 16)."""
+    if batch <= 16:
+        return 16
+    if batch <= 32:
+        return 32
+    return 64
+
+
+def config_for(batch: int, device: torch.device | None = None) -> GemvConfig:
+    """Launch config for ``batch`` rows on ``device`` (asm dequant only where it can run)."""
+    cfg = _H200_TABLE[block_b_for(batch)]
+    if cfg.dequant == "asm" and not _asm_supported(device):
+        cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, "bits")
+    return cfg
+
+
+def _asm_supported(device: torch.device | None) -> bool:
+    if _interpreting() or device is None or device.type != "cuda":
+        return False
+    # sub.bf16x2 is an sm_90 instruction.
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def kernel_available(device: torch.device) -> bool:
+    """True when :func:`int8_linear` runs the Triton kernel (not the reference) on ``device``."""
+    if tl is None:
+        return False
+    return device.type == "cuda" or _interpreting()
+
+
+def int8_linear_reference(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (w_int8 * scale[:, None]).T`` through a dequantized fp32 weight, cast to x's dtype."""
+    _check_shapes(x, w_int8, scale)
+    w = w_int8.to(torch.float32) * scale.reshape(-1, 1).to(torch.float32)
+    return torch.nn.functional.linear(x.to(torch.float32), w).to(x.dtype)
+
+
+def _check_shapes(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) -> None:
+    if w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got {w_int8.dtype} {tuple(w_int8.shape)}")
+    n, k = w_int8.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K={x.shape[-1]} but w_int8 is [N={n}, K={k}]")
+    if scale.numel() != n:
+        raise ValueError(f"scale has {scale.numel()} elements, expected one per output row (N={n})")
+
+
+def int8_linear(
+    x: torch.Tensor,
+    w_int8: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``out[..., N] = x[..., K] @ (w_int8[N, K] * scale[N]).T`` with fp32 accumulation.
+
+    ``x`` is bf16, ``w_int8`` int8 [N, K] row-major with K a multiple of 16, ``scale``
+    any float dtype with N elements ([N], [N, 1] or [1, N]). Up to 64 rows of ``x`` run in one
+    launch that reads the weight once; larger batches run in chunks of 64. Without Triton, or on
+    a device that is neither CUDA nor the Triton interpreter, this computes the reference.
+    """
+    _check_shapes(x, w_int8, scale)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    n, k = w_int8.shape
+    if k % 16:
+        raise ValueError(f"K must be a multiple of 16, got {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = w_int8 if w_int8.is_contiguous() else w_int8.contiguous()
+    s = scale.reshape(-1)
+    if not s.is_contiguous():
+        s = s.contiguous()
+    if out is None:
+        out2 = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    else:
+        if out.shape != (*lead, n) or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(*lead, n)}")
+        out2 = out.view(-1, n)
+
+    if not kernel_available(x.device):
+        log.debug("int8_linear: no Triton kernel for device %s, using the torch reference", x.device)
+        out2.copy_(int8_linear_reference(x2, w, s))
+        return out2.view(*lead, n)
+
+    for b0 in range(0, x2.shape[0], MAX_BLOCK_B):
+        xb = x2[b0 : b0 + MAX_BLOCK_B]
+        _launch(xb, w, s, out2[b0 : b0 + MAX_BLOCK_B], config or config_for(xb.shape[0], x.device))
+    return out2.view(*lead, n)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, cfg: GemvConfig, *,
+            stage: str = "full") -> None:
+    """One launch over all rows of ``x`` (at most 64). ``stage`` is for the benchmark's
+    stage-drop variants only: "full", "no_dot" (dequant and row-sum, no tensor-core dot)
+    or "load" (weight loads only)."""
+    batch, k = x.shape
+    n = w.shape[0]
+    if cfg.dequant not in _DEQUANT_CODE:
+        raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
+    kernel = _kernel(_interpreting())
+    grid = (-(-n // cfg.block_n),)
+    kernel[grid](
+        x, w, s, out, batch, n, k, x.stride(0), out.stride(0),
+        BLOCK_B=block_b_for(batch), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0),
+        STAGE={"full": 0, "no_dot": 1, "load": 2}[stage],
+        # The interpreter (triton 3.9) multiplies bf16 dot operands as their raw uint16 bits;
+        # upcasting both is exact (bf16 and int8 values are fp32 values) and keeps the
+        # dequant arithmetic under test.
+        DOT_F32=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """Wrap the kernel source on first use: interpreted or compiled, as asked (cached per mode).
+
+    Wrapping here rather than at import keeps the mode a call-time choice: ``triton.jit``
+    otherwise fixes it from TRITON_INTERPRET when this module is first imported.
+    """
+    if tl is None:
+        raise RuntimeError("triton is not installed")
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_int8_gemv_kernel)
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(_int8_gemv_kernel)
+
+
+# The kernel source: a plain function here, wrapped by _kernel(). Its annotations stay strings
+# (postponed evaluation), which is how Triton reads constexpr parameters anyway.
+def _int8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, o_ptr,
+    B, N, K, stride_xb, stride_ob,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEQUANT: tl.constexpr, EVEN_K: tl.constexpr, STAGE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N re-read row N-1 instead of masking, so the weight loads stay unmasked
+    # 16-byte vectors; their results are dropped by the masked store.
+    rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
+    x_ptrs = x_ptr + offs_b[None, :] * stride_xb + offs_k[:, None]
+    b_mask = offs_b[None, :] < B
+    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+    acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            q = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=b_mask, other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            q = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
+            xt = tl.load(x_ptrs, mask=b_mask & k_ok[:, None], other=0.0)
+        if STAGE == 2:
+            acc_w += q.to(tl.float32)
+        else:
+            if DEQUANT == 0:
+                wb = q.to(tl.bfloat16)
+            elif DEQUANT == 1:
+                # fp32 bits 0x4B000080 + q read as 2^23 + 128 + q (q sits in the low mantissa
+                # bits); subtracting 2^23 + 128 leaves q exactly, and q fits bf16 exactly.
+                magic = (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True)
+                wb = (magic - 8388736.0).to(tl.bfloat16)
+            else:
+                # bf16 bits 0x43 | byte read as 128 + (q & 0x7f), or as 256 + 2 * (q & 0x7f) when
+                # the byte's sign bit lands in the exponent's low bit. Clearing that bit and
+                # subtracting the matching power of two (128 or 256) leaves q exactly. Four bytes
+                # per register: two prmt build the bf16 pairs, one packed subtract per pair.
+                wb = tl.inline_asm_elementwise(
+                    asm="""
+                    {
+                    .reg .b32 p0, p1, v0, v1, o0, o1;
+                    prmt.b32 p0, $2, 0x43, 0x4140;
+                    prmt.b32 p1, $2, 0x43, 0x4342;
+                    and.b32 v0, p0, 0xff7fff7f;
+                    and.b32 v1, p1, 0xff7fff7f;
+                    and.b32 o0, p0, 0xff80ff80;
+                    and.b32 o1, p1, 0xff80ff80;
+                    sub.bf16x2 $0, v0, o0;
+                    sub.bf16x2 $1, v1, o1;
+                    }
+                    """,
+                    constraints="=r,=r,r",
+                    args=[q],
+                    dtype=tl.bfloat16,
+                    is_pure=True,
+                    pack=4,
+                )
+            if STAGE == 1:
+                acc_w += wb.to(tl.float32)
+            elif DOT_F32:
+                acc = tl.dot(wb.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wb, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if STAGE != 0:
+        # Keep the loads alive for the stage-drop timings; the values are meaningless.
+        acc += tl.sum(acc_w, axis=1)[:, None]
+    s = tl.load(s_ptr + rows).to(tl.float32)
+    res = acc * s[:, None]
+    o_ptrs = o_ptr + offs_b[None, :] * stride_ob + offs_n[:, None]
+    tl.store(o_ptrs, res.to(o_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & b_mask)
