@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -75,8 +76,9 @@ QWEN35_VISION_CONFIG: dict = {
 }
 
 
-def qwen35_122b_config() -> dict:
-    """config.json of the VL form of Intel's checkpoint, with its auto-round quantization_config."""
+def qwen35_122b_config(compact_extra_config: bool = False) -> dict:
+    """config.json of the VL form of Intel's checkpoint, with its auto-round quantization_config
+    (see ``autoround_quantization_config`` for ``compact_extra_config``)."""
     cfg = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
@@ -86,18 +88,25 @@ def qwen35_122b_config() -> dict:
         "text_config": copy.deepcopy(QWEN35_122B_TEXT_CONFIG),
         "vision_config": copy.deepcopy(QWEN35_VISION_CONFIG),
     }
-    cfg["quantization_config"] = autoround_quantization_config(cfg)
+    cfg["quantization_config"] = autoround_quantization_config(cfg, compact_extra_config)
     return cfg
 
 
-def autoround_quantization_config(config: dict) -> dict:
+def autoround_quantization_config(config: dict, compact: bool = False) -> dict:
     """Intel-style auto-round config: INT4 g128 sym, with the 16-bit layers in ``extra_config``
-    (router and shared experts as regex keys, in_proj_a/b and shared_expert_gate per layer)."""
+    (router and shared experts as regex keys, in_proj_a/b and shared_expert_gate per layer).
+    ``compact`` writes three regex keys with the same meaning instead of ~170 keys: header
+    readers try every key on every module, which costs ~30 s on the 112k tensors of the 122B."""
     tc = config.get("text_config") or config
     vl = "text_config" in config
     prefix = "model.language_model.layers" if vl else "model.layers"
     esc = prefix.replace(".", r"\.")
     extra: dict[str, dict] = {}
+    if compact:
+        extra = {rf".*{esc}\.\d+\.mlp\.gate.*": {"bits": 16, "data_type": "float"},
+                 r".*shared_expert\..*": {"bits": 16, "data_type": "float"},
+                 rf".*{esc}\.\d+\.(linear_attn\.in_proj_[ab]|mlp\.shared_expert_gate)": {"bits": 16, "data_type": "fp"}}
+        return _autoround(prefix, extra)
     for i in range(tc["num_hidden_layers"]):
         extra[rf".*{esc}\.{i}\.mlp\.gate.*"] = {"bits": 16, "data_type": "float"}
     extra[r".*shared_expert\..*"] = {"bits": 16, "data_type": "float"}
@@ -106,6 +115,10 @@ def autoround_quantization_config(config: dict) -> dict:
             for p in ("in_proj_a", "in_proj_b"):
                 extra[f"{prefix}.{i}.linear_attn.{p}"] = {"bits": 16, "data_type": "fp"}
         extra[f"{prefix}.{i}.mlp.shared_expert_gate"] = {"bits": 16, "data_type": "fp"}
+    return _autoround(prefix, extra)
+
+
+def _autoround(prefix: str, extra: dict) -> dict:
     return {"quant_method": "auto-round", "bits": 4, "group_size": GROUP_SIZE, "sym": True, "data_type": "int",
             "packing_format": "auto_round:auto_gptq", "block_name_to_quantize": prefix, "extra_config": extra}
 
@@ -246,7 +259,10 @@ def select_layers(config: dict, layers: Iterable[int]) -> dict:
     tc["num_hidden_layers"] = len(keep)
     tc.pop("full_attention_interval", None)
     if "quantization_config" in cfg:
-        cfg["quantization_config"] = autoround_quantization_config(cfg)
+        # the per-layer keys name layer numbers, so rebuild them for the kept layers
+        extra = cfg["quantization_config"].get("extra_config") or {}
+        compact = not any(re.search(r"layers\\?\.\d", k) for k in extra)
+        cfg["quantization_config"] = autoround_quantization_config(cfg, compact)
     return cfg
 
 

@@ -1,0 +1,344 @@
+"""The bandwidth model behind ``hybrid-build plan``: bytes read per decoded token, and tok/s.
+
+Single-stream decode of a MoE model is bound by memory reads, so a profile's speed is
+``bandwidth x efficiency / bytes per token``. Bytes per token come from the checkpoint's headers
+(``inspection.bytes_per_token``, the same classes ``inspect`` shows) plus the context reads (KV
+cache of full-attention layers, recurrent state of DeltaNet layers). The four profiles differ only
+in how the shared experts (BF16 or FP8 block-128) and the lm-head (BF16 or int8 per row) are
+stored, as ``conversion.plan_conversion`` sizes them.
+
+Speculative decoding: one verify step over V positions reads every dense weight once, the union
+of the routed experts the V positions select (expected count under uniform top-k routing), the
+context once, plus the drafter's own weights and the target lm-head it shares; it yields
+``accept`` tokens. Dense savings are paid once per step, so they shrink as acceptance grows.
+
+Everything here is a pure function of numbers already read; docs/plan.md states the assumptions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .checkpoint import Checkpoint
+from .conversion import ConversionPlan, int8_row_bytes
+
+PROFILES = ("base", "fp8", "int8_head", "dense")
+PROFILE_LABELS = {
+    "base": "INT4 source",
+    "fp8": "+ FP8 shared experts",
+    "int8_head": "+ int8 lm-head",
+    "dense": "+ both (dense levers)",
+}
+CONTEXT_PARTS = ("kv_cache", "linear_state")
+# parts read once per step whatever the number of positions verified
+_PER_TOKEN_PARTS = ("routed_expert", "embedding")
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+# ----------------------------------------------------------------------------- hardware
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A memory system: peak read bandwidth and the fraction single-stream decode achieves."""
+
+    name: str
+    label: str
+    bandwidth_gbps: float
+    efficiency: float
+    calibration: str
+    calibrated: bool
+
+
+# Efficiency on GB10, calibrated on ONE published number: Intel's INT4 Qwen3.5-122B-A10B decodes
+# at 28.2 tok/s single-stream (vLLM, no speculation). With the 122B's headers and the default
+# context below (4096 tokens, BF16 KV, FP32 DeltaNet state), base reads 6.968 GB per token:
+# 28.2 x 6.968e9 / 273e9 = 0.7198.
+# tests/pipeline/test_plan.py recomputes this from the synthetic 122B headers.
+GB10_BASE_TOK_S = 28.2
+GB10_EFFICIENCY = 0.7198
+DEFAULT_CONTEXT = 4096
+
+HARDWARE: dict[str, Hardware] = {
+    "gb10": Hardware("gb10", "NVIDIA DGX Spark (GB10, LPDDR5X)", 273.0, GB10_EFFICIENCY,
+                     "calibrated: Qwen3.5-122B-A10B INT4 base decode 28.2 tok/s (vLLM, c=1)", True),
+    "h200": Hardware("h200", "NVIDIA H200 (HBM3e)", 4800.0, GB10_EFFICIENCY,
+                     "not calibrated: GB10's factor (no published single-stream number for this model)", False),
+    "h100": Hardware("h100", "NVIDIA H100 SXM (HBM3)", 3350.0, GB10_EFFICIENCY,
+                     "not calibrated: GB10's factor (no published single-stream number for this model)", False),
+    "rtx-pro-6000": Hardware("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (GDDR7)", 1792.0, GB10_EFFICIENCY,
+                             "not calibrated: GB10's factor (no published single-stream number for this model)", False),
+}
+
+# Published GB10 figures (single stream, vLLM, temperature 0) that docs/plan.md compares with.
+# accept 1.0 means no speculation. DFlash rows use n=12 drafted tokens.
+PUBLISHED_GB10: tuple[dict, ...] = (
+    {"profile": "base", "accept": None, "tok_s": 28.2, "note": "INT4 baseline, no speculation (calibration row)"},
+    {"profile": "fp8", "accept": None, "tok_s": 30.4, "note": "+ FP8 shared experts"},
+    {"profile": "int8_head", "accept": None, "tok_s": 32.7, "note": "+ int8 lm-head"},
+    {"profile": "dense", "accept": None, "tok_s": 36.0, "note": "+ both"},
+    {"profile": "base", "accept": 6.5, "tok_s": 53.7, "note": "DFlash, end-to-end harness incl. prefill"},
+    {"profile": "fp8", "accept": 6.4, "tok_s": 57.0, "note": "DFlash + FP8 shared experts, same harness"},
+    {"profile": "dense", "accept": 6.4, "tok_s": 59.0, "note": "DFlash + both levers, same harness"},
+    {"profile": "base", "accept": 8.3, "tok_s": 81.0, "note": "DFlash, real agent turns (73% tool calls)"},
+)
+
+
+def calibrate_efficiency(tok_s: float, bytes_per_token: float, bandwidth_gbps: float) -> float:
+    """The efficiency that makes ``bytes_per_token`` decode at ``tok_s`` on ``bandwidth_gbps``."""
+    return tok_s * bytes_per_token / (bandwidth_gbps * 1e9)
+
+
+def decode_tok_s(bytes_per_token: float, bandwidth_gbps: float, efficiency: float) -> float:
+    return bandwidth_gbps * 1e9 * efficiency / bytes_per_token
+
+
+# ----------------------------------------------------------------------------- context reads
+
+
+def _layer_types(tc: dict) -> list[str]:
+    n = tc.get("num_hidden_layers", 0)
+    types = tc.get("layer_types")
+    if types:
+        return list(types)
+    interval = tc.get("full_attention_interval")
+    if interval:
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def state_dtype_bytes(tc: dict) -> int:
+    """vLLM keeps the DeltaNet state in ``mamba_ssm_dtype`` when the config names one, else in the
+    model dtype (its ``auto``)."""
+    return DTYPE_BYTES.get(str(tc.get("mamba_ssm_dtype", "bfloat16")).lower(), 2)
+
+
+def context_reads(tc: dict, context: int, kv_bytes: int = 2, state_bytes: int | None = None) -> dict[str, int]:
+    """Context traffic per decode step: every full-attention layer reads K and V for ``context``
+    positions; every DeltaNet layer reads and writes back its recurrent state [Hv, dk, dv] and
+    its conv state [conv_dim, kernel-1] (BF16)."""
+    types = _layer_types(tc)
+    full = sum(1 for t in types if t == "full_attention")
+    linear = sum(1 for t in types if t == "linear_attention")
+    heads = tc.get("num_attention_heads", 1)
+    kv_heads = tc.get("num_key_value_heads", heads)
+    head_dim = tc.get("head_dim") or tc.get("hidden_size", 0) // max(heads, 1)
+    kv = full * 2 * kv_heads * head_dim * kv_bytes * context
+    state = 0
+    if linear:
+        sb = state_bytes if state_bytes is not None else state_dtype_bytes(tc)
+        nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
+        dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
+        conv_dim = 2 * nk * dk + nv * dv
+        per_layer = nv * dk * dv * sb + conv_dim * (tc.get("linear_conv_kernel_dim", 4) - 1) * 2
+        state = linear * 2 * per_layer  # read, then write back
+    return {"kv_cache": kv, "linear_state": state}
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+@dataclass
+class ProfileReads:
+    """Bytes per decoded token, by part, for each profile; and how they were derived."""
+
+    parts: dict[str, dict[str, int]]  # profile -> part -> bytes per token (no speculation)
+    input_state: str  # "source" (an INT4 checkpoint) or "hybrid" (an artifact: the dense state)
+    experts: int
+    top_k: int
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, profile: str) -> int:
+        return sum(self.parts[profile].values())
+
+
+def _module_bytes(ckpt: Checkpoint, module: str) -> int:
+    return sum(t.nbytes for t in ckpt.modules.get(module, {}).values())
+
+
+def _linear_shape(parts: dict) -> tuple[int, int] | None:
+    """[N, K] of a stored linear from its weight (BF16/FP8/int8) or its GPTQ qweight [K/pack, N]."""
+    w = parts.get("weight")
+    if w is not None and len(w.shape) == 2:
+        return w.shape
+    qw = parts.get("qweight")
+    if qw is not None and len(qw.shape) == 2:
+        pack = 4 if qw.storage == "int8" else 8
+        return qw.shape[1], qw.shape[0] * pack
+    return None
+
+
+def _savings_from_source(plan: ConversionPlan) -> tuple[int, int]:
+    """Bytes per token the recipe saves on shared experts and on the lm-head at serve time.
+    A head kept BF16 on disk (``quantize-at-load``) is served as GPTQ int8 all the same."""
+    fp8 = sum(c.in_bytes - c.out_bytes for c in plan.of_kind("fp8"))
+    head = 0
+    for c in plan.of_kind("int8"):
+        served = c.out_bytes
+        if plan.recipe.lm_head.storage == "bf16":
+            served = int8_row_bytes(*c.shape, storage="gptq-int8", fmt="inc-hybrid")
+        head += c.in_bytes - served
+    return fp8, head
+
+
+def _savings_from_hybrid(ckpt: Checkpoint) -> tuple[int, int, int]:
+    """For a hybrid artifact: what its FP8 shared experts and int8 head save against BF16, and the
+    correction to its stored head bytes when the head is quantized at load."""
+    fp8 = head = stored_head_fix = 0
+    for module, parts in ckpt.modules.items():
+        first = next(iter(parts.values()))
+        shape = _linear_shape(parts)
+        if shape is None:
+            continue
+        n, k = shape
+        if first.klass == "shared_expert" and first.storage == "fp8":
+            fp8 += 2 * n * k - _module_bytes(ckpt, module)
+        elif first.klass == "lm_head" and first.storage == "int8":
+            head += 2 * n * k - _module_bytes(ckpt, module)
+        elif first.klass == "lm_head" and first.storage == "bf16" and \
+                (ckpt.hybrid_info or {}).get("lm_head") == "quantize-at-load":
+            served = int8_row_bytes(n, k, storage="gptq-int8", fmt="inc-hybrid")
+            head += 2 * n * k - served
+            stored_head_fix += _module_bytes(ckpt, module) - served
+    return fp8, head, stored_head_fix
+
+
+def profile_reads(ckpt: Checkpoint, per_token: dict[str, int], plan: ConversionPlan | None,
+                  context: int = DEFAULT_CONTEXT, kv_bytes: int = 2, state_bytes: int | None = None) -> ProfileReads:
+    """The four profiles' bytes per token. ``per_token`` is ``inspection.bytes_per_token(ckpt)``;
+    ``plan`` the recipe's conversion of a source (None for a hybrid artifact, which is taken as
+    the ``dense`` state and converted back to BF16 for the others)."""
+    tc = ckpt.text_config
+    notes: list[str] = []
+    stored = {k: v for k, v in per_token.items() if v}
+    hybrid = plan is None
+    if hybrid:
+        fp8, head, head_fix = _savings_from_hybrid(ckpt)
+        dense = dict(stored)
+        if head_fix:
+            dense["lm_head"] -= head_fix
+            notes.append("the lm-head is stored BF16 and quantized to int8 at load: counted as int8")
+        base = dict(dense)
+        base["shared_expert"] = base.get("shared_expert", 0) + fp8
+        base["lm_head"] = base.get("lm_head", 0) + head
+        notes.append("input is a hybrid artifact: it is the 'dense' profile; the others restore BF16")
+    else:
+        fp8, head = _savings_from_source(plan)
+        base = dict(stored)
+        notes.append(f"conversion by recipe {plan.recipe.name}")
+    if not fp8:
+        notes.append("no shared-expert tensor is converted: 'fp8' equals 'base'")
+    if not head:
+        notes.append("no lm-head is converted: 'int8_head' equals 'base'")
+    parts = {
+        "base": base,
+        "fp8": dict(base, shared_expert=base.get("shared_expert", 0) - fp8),
+        "int8_head": dict(base, lm_head=base.get("lm_head", 0) - head),
+        "dense": dict(base, shared_expert=base.get("shared_expert", 0) - fp8, lm_head=base.get("lm_head", 0) - head),
+    }
+    ctx = context_reads(tc, context, kv_bytes, state_bytes)
+    for p in parts.values():
+        p.update(ctx)
+    return ProfileReads(parts, "hybrid" if hybrid else "source",
+                        int(tc.get("num_experts") or 1), int(tc.get("num_experts_per_tok") or 1), notes)
+
+
+# ----------------------------------------------------------------------------- speculation
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A draft model run once per step: its weights, its KV cache, and whether it computes its
+    logits with the target's lm-head (DFlash has no head of its own)."""
+
+    name: str
+    weight_bytes: int
+    kv_bytes_per_position: int  # summed over its layers
+    full_layers: int = 0
+    sliding_layers: int = 0
+    window: int = 0
+    shares_lm_head: bool = True
+
+    def context_bytes(self, context: int) -> int:
+        per_layer = self.kv_bytes_per_position // max(self.full_layers + self.sliding_layers, 1)
+        return per_layer * (self.full_layers * context + self.sliding_layers * min(context, self.window))
+
+
+# z-lab/Qwen3.5-122B-A10B-DFlash: ~0.8B params BF16; 6 layers (5 sliding-4096 + 1 full),
+# 8 KV heads of 128: 2 x 8 x 128 x 2 bytes = 4 KiB per position per layer.
+DFLASH_122B = Drafter("dflash", 1_600_000_000, 6 * 2 * 8 * 128 * 2, full_layers=1, sliding_layers=5, window=4096)
+NO_DRAFTER = Drafter("none", 0, 0, shares_lm_head=False)
+
+
+def expected_experts(experts: int, top_k: int, positions: float) -> float:
+    """Expected number of distinct experts per layer selected by ``positions`` tokens, each
+    choosing ``top_k`` of ``experts`` uniformly: an expert is missed by one token with
+    probability 1 - k/E, by all of them with (1 - k/E)^V."""
+    if experts <= 0 or top_k >= experts:
+        return float(experts)
+    return experts * (1.0 - (1.0 - top_k / experts) ** positions)
+
+
+def step_reads(parts: dict[str, int], experts: int, top_k: int, positions: float,
+               drafter: Drafter = NO_DRAFTER, context: int = DEFAULT_CONTEXT) -> dict[str, float]:
+    """Bytes read by one verify step over ``positions`` tokens (and one draft), by part."""
+    out: dict[str, float] = {}
+    for name, b in parts.items():
+        if name == "routed_expert":
+            out[name] = b * expected_experts(experts, top_k, positions) / top_k
+        elif name in _PER_TOKEN_PARTS:
+            out[name] = b * positions
+        else:
+            out[name] = float(b)  # dense weights and context: read once by the batched kernels
+    if drafter.weight_bytes or drafter.kv_bytes_per_position:
+        out["drafter"] = float(drafter.weight_bytes + drafter.context_bytes(context))
+        if drafter.shares_lm_head:
+            out["drafter_lm_head"] = float(parts.get("lm_head", 0))
+    return out
+
+
+def speculative_tok_s(parts: dict[str, int], experts: int, top_k: int, accept: float, bandwidth_gbps: float,
+                      efficiency: float, drafter: Drafter = DFLASH_122B, context: int = DEFAULT_CONTEXT,
+                      verify_positions: float | None = None) -> tuple[float, float]:
+    """(tok/s, bytes per step) for ``accept`` tokens emitted per step. The verify step's experts
+    are the union over ``verify_positions`` tokens (default: the ``accept`` accepted ones)."""
+    positions = accept if verify_positions is None else verify_positions
+    step = sum(step_reads(parts, experts, top_k, positions, drafter, context).values())
+    return accept * bandwidth_gbps * 1e9 * efficiency / step, step
+
+
+def lever_uplift(reads: ProfileReads, accept: float, bandwidth_gbps: float, efficiency: float,
+                 drafter: Drafter = DFLASH_122B, context: int = DEFAULT_CONTEXT,
+                 verify_positions: float | None = None) -> float:
+    """Speed of ``dense`` over ``base`` at one acceptance length (1.0 = no gain)."""
+    speeds = [speculative_tok_s(reads.parts[p], reads.experts, reads.top_k, accept, bandwidth_gbps, efficiency,
+                                drafter, context, verify_positions)[0] for p in ("dense", "base")]
+    return speeds[0] / speeds[1]
+
+
+def implied_experts(parts: dict[str, int], experts: int, top_k: int, accept: float, tok_s: float,
+                    bandwidth_gbps: float, efficiency: float, drafter: Drafter = DFLASH_122B,
+                    context: int = DEFAULT_CONTEXT) -> float:
+    """Distinct experts per layer per step that a measured speculative ``tok_s`` implies, all
+    other reads as modelled: how far real routing is from the uniform-union assumption."""
+    others = step_reads(parts, experts, top_k, accept, drafter, context)
+    routed = others.pop("routed_expert", 0.0)
+    budget = accept * bandwidth_gbps * 1e9 * efficiency / tok_s - sum(others.values())
+    per_expert = routed / expected_experts(experts, top_k, accept)
+    return budget / per_expert
+
+
+def published_comparison(reads: ProfileReads, hardware: Hardware, drafter: Drafter = DFLASH_122B,
+                         context: int = DEFAULT_CONTEXT) -> list[dict]:
+    """Predicted against the published GB10 figures (meaningful for the 122B on GB10 only)."""
+    rows = []
+    for pub in PUBLISHED_GB10:
+        parts = reads.parts[pub["profile"]]
+        if pub["accept"] is None:
+            pred = decode_tok_s(sum(parts.values()), hardware.bandwidth_gbps, hardware.efficiency)
+        else:
+            pred = speculative_tok_s(parts, reads.experts, reads.top_k, pub["accept"], hardware.bandwidth_gbps,
+                                     hardware.efficiency, drafter, context)[0]
+        rows.append(dict(pub, predicted=pred, gap=pred / pub["tok_s"] - 1.0))
+    return rows
