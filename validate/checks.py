@@ -1,0 +1,683 @@
+"""The checks of ``hybrid-build validate``: structure, weights, activations and the lm-head.
+
+Each check reads the artifact (and the source it was built from) one tensor, or one row chunk of
+the lm-head, at a time, so memory stays at one module's worth plus the lm-head's logits for a few
+hundred hidden states. A check never raises for a bad artifact: it records findings (a failure
+line that names the tensor and the metric) in ``Findings``; only input that cannot be read at all
+raises, before any check runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block
+from hybrid_build.calibration.gptq import SYM_ZERO_WORD, dequantize_gptq
+from hybrid_build.calibration.int8_rows import dequantize_int8_rows
+from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
+from hybrid_build.pipeline.checkpoint import Checkpoint, TensorInfo
+from hybrid_build.pipeline.conversion import ConversionPlan
+from hybrid_build.pipeline.layout import layer_index, split_module
+from hybrid_build.pipeline.safetensors_io import INDEX_NAME, TMP_SUFFIX
+from hybrid_build.recipes.schema import Recipe, ValidateSpec
+
+log = logging.getLogger(__name__)
+
+HASH_CHUNK = 16 * 1024 * 1024
+COMPARE_CHUNK = 64 * 1024 * 1024
+META_DIR = "hybrid_build"
+WORK_DIR = ".hybrid-build"
+# files written after provenance.json, so it cannot list them
+UNHASHED = {f"{META_DIR}/provenance.json", f"{META_DIR}/validation.json", f"{META_DIR}/validation.md",
+            f"{META_DIR}/validation.png"}
+FP8_EXTRA_CONFIG = {"bits": 8, "data_type": "fp", "weight_block_size": [BLOCK, BLOCK]}
+HEAD_EXTRA_CONFIG = {"bits": 8, "group_size": -1, "sym": True}
+ACT_TOKENS = 128  # random inputs per shared-expert MLP
+HEAD_TOKENS = 256  # random hidden states for the lm-head check
+SEED = 1234
+
+ProgressFactory = Callable[..., object]
+
+
+def null_progress(**_kw):
+    class _Bar:
+        def update(self, n=1):
+            pass
+
+        def close(self):
+            pass
+
+    return _Bar()
+
+
+def _close(bar) -> None:
+    close = getattr(bar, "close", None)
+    if close:
+        close()
+
+
+def exceeds(value: float, limit: float) -> bool:
+    """NaN-safe ``value > limit``: a NaN metric fails."""
+    return not (value <= limit)
+
+
+def below(value: float, limit: float) -> bool:
+    return not (value >= limit)
+
+
+@dataclass
+class Findings:
+    """Failure lines and a short detail per named check, in the order checks ran."""
+
+    details: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, list[str]] = field(default_factory=dict)
+
+    def fail(self, check: str, line: str) -> None:
+        self.failed.setdefault(check, []).append(f"{check}: {line}")
+        self.details.setdefault(check, "")
+
+    def note(self, check: str, detail: str) -> None:
+        self.details[check] = detail
+
+    @property
+    def failures(self) -> list[str]:
+        return [line for lines in self.failed.values() for line in lines]
+
+
+@dataclass
+class ValidationInputs:
+    artifact: Checkpoint
+    source: Checkpoint
+    recipe: Recipe
+    provenance: dict | None
+    plan: ConversionPlan
+    progress: ProgressFactory = null_progress
+    activations: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> ValidateSpec:
+        return self.recipe.validate_
+
+    @property
+    def fmt(self) -> str:
+        return self.recipe.output.format
+
+    @property
+    def head_storage(self) -> str:
+        return self.recipe.lm_head.storage
+
+    def converted(self, kind: str) -> list[str]:
+        return [c.module for c in self.plan.of_kind(kind)]
+
+    def head_quantized(self) -> bool:
+        return self.head_storage != "bf16" or self.fmt == "compressed-tensors"
+
+
+# ------------------------------------------------------------------------------------- structure
+
+
+def expected_parts(inp: ValidationInputs, module: str, kind: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """part -> (dtype, shape) that the declared scheme requires for a converted module."""
+    n, k = inp.source.modules[module]["weight"].shape
+    blocks = (-(-n // BLOCK), -(-k // BLOCK))
+    if kind == "fp8":
+        scale = "weight_scale" if inp.fmt == "compressed-tensors" else "weight_scale_inv"
+        return {"weight": ("F8_E4M3", (n, k)), scale: ("F32", blocks)}
+    if inp.fmt == "compressed-tensors":
+        return {"weight": ("I8", (n, k)), "weight_scale": ("F32", (n, 1))}
+    if inp.head_storage == "bf16":
+        src = inp.source.modules[module]["weight"]
+        return {"weight": (src.dtype, (n, k))}
+    return {"qweight": ("I32", (k // 4, n)), "qzeros": ("I32", (1, n // 4)), "scales": ("F16", (1, n))}
+
+
+def _int4_ct_parts(src_parts: dict[str, TensorInfo]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """compressed-tensors ``pack-quantized`` parts for a source auto_gptq INT4 module."""
+    qw, sc = src_parts["qweight"], src_parts["scales"]
+    k, n = qw.shape[0] * 8, qw.shape[1]
+    return {"weight_packed": ("I32", (n, k // 8)), "weight_scale": (sc.dtype, (n, sc.shape[0])),
+            "weight_shape": ("I64", (2,))}
+
+
+def check_index(inp: ValidationInputs, f: Findings) -> None:
+    """Index and files agree: every listed file exists and holds what the index says; every
+    tensor stored is listed (vLLM reads only the files the index names)."""
+    art = inp.artifact
+    for p in art.problems:
+        if p.severity == "error":
+            f.fail("index", p.message)
+    if art.index is None:
+        f.fail("index", f"{INDEX_NAME} is missing (the build did not finish)")
+    else:
+        for name in sorted(fn for fn in art.files if not any(t.file == fn and t.in_index for t in art.tensors.values())):
+            f.fail("index", f"{name} is not listed in the index: vLLM would not load its tensors")
+        unlisted = [t.name for t in art.tensors.values() if not t.in_index]
+        if unlisted:
+            f.fail("index", f"{len(unlisted)} stored tensor(s) not listed in the index, e.g. {unlisted[0]}")
+    f.details.setdefault("index", f"{len(art.files)} files, {len(art.tensors)} tensors")
+
+
+def check_provenance(inp: ValidationInputs, f: Findings) -> None:
+    """sha256 and size of every file against provenance.json; the converted list against the recipe."""
+    prov = inp.provenance
+    if prov is None:
+        f.fail("provenance", f"{META_DIR}/provenance.json is missing or not valid JSON")
+        return
+    root = inp.artifact.root
+    listed: dict[str, dict] = prov.get("files") or {}
+    present = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+                     and not p.relative_to(root).parts[0].startswith(".") and not p.name.endswith(TMP_SUFFIX))
+    for name in present:
+        if name not in listed and name not in UNHASHED:
+            f.fail("provenance", f"{name} is not listed in provenance.json")
+    total = sum(int(v.get("bytes", 0)) for v in listed.values())
+    bar = inp.progress(total=total, desc="sha256", unit="B", unit_scale=True)
+    checked = 0
+    for name, want in sorted(listed.items()):
+        path = root / name
+        if not path.is_file():
+            f.fail("provenance", f"{name}: listed in provenance.json but missing")
+            continue
+        size = path.stat().st_size
+        if size != want.get("bytes"):
+            f.fail("provenance", f"{name}: {size} bytes, provenance.json recorded {want.get('bytes')}")
+            bar.update(want.get("bytes") or 0)
+            continue
+        digest = sha256_file(path, bar.update)
+        if digest != want.get("sha256"):
+            f.fail("provenance", f"{name}: sha256 {digest[:12]}.. does not match provenance.json ({str(want.get('sha256'))[:12]}..)")
+        checked += 1
+    _close(bar)
+    conv = {c.get("module"): c.get("kind") for c in prov.get("converted") or []}
+    for c in inp.plan.conversions:
+        if c.kind == "int8" and not inp.head_quantized():
+            continue  # a BF16 head is copied, quantized later by the serve plugin
+        if c.module not in conv:
+            f.fail("provenance", f"{c.module}: the recipe converts it but provenance.json does not list it")
+        elif conv[c.module] != c.kind:
+            f.fail("provenance", f"{c.module}: provenance.json says {conv[c.module]}, the recipe {c.kind}")
+    planned = {c.module for c in inp.plan.conversions}
+    for module in sorted(set(conv) - planned):
+        f.fail("provenance", f"{module}: listed as converted in provenance.json, but the recipe does not convert it")
+    f.note("provenance", f"{checked}/{len(listed)} files match their sha256")
+
+
+def sha256_file(path: Path, on_bytes: Callable[[int], object] | None = None) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb") as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+            if on_bytes:
+                on_bytes(n)
+    return h.hexdigest()
+
+
+def check_tensors(inp: ValidationInputs, f: Findings) -> None:
+    """Every source tensor accounted for (copied with the same dtype, shape and bytes, or converted
+    into exactly the parts its scheme requires), and nothing else in the artifact."""
+    src, art = inp.source, inp.artifact
+    expected: dict[str, tuple[str, tuple[int, ...]]] = {}
+    copied: list[str] = []
+    kinds = {c.module: c.kind for c in inp.plan.conversions}
+    for module, parts in src.modules.items():
+        kind = kinds.get(module)
+        if kind is not None:
+            expected.update({f"{module}.{p}": v for p, v in expected_parts(inp, module, kind).items()})
+        elif inp.fmt == "compressed-tensors" and "qweight" in parts:
+            expected.update({f"{module}.{p}": v for p, v in _int4_ct_parts(parts).items()})
+        else:
+            for part, t in parts.items():
+                expected[t.name] = (t.dtype, t.shape)
+                copied.append(t.name)
+    missing = [n for n in expected if n not in art.tensors]
+    for name in missing[:20]:
+        origin = "converted" if split_module(name)[0] in kinds else "source"
+        f.fail("tensors", f"{name} ({origin} tensor) is missing from the artifact")
+    if len(missing) > 20:
+        f.fail("tensors", f"... and {len(missing) - 20} more missing tensors")
+    extra = sorted(set(art.tensors) - set(expected))
+    for name in extra[:20]:
+        f.fail("tensors", f"{name} is in the artifact but neither copied from the source nor produced by the recipe")
+    for name, (dtype, shape) in expected.items():
+        t = art.tensors.get(name)
+        if t is not None and (t.dtype != dtype or tuple(t.shape) != tuple(shape)):
+            f.fail("tensors", f"{name}: {t.dtype} {list(t.shape)}, the scheme requires {dtype} {list(shape)}")
+    f.note("tensors", f"{len(src.tensors)} source tensors: {len(copied)} copied, "
+                      f"{len(inp.plan.conversions)} modules converted; {len(art.tensors)} artifact tensors")
+    _compare_copied(inp, f, [n for n in copied if n in art.tensors and art.tensors[n].nbytes == src.tensors[n].nbytes])
+
+
+def _compare_copied(inp: ValidationInputs, f: Findings, names: list[str]) -> None:
+    """Copied tensors must be the source's bytes; compared in bounded chunks."""
+    total = sum(inp.source.tensors[n].nbytes for n in names)
+    bar = inp.progress(total=total, desc="compare copied tensors", unit="B", unit_scale=True)
+    bad = 0
+    handles: dict[Path, object] = {}
+    try:
+        for name in names:
+            s, a = inp.source.tensors[name], inp.artifact.tensors[name]
+            if not _same_bytes(handles, inp.source.path_of(s), s.start, inp.artifact.path_of(a), a.start, s.nbytes):
+                bad += 1
+                if bad <= 20:
+                    f.fail("tensors", f"{name}: copied tensor differs from the source's bytes")
+            bar.update(s.nbytes)
+    finally:
+        for h in handles.values():
+            h.close()  # type: ignore[attr-defined]
+        _close(bar)
+    if bad > 20:
+        f.fail("tensors", f"... and {bad - 20} more copied tensors differ from the source")
+
+
+def _same_bytes(handles: dict, p1: Path, o1: int, p2: Path, o2: int, n: int) -> bool:
+    for p in (p1, p2):
+        if p not in handles:
+            handles[p] = open(p, "rb")
+    f1, f2 = handles[p1], handles[p2]
+    done = 0
+    while done < n:
+        step = min(COMPARE_CHUNK, n - done)
+        f1.seek(o1 + done)
+        f2.seek(o2 + done)
+        if f1.read(step) != f2.read(step):
+            return False
+        done += step
+    return True
+
+
+def check_config(inp: ValidationInputs, f: Findings) -> None:
+    """The quantization config declares each converted module's scheme, as formats.md specifies."""
+    art = inp.artifact
+    info = art.hybrid_info
+    if not info:
+        f.fail("scheme", "config.json has no hybrid_build block")
+    else:
+        if info.get("format") != inp.fmt:
+            f.fail("scheme", f"config.json hybrid_build.format is {info.get('format')!r}, the recipe says {inp.fmt!r}")
+        listed = set(info.get("fp8_modules") or [])
+        if listed and listed != set(inp.converted("fp8")):
+            f.fail("scheme", f"config.json hybrid_build.fp8_modules lists {len(listed)} modules, "
+                             f"the recipe converts {len(inp.converted('fp8'))}")
+    if inp.fmt == "compressed-tensors":
+        if art.quant.method != "compressed-tensors":
+            f.fail("scheme", f"quantization_config.quant_method is {art.quant.method!r}, expected 'compressed-tensors'")
+        for module in inp.converted("fp8") + (inp.converted("int8") if inp.head_quantized() else []):
+            if art.quant.module_bits(module) != 8:
+                f.fail("scheme", f"{module}: no 8-bit config group targets it in quantization_config")
+        f.details.setdefault("scheme", "compressed-tensors config groups target every converted module")
+        return
+    if art.quant.method != "auto-round":
+        f.fail("scheme", f"quantization_config.quant_method is {art.quant.method!r}, expected 'auto-round'")
+    for module in inp.converted("fp8"):
+        entry = art.quant.layer_override(module) or {}
+        wrong = {k: entry.get(k) for k, v in FP8_EXTRA_CONFIG.items() if entry.get(k) != v}
+        if wrong:
+            f.fail("scheme", f"{module}: extra_config entry {wrong} must be {FP8_EXTRA_CONFIG}")
+    if inp.head_storage == "gptq-int8":
+        for module in inp.converted("int8"):
+            entry = art.quant.layer_override(module) or {}
+            wrong = {k: entry.get(k) for k, v in HEAD_EXTRA_CONFIG.items() if entry.get(k) != v}
+            if wrong:
+                f.fail("scheme", f"{module}: extra_config entry {wrong} must be {HEAD_EXTRA_CONFIG}")
+    f.details.setdefault("scheme", "extra_config declares FP8 block-128 and int8 per-row entries")
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def _readable(art: Checkpoint, module: str, parts: list[str]) -> bool:
+    return all(f"{module}.{p}" in art.tensors for p in parts)
+
+
+def _read(ckpt: Checkpoint, name: str, cols: slice | None = None) -> torch.Tensor:
+    t = ckpt.tensors[name]
+    with safe_open(str(ckpt.path_of(t)), framework="pt") as fh:
+        if cols is None:
+            return fh.get_tensor(name)
+        return fh.get_slice(name)[:, cols]
+
+
+def _count_bad_scale(s: torch.Tensor) -> tuple[int, int, int]:
+    s = s.float()
+    return int(torch.isnan(s).sum()), int(torch.isinf(s).sum()), int((s <= 0).sum())
+
+
+def _scale_findings(f: Findings, name: str, s: torch.Tensor) -> bool:
+    nan, inf, nonpos = _count_bad_scale(s)
+    for count, what in ((nan, "NaN"), (inf, "Inf"), (nonpos, "zero or negative")):
+        if count:
+            f.fail("finite", f"{name}: {count} {what} scale value(s)")
+    return not (nan or inf or nonpos)
+
+
+def fp8_nan_codes(q: torch.Tensor) -> int:
+    """float8_e4m3fn has no Inf; S.1111.111 is NaN."""
+    return int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
+
+
+# ------------------------------------------------------------------------------------- weights
+
+
+def block_rel_errors(ref: torch.Tensor, approx: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Relative Frobenius error of every [block, block] tile: [ceil(N/b), ceil(K/b)]."""
+    n, k = ref.shape
+    nb, kb = -(-n // block), -(-k // block)
+    pad = (0, kb * block - k, 0, nb * block - n)
+    r = torch.nn.functional.pad(ref.double(), pad).reshape(nb, block, kb, block)
+    e = torch.nn.functional.pad((approx.double() - ref.double()), pad).reshape(nb, block, kb, block)
+    rn = r.pow(2).sum(dim=(1, 3)).sqrt()
+    en = e.pow(2).sum(dim=(1, 3)).sqrt()
+    return torch.where(rn > 0, en / rn, torch.where(en > 0, torch.full_like(en, math.inf), torch.zeros_like(en)))
+
+
+def row_rel_errors(ref: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    rn = ref.double().norm(dim=1)
+    en = (approx.double() - ref.double()).norm(dim=1)
+    return torch.where(rn > 0, en / rn, torch.where(en > 0, torch.full_like(en, math.inf), torch.zeros_like(en)))
+
+
+def load_fp8(inp: ValidationInputs, module: str, f: Findings) -> torch.Tensor | None:
+    """The converted module dequantized, or None (with findings) when its parts are missing or broken."""
+    art = inp.artifact
+    scale_part = "weight_scale" if inp.fmt == "compressed-tensors" else "weight_scale_inv"
+    if not _readable(art, module, ["weight", scale_part]):
+        f.fail("weights", f"{module}: cannot be checked, its tensors are missing")
+        return None
+    q = _read(art, module + ".weight")
+    s = _read(art, f"{module}.{scale_part}")
+    ok = _scale_findings(f, f"{module}.{scale_part}", s)
+    if q.dtype != torch.float8_e4m3fn:
+        f.fail("weights", f"{module}.weight: dtype {q.dtype}, expected float8_e4m3fn")
+        return None
+    nan = fp8_nan_codes(q)
+    if nan:
+        f.fail("finite", f"{module}.weight: {nan} NaN FP8 code(s)")
+        ok = False
+    n, k = q.shape
+    if tuple(s.shape) != (-(-n // BLOCK), -(-k // BLOCK)):
+        f.fail("weights", f"{module}: scale shape {list(s.shape)} does not tile weight {[n, k]} in {BLOCK}x{BLOCK} blocks")
+        return None
+    w = dequantize_fp8_block(q, s)
+    if not ok:
+        log.debug("%s has non-finite or non-positive scales; metrics will show it", module)
+    return w
+
+
+def check_fp8_weights(inp: ValidationInputs, f: Findings) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Dequantized FP8 vs BF16 source for every shared-expert projection. Returns the entries and
+    the dequantized weights by module (small: 3 x 3072 x 1024 per layer) for the activation check."""
+    spec = inp.spec
+    entries: list[dict] = []
+    keep: dict[str, torch.Tensor] = {}
+    modules = inp.converted("fp8")
+    bar = inp.progress(total=len(modules), desc="check FP8 weights", unit="tensor")
+    for module in modules:
+        bar.update(1)
+        w = load_fp8(inp, module, f)
+        if w is None:
+            continue
+        ref = _read(inp.source, module + ".weight").float()
+        m = error_metrics(ref, w)
+        blocks = block_rel_errors(ref, w)
+        flat = int(torch.nan_to_num(blocks, nan=math.inf).argmax())
+        worst = [flat // blocks.shape[1], flat % blocks.shape[1]]
+        worst_val = float(blocks.reshape(-1)[flat])
+        entry = {"module": module, "kind": "fp8", "layer": layer_index(module), "shape": list(ref.shape), **m,
+                 "max_block_rel_error": worst_val, "worst_block": worst}
+        reasons = []
+        if exceeds(m["rel_error"], spec.fp8_max_rel_error):
+            reasons.append(f"relative error {m['rel_error']:.4g} > {spec.fp8_max_rel_error} (fp8_max_rel_error)")
+        if below(m["cosine"], spec.min_cosine):
+            reasons.append(f"cosine {m['cosine']:.6g} < {spec.min_cosine} (min_cosine)")
+        if exceeds(worst_val, spec.fp8_max_block_rel_error):
+            bad = int((~(blocks <= spec.fp8_max_block_rel_error)).sum())
+            reasons.append(f"block {worst} relative error {worst_val:.4g} > {spec.fp8_max_block_rel_error} "
+                           f"(fp8_max_block_rel_error; {bad} of {blocks.numel()} blocks over)")
+        entry["passed"] = not reasons
+        for r in reasons:
+            f.fail("weights", f"{module}: {r}")
+        entries.append(entry)
+        keep[module] = w
+    _close(bar)
+    return entries, keep
+
+
+# ------------------------------------------------------------------------------------- lm-head
+
+
+def _head_rows(inp: ValidationInputs, module: str, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo:hi of the converted head, dequantized, read without the rest."""
+    art = inp.artifact
+    if inp.fmt == "compressed-tensors":
+        t = art.tensors[module + ".weight"]
+        with safe_open(str(art.path_of(t)), framework="pt") as fh:
+            q = fh.get_slice(module + ".weight")[lo:hi]
+        s = _read(art, module + ".weight_scale")[lo:hi]
+        return dequantize_int8_rows(q, s)
+    if inp.head_storage == "bf16":
+        t = art.tensors[module + ".weight"]
+        with safe_open(str(art.path_of(t)), framework="pt") as fh:
+            return fh.get_slice(module + ".weight")[lo:hi].float()
+    qweight = _read(art, module + ".qweight", slice(lo, hi))
+    scales = _read(art, module + ".scales", slice(lo, hi))
+    return dequantize_gptq(qweight, scales, 8, -1)
+
+
+def head_parts(inp: ValidationInputs) -> list[str]:
+    if inp.fmt == "compressed-tensors":
+        return ["weight", "weight_scale"]
+    if inp.head_storage == "bf16":
+        return ["weight"]
+    return ["qweight", "qzeros", "scales"]
+
+
+def _head_structure(inp: ValidationInputs, module: str, f: Findings) -> bool:
+    """Scales finite and positive; GPTQ codes inside the symmetric range, zeros all 128."""
+    art = inp.artifact
+    if inp.fmt == "compressed-tensors":
+        return _scale_findings(f, module + ".weight_scale", _read(art, module + ".weight_scale"))
+    if inp.head_storage == "bf16":
+        return True
+    ok = _scale_findings(f, module + ".scales", _read(art, module + ".scales"))
+    qz = _read(art, module + ".qzeros")
+    if not bool((qz.to(torch.int64) & 0xFFFFFFFF).eq(SYM_ZERO_WORD[8]).all()):
+        f.fail("finite", f"{module}.qzeros: not every word is 0x7f7f7f7f (symmetric int8, zero 128)")
+        ok = False
+    return ok
+
+
+def head_hidden_states(inp: ValidationInputs, k: int) -> torch.Tensor:
+    """Calibration hidden states when given, else unit-RMS normals scaled by the final norm, as
+    the real hidden states reach the head (Qwen3.5's RMSNorm multiplies by 1 + weight)."""
+    given = inp.activations.get("lm_head")
+    if given is not None:
+        return given.float().reshape(-1, k)
+    gen = torch.Generator().manual_seed(SEED)
+    h = torch.randn(HEAD_TOKENS, k, generator=gen)
+    norm = inp.source.lm_prefix + "norm.weight"
+    if norm in inp.source.tensors:
+        h = h * (1.0 + _read(inp.source, norm).float())
+    return h
+
+
+def check_head(inp: ValidationInputs, f: Findings) -> tuple[list[dict], dict]:
+    """int8 lm-head vs BF16 source, streamed in row chunks: weight metrics and the worst row, and
+    logits on hidden states: top-1 agreement, top-5 overlap, KL(source || int8), max logit error."""
+    spec = inp.spec
+    modules = inp.converted("int8")
+    if not modules:
+        return [], {}
+    module = modules[0]
+    if not _readable(inp.artifact, module, head_parts(inp)):
+        f.fail("lm_head", f"{module}: cannot be checked, its tensors are missing")
+        return [], {"module": module, "passed": False}
+    _head_structure(inp, module, f)
+    n, k = inp.source.tensors[module + ".weight"].shape
+    h = head_hidden_states(inp, k)
+    chunk = inp.recipe.lm_head.chunk_rows
+    ref_logits = torch.empty(h.shape[0], n)
+    hyb_logits = torch.empty(h.shape[0], n)
+    m = StreamingMetrics()
+    row_err = torch.empty(n, dtype=torch.float64)
+    bar = inp.progress(total=n, desc=f"check {module}", unit="row")
+    with safe_open(str(inp.source.path_of(inp.source.tensors[module + ".weight"])), framework="pt") as fh:
+        src = fh.get_slice(module + ".weight")
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            ref = src[lo:hi].float()
+            w = _head_rows(inp, module, lo, hi)
+            m.update(ref, w)
+            row_err[lo:hi] = row_rel_errors(ref, w)
+            ref_logits[:, lo:hi] = h @ ref.t()
+            hyb_logits[:, lo:hi] = h @ w.t()
+            bar.update(hi - lo)
+    _close(bar)
+    wm = m.result()
+    worst_row = int(torch.nan_to_num(row_err, nan=math.inf).argmax())
+    worst_val = float(row_err[worst_row])
+    quantized = inp.head_quantized()
+    entry = {"module": module, "kind": "int8" if quantized else "bf16", "layer": None, "shape": [n, k], **wm,
+             "max_row_rel_error": worst_val, "worst_row": worst_row}
+    reasons = []
+    if quantized:
+        if exceeds(wm["rel_error"], spec.int8_max_rel_error):
+            reasons.append(f"relative error {wm['rel_error']:.4g} > {spec.int8_max_rel_error} (int8_max_rel_error)")
+        if below(wm["cosine"], spec.min_cosine):
+            reasons.append(f"cosine {wm['cosine']:.6g} < {spec.min_cosine} (min_cosine)")
+        if exceeds(worst_val, spec.int8_max_row_rel_error):
+            bad = (~(row_err <= spec.int8_max_row_rel_error)).nonzero().reshape(-1).tolist()
+            reasons.append(f"row {worst_row} relative error {worst_val:.4g} > {spec.int8_max_row_rel_error} "
+                           f"(int8_max_row_rel_error; {len(bad)} row(s) over: {bad[:8]})")
+    elif exceeds(wm["rel_error"], 0.0):
+        reasons.append(f"BF16 lm-head differs from the source (relative error {wm['rel_error']:.4g})")
+    entry["passed"] = not reasons
+    for r in reasons:
+        f.fail("weights", f"{module}: {r}")
+
+    logits = logit_metrics(ref_logits, hyb_logits)
+    head = {"module": module, "tokens": int(h.shape[0]),
+            "inputs": "calibration" if "lm_head" in inp.activations else "random (final-norm scale)", **logits}
+    lreasons = []
+    if below(logits["top1_agreement"], spec.head_min_top1):
+        lreasons.append(f"top-1 agreement {logits['top1_agreement']:.4f} < {spec.head_min_top1} (head_min_top1)")
+    if below(logits["top5_overlap"], spec.head_min_top5_overlap):
+        lreasons.append(f"top-5 overlap {logits['top5_overlap']:.4f} < {spec.head_min_top5_overlap} (head_min_top5_overlap)")
+    if exceeds(logits["kl"], spec.head_max_kl):
+        lreasons.append(f"KL {logits['kl']:.4g} > {spec.head_max_kl} (head_max_kl)")
+    for r in lreasons:
+        f.fail("lm_head", f"{module}: {r}")
+    head["passed"] = not lreasons
+    f.note("lm_head", f"top-1 {logits['top1_agreement']:.4f}, top-5 overlap {logits['top5_overlap']:.4f}, "
+                      f"KL {logits['kl']:.3g}, max logit error {logits['max_logit_error']:.3g}")
+    return [entry], head
+
+
+def logit_metrics(ref: torch.Tensor, approx: torch.Tensor) -> dict[str, float]:
+    """Agreement of two [T, V] logit matrices: KL(ref || approx) per token (mean and max), top-1
+    agreement, top-5 overlap, max absolute logit error."""
+    lp = torch.log_softmax(ref.double(), dim=-1)
+    lq = torch.log_softmax(approx.double(), dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    k = min(5, ref.shape[-1])
+    t5r, t5a = ref.topk(k, dim=-1).indices, approx.topk(k, dim=-1).indices
+    overlap = (t5r.unsqueeze(-1) == t5a.unsqueeze(-2)).any(-1).float().sum(-1) / k
+    return {
+        "kl": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agreement": float((ref.argmax(-1) == approx.argmax(-1)).float().mean()),
+        "top5_overlap": float(overlap.mean()),
+        "max_logit_error": float((ref - approx).abs().max()),
+    }
+
+
+# ------------------------------------------------------------------------------------- activations
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+
+
+def shared_expert_groups(modules: list[str]) -> dict[str, dict[str, str]]:
+    """``...mlp.shared_expert`` -> {"gate": module, "up": module, "down": module}."""
+    groups: dict[str, dict[str, str]] = {}
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        groups.setdefault(parent, {})[leaf.removesuffix("_proj")] = m
+    return groups
+
+
+def _mlp_inputs(inp: ValidationInputs, parent: str, hidden: int, layer_seed: int) -> tuple[torch.Tensor, str]:
+    given = inp.activations.get(parent)
+    if given is not None:
+        return given.float().reshape(-1, hidden), "calibration"
+    gen = torch.Generator().manual_seed(SEED + layer_seed)
+    x = torch.randn(ACT_TOKENS, hidden, generator=gen)
+    # the MLP reads post_attention_layernorm's output: unit RMS times (1 + weight)
+    norm = parent.removesuffix(".mlp.shared_expert") + ".post_attention_layernorm.weight"
+    if norm in inp.source.tensors:
+        x = x * (1.0 + _read(inp.source, norm).float())
+        return x, "random (post-attention norm scale)"
+    return x, "random (unit RMS)"
+
+
+def check_activations(inp: ValidationInputs, f: Findings, dequantized: dict[str, torch.Tensor]) -> list[dict]:
+    """Each layer's shared-expert SwiGLU (times its sigmoid gate) with source and converted weights
+    on the same inputs: relative output error."""
+    spec = inp.spec
+    out = []
+    groups = shared_expert_groups(inp.converted("fp8"))
+    for i, (parent, parts) in enumerate(sorted(groups.items(), key=lambda kv: (layer_index(kv[0] + ".") or 0, kv[0]))):
+        if set(parts) != {"gate", "up", "down"}:
+            continue
+        if not all(parts[p] in dequantized for p in ("gate", "up", "down")):
+            f.fail("activations", f"{parent}: not run, a projection could not be read")
+            continue
+        ref = {p: _read(inp.source, parts[p] + ".weight").float() for p in ("gate", "up", "down")}
+        x, kind = _mlp_inputs(inp, parent, ref["gate"].shape[1], layer_index(parent + ".") or i)
+        y_ref = swiglu(x, ref["gate"], ref["up"], ref["down"])
+        y_hyb = swiglu(x, dequantized[parts["gate"]], dequantized[parts["up"]], dequantized[parts["down"]])
+        gate_name = parent + "_gate.weight"  # ...mlp.shared_expert_gate
+        if gate_name in inp.source.tensors:
+            g = torch.sigmoid(x @ _read(inp.source, gate_name).float().t())
+            y_ref, y_hyb = y_ref * g, y_hyb * g
+        m = error_metrics(y_ref, y_hyb)
+        entry = {"module": parent, "layer": layer_index(parent + "."), "tokens": int(x.shape[0]), "inputs": kind,
+                 "rel_error": m["rel_error"], "cosine": m["cosine"], "max_abs_error": m["max_abs_error"]}
+        entry["passed"] = not exceeds(m["rel_error"], spec.mlp_max_rel_error)
+        if not entry["passed"]:
+            f.fail("activations", f"{parent}: output relative error {m['rel_error']:.4g} > {spec.mlp_max_rel_error} "
+                                  f"(mlp_max_rel_error)")
+        out.append(entry)
+    if out:
+        worst = max(out, key=lambda e: e["rel_error"] if e["rel_error"] == e["rel_error"] else math.inf)
+        f.note("activations", f"{len(out)} shared-expert MLPs; worst relative output error {worst['rel_error']:.4g} "
+                              f"(layer {worst['layer']})")
+    return out
+
+
+def load_activations(path: Path | None) -> dict[str, torch.Tensor]:
+    """Calibration activations: a safetensors file whose keys are ``<...>.mlp.shared_expert``
+    (inputs [T, H] of that MLP) and ``lm_head`` (final hidden states [T, H])."""
+    if path is None:
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def read_provenance(root: Path) -> dict | None:
+    p = root / META_DIR / "provenance.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

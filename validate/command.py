@@ -1,0 +1,65 @@
+"""``hybrid-build validate``: check a built artifact's structure and numerics; exit 1 on failure."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from hybrid_build.pipeline.cli import emit_json, progress
+    from hybrid_build.pipeline.errors import UserError
+    from hybrid_build.recipes.schema import load_recipe
+
+    from .report import validate_artifact
+
+    if args.activations is not None and not args.activations.is_file():
+        raise UserError(f"{args.activations}: no such activations file")
+    recipe = load_recipe(args.recipe) if args.recipe else None
+
+    def bar(**kw):
+        return progress(args.quiet or args.json, leave=False, **kw)
+
+    e2e = False if args.no_e2e else (True if args.e2e else None)
+    report = validate_artifact(args.artifact, args.source, recipe=recipe, progress=bar,
+                               activations=args.activations, e2e=e2e)
+    if args.json:
+        emit_json(report.to_json())
+    elif not args.quiet:
+        for c in report.checks:
+            print(f"  {c.name:<12} {'pass' if c.passed else 'FAIL'}  {c.detail}")
+        for line in report.failures:
+            print(f"FAIL {line}")
+        where = Path(args.artifact) / "hybrid_build" / "validation.md"
+        print(f"validation {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s); report in {where}")
+    return 0 if report.passed else 1
+
+
+def register(sub, common) -> None:
+    from hybrid_build.pipeline.cli import ExampleFormatter, add_json_flag
+
+    p = sub.add_parser(
+        "validate", parents=[common], formatter_class=ExampleFormatter,
+        help="prove a built artifact's numerics and structure against its source",
+        description="Check an artifact built by `hybrid-build run`: every source tensor accounted for, index and "
+                    "files agree, sha256 against provenance.json, dtypes and shapes of the declared scheme, no "
+                    "NaN/Inf or non-positive scales; each converted tensor against its BF16 source (relative "
+                    "error, cosine, SQNR, worst block/row); each shared-expert MLP's output; the lm-head's logits "
+                    "(top-1, top-5, KL); and a teacher-forced forward of the whole model with transformers. "
+                    "Thresholds come from the recipe's `validate` section. Writes "
+                    "ARTIFACT/hybrid_build/validation.{json,md,png}. Exit 0 when every check passes, 1 when one "
+                    "fails, 2 on a usage error.",
+        epilog="examples:\n"
+               "  hybrid-build validate out/                      # source from out/hybrid_build/provenance.json\n"
+               "  hybrid-build validate out/ --source ./int4 --json\n"
+               "  hybrid-build validate hybrid/ --no-e2e          # skip the whole-model forward (big models)")
+    p.add_argument("artifact", type=Path, help="the artifact folder written by `hybrid-build run`")
+    p.add_argument("--source", help="the INT4 source checkpoint (folder or Hub id; default: the one provenance.json names)")
+    p.add_argument("--recipe", help="recipe name or YAML file for the thresholds (default: ARTIFACT/hybrid_build/recipe.yaml)")
+    p.add_argument("--activations", type=Path, metavar="FILE",
+                   help="safetensors file of calibration inputs: '<...>.mlp.shared_expert' [T, H] per layer, "
+                        "'lm_head' [T, H] (default: random inputs at each layer's norm scale)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-e2e", action="store_true", help="skip the end-to-end forward even if the recipe asks for it")
+    g.add_argument("--e2e", action="store_true", help="run the end-to-end forward even if the recipe turns it off")
+    add_json_flag(p)
+    p.set_defaults(handler=_handle)
