@@ -123,10 +123,13 @@ def check_int4_symmetric(ctx) -> None:
                 raise ArtifactError(f"{module}: asymmetric INT4 zeros; compressed-tensors repack needs symmetric GPTQ")
 
 
-def _regex_for(modules: list[str]) -> list[str]:
-    """Generalise module names over layer and expert indices into compressed-tensors ``re:`` targets."""
-    pats = sorted({re.sub(r"\\\.(\d+)\\\.", r"\\.\\d+\\.", re.escape(m)) for m in modules})
-    return [f"re:{p}$" for p in pats]
+def _regex_for(modules: list[str], prefix: str) -> list[str]:
+    """Generalise module names over layer and expert indices into compressed-tensors ``re:``
+    targets. The language-model prefix is replaced by ``.*`` because engines rename it (vLLM's
+    VL class calls it ``language_model.model.``)."""
+    pats = sorted({re.sub(r"\\\.(\d+)\\\.", r"\\.\\d+\\.", re.escape(m[len(prefix):] if m.startswith(prefix) else m))
+                   for m in modules})
+    return [f"re:.*{p}$" for p in pats]
 
 
 def quantization_config(ctx) -> dict:
@@ -149,9 +152,9 @@ def quantization_config(ctx) -> dict:
     int4 = sorted({split_module(t.name)[0] for t in ctx.source.tensors.values()
                    if t.storage == "int4" and t.name.endswith(".qweight")})
     groups = {
-        "int4": QuantizationScheme(targets=_regex_for(int4), format="pack-quantized", weights=QuantizationArgs(
+        "int4": QuantizationScheme(targets=_regex_for(int4, ctx.source.lm_prefix), format="pack-quantized", weights=QuantizationArgs(
             num_bits=4, type="int", symmetric=True, strategy="group", group_size=ctx.source.quant.group_size or 128)),
-        "fp8": QuantizationScheme(targets=_regex_for(fp8_modules), format="float-quantized", weights=QuantizationArgs(
+        "fp8": QuantizationScheme(targets=_regex_for(fp8_modules, ctx.source.lm_prefix), format="float-quantized", weights=QuantizationArgs(
             num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
             input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
                                                group_size=128, dynamic=True)),
