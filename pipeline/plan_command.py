@@ -153,11 +153,13 @@ def build_plan(ckpt: Checkpoint, args: argparse.Namespace) -> dict:
     }
     if args.published:
         data["published_gb10"] = bw.published_comparison(reads, hw, drafter, args.context)
+        if hw.name != "gb10" or hw.bandwidth_gbps != bw.HARDWARE["gb10"].bandwidth_gbps:
+            data["notes"].append("--published compares with GB10 measurements, but the hardware here is not GB10")
     return data
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:7.3f}" if n >= 5e6 or n == 0 else f"{n / 1e9:7.5f}"
+    return f"{n / 1e9:7.3f}" if n >= 1e8 or n == 0 else f"{n / 1e9:7.5f}"
 
 
 def render_text(data: dict) -> str:
