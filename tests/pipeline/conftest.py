@@ -1,0 +1,33 @@
+"""Artifacts built once per session from the tiny checkpoint, one per output format."""
+from __future__ import annotations
+
+import pytest
+
+from hybrid_build.pipeline.run import prepare, run_build
+
+BUILD_STAGES = ["inspect", "calibrate", "quantize-head", "assemble"]
+
+
+def build(source, out, fmt=None, recipe="tiny", stages=BUILD_STAGES):
+    ctx = prepare(source, out, recipe)
+    if fmt:
+        ctx.recipe.output.format = fmt
+        from hybrid_build.pipeline.conversion import plan_conversion
+
+        ctx.plan = plan_conversion(ctx.source, ctx.recipe)
+    run_build(ctx, stages)
+    return ctx
+
+
+@pytest.fixture(scope="session")
+def inc_artifact(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("inc") / "out"
+    build(tiny_checkpoint, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ct_artifact(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ct") / "out"
+    build(tiny_checkpoint, out, fmt="compressed-tensors")
+    return out
