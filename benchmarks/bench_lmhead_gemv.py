@@ -39,12 +39,16 @@ def _load_gemv():
 g = _load_gemv()
 
 BATCHES = (1, 2, 4, 8, 13, 16, 32, 64)
-# (block_n, block_k, num_warps, num_stages) candidates per padded batch width.
+# (block_n, block_k, num_warps, num_stages, block_m, split_b) candidates per batch class.
 SWEEP = {
-    16: [(64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 4, 4), (128, 256, 4, 3), (256, 128, 8, 3),
-         (128, 128, 8, 4), (64, 256, 4, 3)],
-    32: [(64, 128, 4, 4), (128, 128, 4, 4), (128, 256, 4, 3), (256, 128, 8, 3)],
-    64: [(64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3), (128, 256, 8, 3)],
+    16: [(64, 128, 4, 4, 16, False), (128, 128, 4, 3, 16, False), (128, 128, 4, 4, 16, False),
+         (128, 128, 8, 4, 16, False), (256, 128, 8, 3, 16, False), (128, 256, 4, 3, 16, False),
+         (64, 256, 4, 3, 16, False)],
+    32: [(64, 128, 4, 4, 32, False), (128, 128, 4, 4, 32, False), (128, 128, 8, 3, 32, False),
+         (128, 128, 4, 3, 64, False), (128, 128, 8, 3, 64, False), (256, 128, 8, 3, 64, False)],
+    64: [(64, 128, 4, 4, 64, False), (128, 128, 4, 3, 64, False), (128, 128, 8, 3, 64, False),
+         (256, 128, 8, 3, 64, False), (128, 256, 8, 3, 64, False), (64, 128, 4, 4, 32, True),
+         (128, 128, 8, 3, 32, True)],
 }
 U32 = 2.0**-24  # fp32 unit roundoff
 U_BF16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
@@ -208,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep_rows = []
         for bb, cands in SWEEP.items():
-            for bn, bk, nw, ns in cands:
-                cfg = g.GemvConfig(bn, bk, nw, ns, dq("asm"))
+            for bn, bk, nw, ns, bm, split in cands:
+                cfg = g.GemvConfig(bn, bk, nw, ns, dq("asm"), bm, split)
                 rec = run_variant(bb, cfg)
                 sweep_rows.append(rec)
                 log(f"sweep B={bb:2d} {cfg.as_dict()} -> {rec.get('ms', rec.get('error'))}")

@@ -13,6 +13,7 @@ applied once to the fp32 accumulator after the K loop.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -50,30 +51,40 @@ _DEQUANT_CODE = {"cvt": 0, "bits": 1, "asm": 2, "none": 3}
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters of one kernel instance."""
+    """Launch parameters of one kernel instance.
+
+    ``block_m`` is the M of each ``tl.dot`` (x rows, padded): Triton runs M = 16 or 32 on
+    mma.sync with the dequantized weight straight from registers, and M = 64 on wgmma with
+    the weight staged through shared memory. ``split_b`` runs two dots of ``block_m`` rows on
+    one dequantized tile, covering ``2 * block_m`` batch rows. ``None`` pads the batch to
+    16, 32 or 64 and runs one dot.
+    """
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     dequant: str = "asm"
+    block_m: int | None = None
+    split_b: bool = False
 
     def as_dict(self) -> dict:
-        return {
-            "block_n": self.block_n,
-            "block_k": self.block_k,
-            "num_warps": self.num_warps,
-            "num_stages": self.num_stages,
-            "dequant": self.dequant,
-        }
+        return dataclasses.asdict(self)
+
+    def rows(self, batch: int) -> tuple[int, bool]:
+        """(M of each dot, whether there are two) for ``batch`` rows."""
+        m = self.block_m or block_b_for(batch)
+        if m * (2 if self.split_b else 1) < batch:
+            raise ValueError(f"config covers {m * (2 if self.split_b else 1)} batch rows, got {batch}")
+        return m, self.split_b
 
 
-# Fixed table per padded batch width, chosen by benchmarks/bench_lmhead_gemv.py on an H200
-# (results in benchmarks/results/lmhead_gemv_h200.json). Keyed by BLOCK_B.
+# Fixed table per batch class (B <= 16, <= 32, <= 64), chosen by
+# benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json).
 _H200_TABLE: dict[int, GemvConfig] = {
-    16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
-    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
-    64: GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=3),
+    16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16),
+    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=32),
+    64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64),
 }
 
 MAX_BLOCK_B = 64
@@ -84,7 +95,7 @@ def _interpreting() -> bool:
 
 
 def block_b_for(batch: int) -> int:
-    """Padded batch width the dot runs at (tl.dot needs every dimension >= 16)."""
+    """Batch class of ``batch``: the padded width 16, 32 or 64 (every tl.dot dim is >= 16)."""
     if batch <= 16:
         return 16
     if batch <= 32:
@@ -96,7 +107,7 @@ def config_for(batch: int, device: torch.device | None = None) -> GemvConfig:
     """Launch config for ``batch`` rows on ``device`` (asm dequant only where it can run)."""
     cfg = _H200_TABLE[block_b_for(batch)]
     if cfg.dequant == "asm" and not _asm_supported(device):
-        cfg = GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, "bits")
+        cfg = dataclasses.replace(cfg, dequant="bits")
     return cfg
 
 
@@ -191,10 +202,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
     if cfg.dequant not in _DEQUANT_CODE:
         raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
     kernel = _kernel(_interpreting())
+    block_h, split = cfg.rows(batch)
     grid = (-(-n // cfg.block_n),)
     kernel[grid](
         x, w, s, out, batch, n, k, x.stride(0), out.stride(0),
-        BLOCK_B=block_b_for(batch), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_H=block_h, SPLIT_B=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0),
         STAGE={"full": 0, "no_dot": 1, "load": 2}[stage],
         # The interpreter (triton 3.9) multiplies bf16 dot operands as their raw uint16 bits;
@@ -228,7 +240,7 @@ def _kernel(interpret: bool):
 def _int8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr,
     B, N, K, stride_xb, stride_ob,
-    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, SPLIT_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr, EVEN_K: tl.constexpr, STAGE: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -236,12 +248,16 @@ def _int8_gemv_kernel(
     # Rows past N re-read row N-1 instead of masking, so the weight loads stay unmasked
     # 16-byte vectors; their results are dropped by the masked store.
     rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)
-    offs_b = tl.arange(0, BLOCK_B)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
-    x_ptrs = x_ptr + offs_b[None, :] * stride_xb + offs_k[:, None]
-    b_mask = offs_b[None, :] < B
-    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+    # x rows [0, BLOCK_H) and, with SPLIT_B, [BLOCK_H, 2 * BLOCK_H): two dots share one
+    # dequantized tile (two M = 32 dots stay on mma.sync where one M = 64 dot is wgmma).
+    offs_h = tl.arange(0, BLOCK_H)
+    x_ptrs = x_ptr + offs_h[:, None] * stride_xb + offs_k[None, :]
+    h_ok = offs_h[:, None] < B
+    h2_ok = (offs_h[:, None] + BLOCK_H) < B
+    acc = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)
     if STAGE == 1:
         acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.bfloat16)
     else:
@@ -249,11 +265,15 @@ def _int8_gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             q = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs, mask=b_mask, other=0.0)
+            xa = tl.load(x_ptrs, mask=h_ok, other=0.0)
+            if SPLIT_B:
+                xa2 = tl.load(x_ptrs + BLOCK_H * stride_xb, mask=h2_ok, other=0.0)
         else:
-            k_ok = (k0 + offs_k) < K
-            q = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
-            xt = tl.load(x_ptrs, mask=b_mask & k_ok[:, None], other=0.0)
+            k_ok = (k0 + offs_k[None, :]) < K
+            q = tl.load(w_ptrs, mask=k_ok, other=0)
+            xa = tl.load(x_ptrs, mask=h_ok & k_ok, other=0.0)
+            if SPLIT_B:
+                xa2 = tl.load(x_ptrs + BLOCK_H * stride_xb, mask=h2_ok & k_ok, other=0.0)
         if STAGE == 2:
             acc_w = acc_w ^ q
         else:
@@ -294,15 +314,27 @@ def _int8_gemv_kernel(
             if STAGE == 1:
                 acc_w += wb
             elif DOT_F32:
-                acc = tl.dot(wb.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+                wt = tl.trans(wb.to(tl.float32))
+                acc = tl.dot(xa.to(tl.float32), wt, acc, input_precision="ieee")
+                if SPLIT_B:
+                    acc2 = tl.dot(xa2.to(tl.float32), wt, acc2, input_precision="ieee")
             else:
-                acc = tl.dot(wb, xt, acc)
+                # x is the left operand (M = batch rows). For M < 64 Triton uses mma.sync with the
+                # weight as the register operand, 4 consecutive K bytes per register, so the
+                # dequant needs no byte shuffles; M = 64 is wgmma via shared memory.
+                wt = tl.trans(wb)
+                acc = tl.dot(xa, wt, acc)
+                if SPLIT_B:
+                    acc2 = tl.dot(xa2, wt, acc2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if STAGE != 0:
         # Keep the loads alive for the stage-drop timings; the values are meaningless.
-        acc += tl.sum(acc_w.to(tl.float32), axis=1)[:, None]
-    s = tl.load(s_ptr + rows).to(tl.float32)
-    res = acc * s[:, None]
-    o_ptrs = o_ptr + offs_b[None, :] * stride_ob + offs_n[:, None]
-    tl.store(o_ptrs, res.to(o_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & b_mask)
+        acc += tl.sum(acc_w.to(tl.float32), axis=1)[None, :]
+    # One scale per output row, applied once to the fp32 sum.
+    s = tl.load(s_ptr + rows).to(tl.float32)[None, :]
+    n_ok = offs_n[None, :] < N
+    o_ptrs = o_ptr + offs_h[:, None] * stride_ob + offs_n[None, :]
+    tl.store(o_ptrs, (acc * s).to(o_ptr.dtype.element_ty), mask=h_ok & n_ok)
+    if SPLIT_B:
+        tl.store(o_ptrs + BLOCK_H * stride_ob, (acc2 * s).to(o_ptr.dtype.element_ty), mask=h2_ok & n_ok)
