@@ -91,13 +91,25 @@ class QuantizationInfo:
         extra = self.extra_config
         if module in extra:
             return extra[module]
-        for key, value in extra.items():
-            try:
-                if re.fullmatch(key, module):
-                    return value
-            except re.error:
-                continue
+        for pattern, value in self._regex_keys():
+            if pattern.fullmatch(module):
+                return value
         return None
+
+    def _regex_keys(self) -> list[tuple[re.Pattern, dict]]:
+        # compiled once: the real checkpoint has ~250 keys and ~100k module names to test
+        cached = self.__dict__.get("_compiled")
+        if cached is None:
+            cached = []
+            for key, value in self.extra_config.items():
+                if not any(c in key for c in "*+?^$()[]{}|\\"):
+                    continue  # a plain name only matches exactly (handled above)
+                try:
+                    cached.append((re.compile(key), value))
+                except re.error:
+                    continue
+            self.__dict__["_compiled"] = cached
+        return cached
 
     def module_bits(self, module: str) -> int | None:
         if self.method == "auto-round":

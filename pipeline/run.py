@@ -32,8 +32,7 @@ from .weights import read_rows, read_tensor
 
 log = logging.getLogger(__name__)
 
-STAGES = ("inspect", "calibrate", "quantize-head", "assemble", "validate")
-WORK_DIR = ".hybrid-build"
+from .stages import STAGES, WORK_DIR  # noqa: F401  (re-exported)
 ProgressFactory = Callable[..., object]
 
 

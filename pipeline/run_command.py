@@ -113,7 +113,7 @@ def _handle(args: argparse.Namespace) -> int:
 
 def register(sub, common) -> None:
     from .cli import ExampleFormatter, add_json_flag
-    from .run import STAGES
+    from .stages import STAGES
 
     p = sub.add_parser(
         "run", parents=[common], formatter_class=ExampleFormatter,
