@@ -157,7 +157,8 @@ def check_index(inp: ValidationInputs, f: Findings) -> None:
     if art.index is None:
         f.fail("index", f"{INDEX_NAME} is missing (the build did not finish)")
     else:
-        for name in sorted(fn for fn in art.files if not any(t.file == fn and t.in_index for t in art.tensors.values())):
+        listed = set(art.index.get("weight_map", {}).values())
+        for name in sorted(set(art.files) - listed):
             f.fail("index", f"{name} is not listed in the index: vLLM would not load its tensors")
         unlisted = [t.name for t in art.tensors.values() if not t.in_index]
         if unlisted:
@@ -194,7 +195,8 @@ def check_provenance(inp: ValidationInputs, f: Findings) -> None:
         digest = sha256_file(path, bar.update)
         if digest != want.get("sha256"):
             f.fail("provenance", f"{name}: sha256 {digest[:12]}.. does not match provenance.json ({str(want.get('sha256'))[:12]}..)")
-        checked += 1
+        else:
+            checked += 1
     _close(bar)
     conv = {c.get("module"): c.get("kind") for c in prov.get("converted") or []}
     for c in inp.plan.conversions:
@@ -240,6 +242,16 @@ def check_tensors(inp: ValidationInputs, f: Findings) -> None:
                 expected[t.name] = (t.dtype, t.shape)
                 copied.append(t.name)
     missing = [n for n in expected if n not in art.tensors]
+    # tensors of a file whose header cannot be read: one line per file, not one per tensor
+    weight_map = (art.index or {}).get("weight_map", {})
+    unreadable = {fn for fn in set(weight_map.values()) if fn not in {t.file for t in art.tensors.values()}}
+    lost: dict[str, int] = {}
+    for name in missing:
+        if weight_map.get(name) in unreadable:
+            lost[weight_map[name]] = lost.get(weight_map[name], 0) + 1
+    for fn, count in sorted(lost.items()):
+        f.fail("tensors", f"{count} tensor(s) the index maps to {fn} cannot be read (file missing or damaged)")
+    missing = [n for n in missing if weight_map.get(n) not in unreadable]
     for name in missing[:20]:
         origin = "converted" if split_module(name)[0] in kinds else "source"
         f.fail("tensors", f"{name} ({origin} tensor) is missing from the artifact")
