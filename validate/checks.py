@@ -267,6 +267,28 @@ def check_tensors(inp: ValidationInputs, f: Findings) -> None:
     f.note("tensors", f"{len(src.tensors)} source tensors: {len(copied)} copied, "
                       f"{len(inp.plan.conversions)} modules converted; {len(art.tensors)} artifact tensors")
     _compare_copied(inp, f, [n for n in copied if n in art.tensors and art.tensors[n].nbytes == src.tensors[n].nbytes])
+    if inp.fmt == "compressed-tensors":
+        _compare_repacked(inp, f, expected)
+
+
+def _compare_repacked(inp: ValidationInputs, f: Findings, expected: dict) -> None:
+    """compressed-tensors INT4 must be the source's codes and scales transposed, bit for bit."""
+    modules = sorted({split_module(n)[0] for n in expected if n.endswith(".weight_packed")})
+    bar = inp.progress(total=len(modules), desc="compare INT4 repack", unit="module")
+    bad = 0
+    for module in modules:
+        bar.update(1)
+        if not _readable(inp.artifact, module, ["weight_packed", "weight_scale", "weight_shape"]):
+            continue
+        same = (torch.equal(_read(inp.artifact, module + ".weight_packed"), _read(inp.source, module + ".qweight").t())
+                and torch.equal(_read(inp.artifact, module + ".weight_scale"), _read(inp.source, module + ".scales").t()))
+        qw = inp.source.tensors[module + ".qweight"].shape
+        same = same and _read(inp.artifact, module + ".weight_shape").tolist() == [qw[1], qw[0] * 8]
+        if not same:
+            bad += 1
+            if bad <= 20:
+                f.fail("tensors", f"{module}: INT4 pack-quantized tensors are not the source's qweight/scales transposed")
+    _close(bar)
 
 
 def _compare_copied(inp: ValidationInputs, f: Findings, names: list[str]) -> None:

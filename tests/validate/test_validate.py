@@ -165,3 +165,23 @@ def test_end_to_end_measures_only_the_replaced_weights(tiny_checkpoint):
     assert "error" not in r, r
     assert r["modules_replaced"] == 13
     assert r["kl"] == 0.0 and r["top1_agreement"] == 1.0 and r["ppl_change"] == 0.0
+
+
+def test_compressed_tensors_build_passes_and_repack_is_checked(tiny_checkpoint, test_recipe, tmp_path, plant, capsys):
+    from hybrid_build.pipeline.run import prepare, run_build
+
+    out = tmp_path / "ct"
+    ctx = prepare(tiny_checkpoint, out, str(test_recipe))
+    ctx.recipe.output.format = "compressed-tensors"
+    from hybrid_build.pipeline.conversion import plan_conversion
+
+    ctx.plan = plan_conversion(ctx.source, ctx.recipe)
+    run_build(ctx, stages=["inspect", "calibrate", "quantize-head", "assemble"])
+    rc, rep = _validate(out, tiny_checkpoint, capsys, "--no-e2e")
+    assert rc == 0, rep["failures"]
+    assert rep["format"] == "compressed-tensors"
+    module = "model.language_model.layers.0.linear_attn.out_proj"
+    plant.patch(out, module + ".weight_packed", lambda t: t ^ 1)  # flip one bit of every word
+    rc, rep = _validate(out, tiny_checkpoint, capsys, "--no-e2e")
+    assert rc == 1
+    assert any(f.startswith(f"tensors: {module}: INT4 pack-quantized") for f in rep["failures"]), rep["failures"]
