@@ -39,17 +39,16 @@ def _load_gemv():
 g = _load_gemv()
 
 BATCHES = (1, 2, 4, 8, 13, 16, 32, 64)
-# (block_n, block_k, num_warps, num_stages, block_m, split_b) candidates per batch class.
+# (block_n, block_k, num_warps, num_stages, block_m, dots) candidates per batch class.
 SWEEP = {
-    16: [(64, 128, 4, 4, 16, False), (128, 128, 4, 3, 16, False), (128, 128, 4, 4, 16, False),
-         (128, 128, 8, 4, 16, False), (256, 128, 8, 3, 16, False), (128, 256, 4, 3, 16, False),
-         (64, 256, 4, 3, 16, False)],
-    32: [(64, 128, 4, 4, 32, False), (128, 128, 4, 4, 32, False), (128, 128, 8, 3, 32, False),
-         (128, 128, 4, 3, 64, False), (128, 128, 8, 3, 64, False), (256, 128, 8, 3, 64, False)],
-    64: [(64, 128, 4, 4, 64, False), (128, 128, 4, 3, 64, False), (128, 128, 8, 3, 64, False),
-         (256, 128, 8, 3, 64, False), (128, 256, 8, 3, 64, False), (64, 128, 4, 4, 32, True),
-         (128, 128, 8, 3, 32, True)],
+    16: [(128, 256, 4, 3, 16, 1), (128, 128, 4, 4, 16, 1), (64, 256, 4, 3, 16, 1), (64, 128, 4, 4, 16, 1),
+         (256, 128, 8, 3, 16, 1)],
+    32: [(128, 128, 4, 4, 32, 1), (64, 128, 4, 4, 32, 1), (128, 256, 4, 3, 32, 1), (128, 128, 4, 4, 16, 2),
+         (128, 128, 4, 3, 64, 1)],
+    64: [(128, 128, 4, 3, 64, 1), (128, 128, 4, 4, 64, 1), (64, 128, 4, 3, 64, 1), (128, 128, 4, 4, 32, 2),
+         (128, 128, 8, 3, 16, 4), (64, 128, 4, 4, 16, 4)],
 }
+# Earlier sweeps on the same H200 (docs/kernel.md) dropped the configs that lost everywhere.
 U32 = 2.0**-24  # fp32 unit roundoff
 U_BF16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 SMOKE = False  # --cpu-smoke: CPU + Triton interpreter, tiny shapes, one untimed-quality call
@@ -89,7 +88,9 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ref32: torch.
     gamma = 2 * (k + 2) * U32 / (1 - 2 * (k + 2) * U32)
     mag = torch.nn.functional.linear(x.float().abs(), w.float().abs()) * s.float().abs()[None, :]
     fp32_err = 2 * gamma * mag
-    return fp32_err + U_BF16 * (2 * ref32.abs() + fp32_err)
+    # The interpreter truncates fp32 -> bf16 (one ulp, 2^-7) where the GPU rounds (2^-8).
+    u_kernel = 2 * U_BF16 if SMOKE else U_BF16
+    return fp32_err + u_kernel * (ref32.abs() + fp32_err) + U_BF16 * ref32.abs()
 
 
 def check(out: torch.Tensor, x, w, s, ref32: torch.Tensor) -> dict:
@@ -212,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep_rows = []
         for bb, cands in SWEEP.items():
-            for bn, bk, nw, ns, bm, split in cands:
-                cfg = g.GemvConfig(bn, bk, nw, ns, dq("asm"), bm, split)
+            for bn, bk, nw, ns, bm, dots in cands:
+                cfg = g.GemvConfig(bn, bk, nw, ns, dq("asm"), bm, dots)
                 rec = run_variant(bb, cfg)
                 sweep_rows.append(rec)
                 log(f"sweep B={bb:2d} {cfg.as_dict()} -> {rec.get('ms', rec.get('error'))}")

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton.language as tl
-except ImportError:  # the reference path and the config table need no Triton
-    tl = None
+# Bound to triton.language by _kernel() on first use: importing Triton here would fix its
+# interpreter mode (read when Triton is first imported) for whoever imports this module.
+tl = None
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ __all__ = [
 ]
 
 # How the int8 tile becomes bf16 before the dot:
-#   "cvt":  Triton's own int8 -> bf16 cast (an I2F conversion per element on Hopper);
+#   "cvt":  Triton's own int8 -> bf16 cast (as fast as "asm" with triton 3.6 on an H200, whose
+#           sm_90 lowering is a similar bit trick; other releases may emit an I2F per element);
 #   "bits": a magic-number trick in plain Triton ops (integer add into an fp32 mantissa, one
 #           fp32 subtract, one fp32 -> bf16 pack); runs under the interpreter, so CPU tests
 #           cover it;
@@ -55,9 +56,9 @@ class GemvConfig:
 
     ``block_m`` is the M of each ``tl.dot`` (x rows, padded): Triton runs M = 16 or 32 on
     mma.sync with the dequantized weight straight from registers, and M = 64 on wgmma with
-    the weight staged through shared memory. ``split_b`` runs two dots of ``block_m`` rows on
-    one dequantized tile, covering ``2 * block_m`` batch rows. ``None`` pads the batch to
-    16, 32 or 64 and runs one dot.
+    the weight staged through shared memory. ``dots`` (1, 2 or 4) dots of ``block_m`` rows
+    share one dequantized tile, covering ``dots * block_m`` batch rows. ``block_m=None``
+    pads the batch to 16, 32 or 64.
     """
 
     block_n: int
@@ -66,23 +67,25 @@ class GemvConfig:
     num_stages: int
     dequant: str = "asm"
     block_m: int | None = None
-    split_b: bool = False
+    dots: int = 1
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def rows(self, batch: int) -> tuple[int, bool]:
-        """(M of each dot, whether there are two) for ``batch`` rows."""
+    def rows(self, batch: int) -> tuple[int, int]:
+        """(M of each dot, number of dots) for ``batch`` rows."""
         m = self.block_m or block_b_for(batch)
-        if m * (2 if self.split_b else 1) < batch:
-            raise ValueError(f"config covers {m * (2 if self.split_b else 1)} batch rows, got {batch}")
-        return m, self.split_b
+        if self.dots not in (1, 2, 4):
+            raise ValueError(f"dots must be 1, 2 or 4, got {self.dots}")
+        if m * self.dots < batch:
+            raise ValueError(f"config covers {m * self.dots} batch rows, got {batch}")
+        return m, self.dots
 
 
 # Fixed table per batch class (B <= 16, <= 32, <= 64), chosen by
 # benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json).
 _H200_TABLE: dict[int, GemvConfig] = {
-    16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16),
+    16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
     32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=32),
     64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64),
 }
@@ -104,23 +107,23 @@ def block_b_for(batch: int) -> int:
 
 
 def config_for(batch: int, device: torch.device | None = None) -> GemvConfig:
-    """Launch config for ``batch`` rows on ``device`` (asm dequant only where it can run)."""
+    """Launch config for ``batch`` rows on ``device``.
+
+    The inline-PTX dequant needs sm_90 (``sub.bf16x2``); older CUDA GPUs get Triton's own
+    cast, and the interpreter the plain-Triton "bits" path (it runs neither PTX nor, in
+    triton 3.9, a correct int8 -> bf16 cast).
+    """
     cfg = _H200_TABLE[block_b_for(batch)]
-    if cfg.dequant == "asm" and not _asm_supported(device):
-        cfg = dataclasses.replace(cfg, dequant="bits")
-    return cfg
-
-
-def _asm_supported(device: torch.device | None) -> bool:
     if _interpreting() or device is None or device.type != "cuda":
-        return False
-    # sub.bf16x2 is an sm_90 instruction.
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+        return dataclasses.replace(cfg, dequant="bits")
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return dataclasses.replace(cfg, dequant="cvt")
+    return cfg
 
 
 def kernel_available(device: torch.device) -> bool:
     """True when :func:`int8_linear` runs the Triton kernel (not the reference) on ``device``."""
-    if tl is None:
+    if importlib.util.find_spec("triton") is None:
         return False
     return device.type == "cuda" or _interpreting()
 
@@ -202,11 +205,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
     if cfg.dequant not in _DEQUANT_CODE:
         raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
     kernel = _kernel(_interpreting())
-    block_h, split = cfg.rows(batch)
+    block_h, dots = cfg.rows(batch)
     grid = (-(-n // cfg.block_n),)
     kernel[grid](
         x, w, s, out, batch, n, k, x.stride(0), out.stride(0),
-        BLOCK_H=block_h, SPLIT_B=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_H=block_h, N_DOTS=dots, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0),
         STAGE={"full": 0, "no_dot": 1, "load": 2}[stage],
         # The interpreter (triton 3.9) multiplies bf16 dot operands as their raw uint16 bits;
@@ -224,8 +227,10 @@ def _kernel(interpret: bool):
     Wrapping here rather than at import keeps the mode a call-time choice: ``triton.jit``
     otherwise fixes it from TRITON_INTERPRET when this module is first imported.
     """
-    if tl is None:
-        raise RuntimeError("triton is not installed")
+    global tl
+    import triton.language
+
+    tl = triton.language
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -240,7 +245,7 @@ def _kernel(interpret: bool):
 def _int8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr,
     B, N, K, stride_xb, stride_ob,
-    BLOCK_H: tl.constexpr, SPLIT_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, N_DOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr, EVEN_K: tl.constexpr, STAGE: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -250,30 +255,43 @@ def _int8_gemv_kernel(
     rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
-    # x rows [0, BLOCK_H) and, with SPLIT_B, [BLOCK_H, 2 * BLOCK_H): two dots share one
-    # dequantized tile (two M = 32 dots stay on mma.sync where one M = 64 dot is wgmma).
+    # N_DOTS dots of BLOCK_H x rows each share one dequantized tile: dot j covers rows
+    # [j * BLOCK_H, (j + 1) * BLOCK_H) (e.g. four M = 16 dots stay on mma.sync where one
+    # M = 64 dot is wgmma). Unused accumulators are dead code and cost nothing.
     offs_h = tl.arange(0, BLOCK_H)
     x_ptrs = x_ptr + offs_h[:, None] * stride_xb + offs_k[None, :]
+    x_step = BLOCK_H * stride_xb
     h_ok = offs_h[:, None] < B
-    h2_ok = (offs_h[:, None] + BLOCK_H) < B
-    acc = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)
+    h1_ok = (offs_h[:, None] + BLOCK_H) < B
+    h2_ok = (offs_h[:, None] + 2 * BLOCK_H) < B
+    h3_ok = (offs_h[:, None] + 3 * BLOCK_H) < B
+    acc = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
+    acc1 = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
+    acc2 = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
+    acc3 = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
     if STAGE == 1:
-        acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.bfloat16)
+        acc_w = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.bfloat16)
     else:
-        acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int8)
+        acc_w = tl.full((BLOCK_N, BLOCK_K), 0, dtype=tl.int8)
     for k0 in range(0, K, BLOCK_K):
+        # Masks only along rows when K needs no tail, so loads stay 16-byte vectors.
         if EVEN_K:
             q = tl.load(w_ptrs)
             xa = tl.load(x_ptrs, mask=h_ok, other=0.0)
-            if SPLIT_B:
-                xa2 = tl.load(x_ptrs + BLOCK_H * stride_xb, mask=h2_ok, other=0.0)
+            if N_DOTS > 1:
+                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok, other=0.0)
+            if N_DOTS > 2:
+                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok, other=0.0)
+                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok, other=0.0)
         else:
             k_ok = (k0 + offs_k[None, :]) < K
             q = tl.load(w_ptrs, mask=k_ok, other=0)
             xa = tl.load(x_ptrs, mask=h_ok & k_ok, other=0.0)
-            if SPLIT_B:
-                xa2 = tl.load(x_ptrs + BLOCK_H * stride_xb, mask=h2_ok & k_ok, other=0.0)
+            if N_DOTS > 1:
+                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok & k_ok, other=0.0)
+            if N_DOTS > 2:
+                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok & k_ok, other=0.0)
+                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok & k_ok, other=0.0)
         if STAGE == 2:
             acc_w = acc_w ^ q
         else:
@@ -316,16 +334,22 @@ def _int8_gemv_kernel(
             elif DOT_F32:
                 wt = tl.trans(wb.to(tl.float32))
                 acc = tl.dot(xa.to(tl.float32), wt, acc, input_precision="ieee")
-                if SPLIT_B:
+                if N_DOTS > 1:
+                    acc1 = tl.dot(xa1.to(tl.float32), wt, acc1, input_precision="ieee")
+                if N_DOTS > 2:
                     acc2 = tl.dot(xa2.to(tl.float32), wt, acc2, input_precision="ieee")
+                    acc3 = tl.dot(xa3.to(tl.float32), wt, acc3, input_precision="ieee")
             else:
                 # x is the left operand (M = batch rows). For M < 64 Triton uses mma.sync with the
                 # weight as the register operand, 4 consecutive K bytes per register, so the
                 # dequant needs no byte shuffles; M = 64 is wgmma via shared memory.
                 wt = tl.trans(wb)
                 acc = tl.dot(xa, wt, acc)
-                if SPLIT_B:
+                if N_DOTS > 1:
+                    acc1 = tl.dot(xa1, wt, acc1)
+                if N_DOTS > 2:
                     acc2 = tl.dot(xa2, wt, acc2)
+                    acc3 = tl.dot(xa3, wt, acc3)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if STAGE != 0:
@@ -336,5 +360,9 @@ def _int8_gemv_kernel(
     n_ok = offs_n[None, :] < N
     o_ptrs = o_ptr + offs_h[:, None] * stride_ob + offs_n[None, :]
     tl.store(o_ptrs, (acc * s).to(o_ptr.dtype.element_ty), mask=h_ok & n_ok)
-    if SPLIT_B:
-        tl.store(o_ptrs + BLOCK_H * stride_ob, (acc2 * s).to(o_ptr.dtype.element_ty), mask=h2_ok & n_ok)
+    o_step = BLOCK_H * stride_ob
+    if N_DOTS > 1:
+        tl.store(o_ptrs + o_step, (acc1 * s).to(o_ptr.dtype.element_ty), mask=h1_ok & n_ok)
+    if N_DOTS > 2:
+        tl.store(o_ptrs + 2 * o_step, (acc2 * s).to(o_ptr.dtype.element_ty), mask=h2_ok & n_ok)
+        tl.store(o_ptrs + 3 * o_step, (acc3 * s).to(o_ptr.dtype.element_ty), mask=h3_ok & n_ok)
