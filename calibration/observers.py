@@ -13,10 +13,10 @@ OBSERVERS = {"minmax": "memoryless_minmax", "mse": "memoryless_mse"}
 
 def observe(weight: torch.Tensor, args: QuantizationArgs, observer: str) -> dict[str, torch.Tensor]:
     """min/max statistics and qparams of ``weight`` under ``args``, from llm-compressor's observer."""
-    from llmcompressor.observers import Observer
     from loguru import logger
 
     logger.disable("llmcompressor")  # its import warns about the missing GPU on every CPU run
+    from llmcompressor.observers import Observer
 
     if observer not in OBSERVERS:
         raise KeyError(f"unknown observer {observer!r} (valid: {', '.join(OBSERVERS)})")

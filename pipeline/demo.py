@@ -9,6 +9,8 @@ the MTP tensors in ``model_extra_tensors.safetensors``, which the index does not
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -128,11 +130,16 @@ def _export_autoround(model, tokenizer, export_dir: Path) -> Path:
     quiet = logging.getLogger("autoround")
     level = quiet.level
     quiet.setLevel(logging.WARNING)
+    chatter = io.StringIO()  # auto-round's own progress bars; shown only if the export fails
     try:
-        # RTN (iters=0) needs no data; the optimised RTN crashes on the full-attention layer's mask
-        ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", iters=0, disable_opt_rtn=True,
-                       ignore_layers="shared_expert.", device_map="cpu")
-        ar.quantize_and_save(str(export_dir), format="auto_round:auto_gptq")
+        with contextlib.redirect_stderr(chatter):
+            # RTN (iters=0) needs no data; the optimised RTN crashes on the full-attention layer's mask
+            ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", iters=0, disable_opt_rtn=True,
+                           ignore_layers="shared_expert.", device_map="cpu")
+            ar.quantize_and_save(str(export_dir), format="auto_round:auto_gptq")
+    except Exception:
+        log.error("auto-round export failed; its output was:\n%s", chatter.getvalue()[-4000:])
+        raise
     finally:
         quiet.setLevel(level)
     found = [p.parent for p in export_dir.rglob("config.json")]
