@@ -86,7 +86,7 @@ class GemvConfig:
 # benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json).
 _H200_TABLE: dict[int, GemvConfig] = {
     16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
-    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=32),
+    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16, dots=2),
     64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64),
 }
 
@@ -181,6 +181,8 @@ def int8_linear(
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(*lead, n)}")
         out2 = out.view(-1, n)
 
+    if config is not None:
+        config.rows(min(x2.shape[0], MAX_BLOCK_B))  # reject a config that cannot cover the batch
     if not kernel_available(x.device):
         log.debug("int8_linear: no Triton kernel for device %s, using the torch reference", x.device)
         out2.copy_(int8_linear_reference(x2, w, s))

@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+# The interpreter paths are verified with triton 3.9; 3.6's interpreter cannot iterate over a
+# runtime loop bound (seen on the GPU machine), so interpreter runs need a newer one.
+INTERPRETER_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
 
 from hybrid_build.serve import int8_gemv as g  # noqa: E402
 
@@ -26,15 +29,30 @@ U_BF16 = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# With a GPU the same checks run compiled on it; without one, under the interpreter.
-ON_GPU = torch.cuda.is_available()
+def _can_compile() -> bool:
+    """False when triton was first imported with TRITON_INTERPRET=1 (tests/conftest.py sets it
+    for the session): its library functions are then interpreter-only and compiling fails."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(tl.standard.cdiv, JITFunction)
+
+
+# With a GPU (and a compile-capable triton) the same checks run compiled on it; otherwise on
+# the CPU under the interpreter. Run `TRITON_INTERPRET=0 pytest -m gpu ...` on a GPU machine.
+ON_GPU = torch.cuda.is_available() and _can_compile()
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
-    # int8_gemv picks interpreted or compiled per call, so setting this late is enough.
-    if not ON_GPU:
+    # int8_gemv picks interpreted or compiled per call, so setting this late is enough (and
+    # clearing it on a GPU machine undoes a session-wide TRITON_INTERPRET=1).
+    if ON_GPU:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        if not INTERPRETER_OK:
+            pytest.skip(f"interpreter runs need triton >= 3.9, found {triton.__version__}")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
@@ -169,8 +187,8 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", g.DEQUANT_MODES)
 def test_gpu_modes(monkeypatch, mode):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU and triton imported without TRITON_INTERPRET=1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if mode == "asm" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("inline PTX dequant needs sm_90")
@@ -184,6 +202,8 @@ def test_gpu_modes(monkeypatch, mode):
 
 def test_benchmark_script_smoke(tmp_path, monkeypatch):
     """The H200 benchmark runs end to end on the CPU interpreter (numbers meaningless)."""
+    if not INTERPRETER_OK:
+        pytest.skip(f"interpreter runs need triton >= 3.9, found {triton.__version__}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     path = ROOT / "benchmarks" / "bench_lmhead_gemv.py"
     spec = importlib.util.spec_from_file_location("bench_lmhead_gemv", path)
