@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import platform
 import sys
 import time

@@ -7,9 +7,9 @@ lazily, so this module imports on machines without it.
 
 Design (docs/kernel.md has the numbers): every program owns ``BLOCK_N`` output rows and all
 batch rows at once, so each weight byte is read exactly once whatever B is. The int8 tile is
-turned into bf16 in registers and fed to ``tl.dot`` as the left operand against ``x.T``
-(B padded to 16/32/64), which keeps the reduction on the tensor cores; the per-row scale is
-applied once to the fp32 accumulator after the K loop.
+turned into bf16 in registers and fed to ``tl.dot`` as the right operand of ``x`` (B padded to
+16/32/64), which keeps the reduction on the tensor cores; the per-row scale is applied once
+to the fp32 accumulator after the K loop.
 """
 from __future__ import annotations
 
