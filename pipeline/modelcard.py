@@ -1,0 +1,393 @@
+"""The model card of a published hybrid artifact: Hub metadata plus a body built from the artifact.
+
+Everything on the card comes from files in the artifact: ``hybrid_build/provenance.json`` (source,
+recipe, converted modules, file hashes), ``hybrid_build/validation.json`` (the figures and checks),
+``hybrid_build/recipe.yaml``'s serve profiles (via the provenance's recipe) and the safetensors
+headers (bytes per converted module). The card is rendered with ``huggingface_hub.ModelCard`` and
+``ModelCardData``; nothing here talks to the network.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from .safetensors_io import INDEX_NAME, read_header
+
+log = logging.getLogger(__name__)
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+UNKNOWN_LICENSE = "other"
+
+
+@dataclass
+class ValidationStatus:
+    """What the artifact's validation report says: ``passed``, ``failed``, ``missing`` or ``stale``."""
+
+    state: str
+    report: dict = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.state == "passed"
+
+
+@dataclass
+class LicenseInfo:
+    license: str
+    origin: str  # where it was found, said on the card
+    known: bool = True
+
+
+@dataclass
+class CardInputs:
+    repo_id: str
+    provenance: dict
+    validation: ValidationStatus
+    license: LicenseInfo
+    converted_bytes: dict[str, dict[str, int]]  # kind -> {"modules", "params", "bf16", "stored"}
+    files: dict[str, int]  # every published file -> bytes (the card excluded)
+    pipeline_tag: str | None = None
+    forced: bool = False
+    has_plot: bool = False
+
+
+# ------------------------------------------------------------------------------------ gathering
+
+
+def read_frontmatter(readme: Path) -> dict:
+    """The YAML metadata block of a model card file, or {} when it has none or it does not parse."""
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
+    if not m:
+        return {}
+    try:
+        data = yaml.safe_load(m.group(1))
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def find_license(artifact: Path, config: dict) -> LicenseInfo:
+    """The source's license: from the source card that ``run`` copied into the artifact, else from
+    ``config.json``; ``other`` when neither says, which the card then states plainly."""
+    meta = read_frontmatter(artifact / "README.md")
+    if isinstance(meta.get("license"), str) and meta["license"].strip():
+        return LicenseInfo(meta["license"].strip(), "the source model card")
+    for key in ("license", "license_name"):
+        if isinstance(config.get(key), str) and config[key].strip():
+            return LicenseInfo(config[key].strip(), "the source config.json")
+    return LicenseInfo(UNKNOWN_LICENSE, "not found in the source", known=False)
+
+
+def converted_sizes(artifact: Path, provenance: dict) -> dict[str, dict[str, int]]:
+    """Per kind (fp8 / int8): modules, parameters, their BF16 bytes and the bytes stored now.
+
+    Stored bytes come from the safetensors headers of the artifact (headers only, no data read)."""
+    index = json.loads((artifact / INDEX_NAME).read_text())
+    weight_map = index.get("weight_map", {})
+    headers: dict[str, dict] = {}
+    out: dict[str, dict[str, int]] = {}
+    for c in provenance.get("converted", []):
+        kind = c.get("kind", "?")
+        n, k = (c.get("shape") or [0, 0])[:2]
+        entry = out.setdefault(kind, {"modules": 0, "params": 0, "bf16": 0, "stored": 0})
+        entry["modules"] += 1
+        entry["params"] += n * k
+        entry["bf16"] += 2 * n * k
+        for name in c.get("tensors", []):
+            shard = weight_map.get(name)
+            if shard is None:
+                continue
+            if shard not in headers:
+                headers[shard] = read_header(artifact / shard).tensors
+            t = headers[shard].get(name)
+            entry["stored"] += t.nbytes if t else 0
+    return out
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+def _g(v, spec: str = ".4g") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def card_data(inp: CardInputs) -> ModelCardData:
+    prov = inp.provenance
+    src = (prov.get("source") or {}).get("id") or ""
+    kinds = {c.get("kind") for c in prov.get("converted", [])}
+    fmt = prov.get("format", "inc-hybrid")
+    tags = ["hybrid-build", "hybrid", "int4", "auto-round"]
+    if "fp8" in kinds:
+        tags.append("fp8")
+    if "int8" in kinds:
+        tags.append("int8")
+    if fmt == "compressed-tensors":
+        tags.append("compressed-tensors")
+    tags.append("vllm")
+    extra = {}
+    if HUB_ID.match(src):
+        extra["base_model_relation"] = "quantized"
+    return ModelCardData(
+        base_model=src if HUB_ID.match(src) else None,
+        license=inp.license.license,
+        library_name="transformers",
+        pipeline_tag=inp.pipeline_tag,
+        tags=tags,
+        **extra,
+    )
+
+
+def validation_figures(report: dict) -> list[tuple[str, object, str, object]]:
+    """(figure, value, threshold name, threshold) rows: the headline numbers of validation.json."""
+    t = report.get("thresholds") or {}
+    weights = report.get("weights") or []
+    fp8 = [w for w in weights if w.get("kind") == "fp8"]
+    int8 = [w for w in weights if w.get("kind") == "int8"]
+    acts = report.get("activations") or []
+    head = report.get("lm_head") or {}
+    e2e = report.get("end_to_end") or {}
+
+    def worst(rows, key, fn=max):
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return fn(vals) if vals else None
+
+    rows = []
+    if fp8:
+        rows += [("FP8 shared experts: worst weight relative error", worst(fp8, "rel_error"),
+                  "fp8_max_rel_error", t.get("fp8_max_rel_error")),
+                 ("FP8 shared experts: worst 128x128 block relative error", worst(fp8, "max_block_rel_error"),
+                  "fp8_max_block_rel_error", t.get("fp8_max_block_rel_error")),
+                 ("FP8 shared experts: lowest cosine", worst(fp8, "cosine", min), "min_cosine", t.get("min_cosine"))]
+    if int8:
+        rows += [("int8 lm-head: weight relative error", worst(int8, "rel_error"),
+                  "int8_max_rel_error", t.get("int8_max_rel_error")),
+                 ("int8 lm-head: worst row relative error", worst(int8, "max_row_rel_error"),
+                  "int8_max_row_rel_error", t.get("int8_max_row_rel_error"))]
+    if acts:
+        rows.append(("shared-expert MLP output: worst relative error", worst(acts, "rel_error"),
+                     "mlp_max_rel_error", t.get("mlp_max_rel_error")))
+    if head:
+        rows += [("lm-head logits: top-1 agreement", head.get("top1_agreement"), "head_min_top1", t.get("head_min_top1")),
+                 ("lm-head logits: top-5 overlap", head.get("top5_overlap"), "head_min_top5_overlap",
+                  t.get("head_min_top5_overlap")),
+                 ("lm-head logits: KL", head.get("kl"), "head_max_kl", t.get("head_max_kl"))]
+    if e2e and not e2e.get("skipped") and "error" not in e2e:
+        rows += [("end to end: KL divergence from the source", e2e.get("kl"), "e2e_max_kl", t.get("e2e_max_kl")),
+                 ("end to end: top-1 agreement", e2e.get("top1_agreement"), "e2e_min_top1", t.get("e2e_min_top1")),
+                 ("end to end: perplexity change", e2e.get("ppl_change"), "e2e_max_ppl_change",
+                  t.get("e2e_max_ppl_change"))]
+    return rows
+
+
+def _banner(inp: CardInputs) -> list[str]:
+    v = inp.validation
+    if v.passed:
+        return []
+    what = {"missing": "there is no validation report",
+            "stale": "the validation report is older than the build",
+            "failed": "the validation report says FAILED"}.get(v.state, v.state)
+    lines = [f"> **Warning:** published with `--force`: {what}."]
+    if v.reason:
+        lines.append(f"> {v.reason}")
+    lines.append("> Do not rely on this checkpoint's quality until it validates.")
+    return lines + [""]
+
+
+def _serve_section(inp: CardInputs) -> list[str]:
+    recipe = inp.provenance.get("recipe") or {}
+    serve = recipe.get("serve") or {}
+    profiles = serve.get("profiles") or {}
+    dense = profiles.get("dense") or {}
+    repo = inp.repo_id
+    fmt = inp.provenance.get("format", "inc-hybrid")
+    lines = ["## How to serve", "",
+             "With hybrid-build (picks the engine settings measured for this model):", "", "```bash",
+             "pip install hybrid-build", f"hybrid-build serve {repo} --profile dense", "```", ""]
+    if dense.get("description"):
+        lines += [f"The `dense` profile: {dense['description']}.", ""]
+    others = [p for p in profiles if p != "dense"]
+    if others:
+        lines += ["Other profiles in the recipe: " + ", ".join(f"`{p}`" for p in others) + ".", ""]
+    args = ["vllm", "serve", repo]
+    if dense.get("max_model_len"):
+        args += ["--max-model-len", str(dense["max_model_len"])]
+    if dense.get("gpu_memory_utilization"):
+        args += ["--gpu-memory-utilization", str(dense["gpu_memory_utilization"])]
+    if dense.get("max_num_seqs"):
+        args += ["--max-num-seqs", str(dense["max_num_seqs"])]
+    if dense.get("enable_prefix_caching") is False:
+        args.append("--no-enable-prefix-caching")
+    spec = dense.get("speculative") or {}
+    if spec.get("method") == "dflash" and spec.get("model"):
+        cfg = {"method": "dflash", "model": spec["model"],
+               "num_speculative_tokens": spec.get("num_speculative_tokens", 12)}
+        if spec.get("attention_backend"):
+            cfg["attention_backend"] = spec["attention_backend"]
+        args += ["--speculative-config", json.dumps(cfg, separators=(",", ":"))]
+    elif spec.get("method") == "mtp":
+        args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens":
+                                                     spec.get("num_speculative_tokens", 1)}, separators=(",", ":"))]
+    for flag, key in (("--tool-call-parser", "tool_call_parser"), ("--reasoning-parser", "reasoning_parser")):
+        if dense.get(key):
+            args += [flag, str(dense[key])]
+    if dense.get("tool_call_parser"):
+        args.append("--enable-auto-tool-choice")
+    lines += ["With plain vLLM:", ""]
+    if fmt == "compressed-tensors":
+        lines += ["This is a compressed-tensors mixed-precision checkpoint: stock vLLM (0.33 or later) loads it "
+                  "without a plugin.", ""]
+    else:
+        lines += ["Stock vLLM reads the quantization method of an auto-round checkpoint from its global config, so "
+                  "it would load the FP8 shared experts as INT4. Install hybrid-build next to vLLM: its vLLM plugin "
+                  "(entry point `vllm.general_plugins`) honours the per-layer FP8 entries"
+                  + (" and the int8 lm-head." if any(c.get("kind") == "int8" for c in inp.provenance.get("converted", []))
+                     else "."), ""]
+    lines += ["```bash", " ".join(shlex.quote(a) for a in args), "```", ""]
+    return lines
+
+
+def render_body(inp: CardInputs) -> str:
+    prov = inp.provenance
+    src = prov.get("source") or {}
+    src_id = src.get("id") or "?"
+    recipe = prov.get("recipe") or {}
+    fmt = prov.get("format", "?")
+    name = inp.repo_id.split("/")[-1]
+    src_link = f"[{src_id}](https://huggingface.co/{src_id})" if HUB_ID.match(src_id) else f"`{src_id}` (a local checkpoint)"
+    conv = inp.converted_bytes
+    parts = []
+    if "fp8" in conv:
+        parts.append(f"{conv['fp8']['modules']} shared-expert projections to FP8 E4M3 with 128x128 block scales")
+    if "int8" in conv:
+        parts.append("the lm-head to int8 with one scale per output row")
+    lines = [f"# {name}", ""] + _banner(inp)
+    lines += [f"A hybrid of {src_link}" + (f" (revision `{src['revision']}`)" if src.get("revision") else "")
+              + f", built by hybrid-build {((prov.get('tool') or {}).get('version')) or ''} with recipe "
+              f"`{recipe.get('name', '?')}`, format `{fmt}`. The source's INT4 AutoRound tensors are kept byte for "
+              "byte; " + (" and ".join(parts) if parts else "nothing else") + " were converted from BF16, which "
+              "cuts the bytes read per decoded token.", ""]
+
+    lines += ["## What was converted", "",
+              "| kind | modules | parameters | BF16 bytes | stored bytes | ratio |", "|---|---|---|---|---|---|"]
+    for kind, e in sorted(conv.items()):
+        ratio = e["stored"] / e["bf16"] if e["bf16"] else float("nan")
+        lines.append(f"| {kind} | {e['modules']} | {e['params']:,} | {e['bf16']:,} | {e['stored']:,} | {ratio:.3f} |")
+    worst = {}
+    for c in prov.get("converted", []):
+        m = c.get("metrics") or {}
+        if isinstance(m.get("rel_error"), (int, float)):
+            worst[c.get("kind")] = max(worst.get(c.get("kind"), 0.0), m["rel_error"])
+    if worst:
+        lines += ["", "Worst relative weight error at conversion: "
+                  + ", ".join(f"{k} {_g(v)}" for k, v in sorted(worst.items())) + "."]
+    t = prov.get("tensors") or {}
+    lines += ["", f"Tensors: {t.get('total', '?')} in all, {t.get('copied', '?')} copied unchanged from the source.", ""]
+
+    src_bytes = sum((f or {}).get("bytes", 0) for f in (src.get("files") or {}).values())
+    weights_after = sum(b for p, b in inp.files.items() if p.endswith(".safetensors"))
+    lines += ["## Sizes", "", "| | bytes | size |", "|---|---|---|",
+              f"| source weights (safetensors) | {src_bytes:,} | {human_bytes(src_bytes)} |",
+              f"| hybrid weights (safetensors) | {weights_after:,} | {human_bytes(weights_after)} |",
+              f"| all published files (this card aside) | {sum(inp.files.values()):,} | {human_bytes(sum(inp.files.values()))} |", ""]
+    if src_bytes:
+        lines += [f"Weights change by {(weights_after - src_bytes) / src_bytes:+.2%} on disk.", ""]
+
+    lines += _validation_section(inp)
+    lines += _serve_section(inp)
+    lines += _provenance_section(inp)
+    lines += ["## License", ""]
+    if inp.license.known:
+        lines += [f"`{inp.license.license}`, carried over from {inp.license.origin}: the terms of "
+                  f"{src_link} apply.", ""]
+    else:
+        lines += [f"The license of the source could not be determined ({inp.license.origin}); the metadata says "
+                  f"`{UNKNOWN_LICENSE}`. The terms of {src_link} apply: check them and set the license before "
+                  "sharing this repository.", ""]
+    return "\n".join(lines)
+
+
+def _validation_section(inp: CardInputs) -> list[str]:
+    v = inp.validation
+    rep = v.report
+    lines = ["## Validation", ""]
+    if v.state == "missing":
+        return lines + ["No validation report: this artifact was published without being validated.", ""]
+    state = {"passed": "passed", "failed": "**FAILED**", "stale": "from an earlier build (stale)"}.get(v.state, v.state)
+    lines += [f"Validation {state}: every converted tensor dequantized and compared with the BF16 source, the "
+              "shared-expert MLPs and the lm-head run on the same inputs, and a teacher-forced end-to-end "
+              "comparison with the source model.", ""]
+    rows = validation_figures(rep)
+    if rows:
+        lines += ["| figure | value | threshold |", "|---|---|---|"]
+        lines += [f"| {name} | {_g(val)} | {tname} {_g(tval)} |" for name, val, tname, tval in rows]
+        lines.append("")
+    checks = rep.get("checks") or []
+    if checks:
+        lines += ["| check | result | detail |", "|---|---|---|"]
+        lines += [f"| {c.get('name')} | {'pass' if c.get('passed') else '**FAIL**'} | "
+                  f"{str(c.get('detail', '')).replace('|', '/')} |" for c in checks]
+        lines.append("")
+    failures = rep.get("failures") or []
+    if failures:
+        lines += ["Failures:", ""] + [f"- {f}" for f in failures[:20]]
+        if len(failures) > 20:
+            lines.append(f"- ... and {len(failures) - 20} more (see `hybrid_build/validation.json`)")
+        lines.append("")
+    if inp.has_plot:
+        lines += ["![relative error per layer](hybrid_build/validation.png)", ""]
+    lines += ["Per-tensor figures: `hybrid_build/validation.md`; machine-readable: `hybrid_build/validation.json`.", ""]
+    return lines
+
+
+def _provenance_section(inp: CardInputs) -> list[str]:
+    prov = inp.provenance
+    src = prov.get("source") or {}
+    tool = prov.get("tool") or {}
+    lines = ["## Provenance", "",
+             f"- tool: {tool.get('name', 'hybrid-build')} {tool.get('version', '?')}",
+             *([f"- built: {prov['created']}"] if prov.get("created") else []),
+             f"- source: `{src.get('id', '?')}`" + (f" at revision `{src['revision']}`" if src.get("revision") else ""),
+             f"- recipe: `{(prov.get('recipe') or {}).get('name', '?')}` (resolved copy: `hybrid_build/recipe.yaml`)",
+             f"- format: `{prov.get('format', '?')}`",
+             "- manifest: `hybrid_build/provenance.json` (sha256 of every file below, every converted module and "
+             "its error metrics)", "",
+             "<details><summary>Files and sha256</summary>", "", "| file | bytes | sha256 |", "|---|---|---|"]
+    for path, f in sorted((prov.get("files") or {}).items()):
+        lines.append(f"| `{path}` | {f.get('bytes', 0):,} | `{f.get('sha256', '')}` |")
+    lines += ["", "</details>", ""]
+    return lines
+
+
+def render_card(inp: CardInputs) -> ModelCard:
+    """The card: YAML metadata from ``ModelCardData`` and the body above."""
+    data = card_data(inp)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{render_body(inp)}")

@@ -1,0 +1,610 @@
+"""Publishing an artifact to the Hugging Face Hub: plan, upload, verify.
+
+``plan_publish`` reads the artifact (nothing leaves the machine): it refuses one whose validation
+report is missing, stale or failed unless forced, checks every file against the provenance manifest
+by size, and renders the model card. ``publish`` sends the plan through an ``HfApi``-like object
+(the boundary: the real ``HfApi`` by default, a recording stand-in in tests): it creates the repo,
+uploads in batches with ``upload_folder`` and, before each batch, asks the Hub which files it
+already holds with the expected sha256, so a run that stopped part-way resumes without re-sending
+what arrived. ``verify_remote`` then checks the remote file list, sizes and hashes against the plan.
+Network failures are retried with backoff; the token is never logged.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ArtifactError, ExternalToolError, UserError
+from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_frontmatter, \
+    render_card
+from .safetensors_io import INDEX_NAME, TMP_SUFFIX
+
+log = logging.getLogger(__name__)
+
+META_DIR = "hybrid_build"
+PROVENANCE = f"{META_DIR}/provenance.json"
+VALIDATION_FILES = tuple(f"{META_DIR}/validation.{ext}" for ext in ("json", "md", "png"))
+CARD = "README.md"
+# Files the Hub creates itself; their presence on the remote is expected.
+HUB_OWN_FILES = {".gitattributes"}
+# A batch is one upload_folder call (one or more commits); bounded so a resume redoes little.
+DEFAULT_BATCH_BYTES = 8 * 1024**3
+DEFAULT_BATCH_FILES = 100
+PATHS_INFO_CHUNK = 100
+TITLE_PREFIX = "hybrid-build publish"
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class PublishFile:
+    """One file of the repo: where its bytes come from and what the Hub must end up holding."""
+
+    path: str
+    bytes: int
+    sha256: str
+    origin: str  # "provenance" (hash from the manifest), "local" (hashed here) or "card"
+    local: Path | None = None
+    data: bytes | None = None  # the rendered card
+
+    def git_sha1(self) -> str:
+        """Git blob id, which the Hub reports for files it does not keep in LFS."""
+        h = hashlib.sha1(f"blob {self.bytes}\0".encode())
+        if self.data is not None:
+            h.update(self.data)
+        else:
+            with open(self.local, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        return h.hexdigest()
+
+    def local_sha256(self) -> str:
+        if self.data is not None:
+            return hashlib.sha256(self.data).hexdigest()
+        return _sha256_file(self.local)
+
+
+@dataclass
+class PublishPlan:
+    artifact: Path
+    repo_id: str
+    files: list[PublishFile]  # upload order; the card last
+    card_text: str
+    validation: ValidationStatus
+    forced: bool
+    artifact_id: str  # short hash of provenance.json: names the upload's commits and PR
+    license: LicenseInfo
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def to_json(self) -> dict:
+        return {"artifact": str(self.artifact), "repo_id": self.repo_id, "artifact_id": self.artifact_id,
+                "validation": self.validation.state, "forced": self.forced, "license": self.license.license,
+                "files": [{"path": f.path, "bytes": f.bytes, "sha256": f.sha256} for f in self.files],
+                "total_bytes": self.total_bytes, "notes": self.notes}
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{what} is unreadable: {e}") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{what} is not a JSON object")
+    return data
+
+
+def read_validation(artifact: Path) -> ValidationStatus:
+    path = artifact / VALIDATION_FILES[0]
+    try:
+        report = _read_json(path, VALIDATION_FILES[0])
+    except FileNotFoundError:
+        return ValidationStatus("missing", reason=f"{VALIDATION_FILES[0]} does not exist")
+    except ArtifactError as e:
+        return ValidationStatus("missing", reason=str(e))
+    prov = artifact / PROVENANCE
+    # validate writes its report after assemble writes provenance: an older report describes another build
+    if prov.exists() and path.stat().st_mtime < prov.stat().st_mtime:
+        return ValidationStatus("stale", report, f"{VALIDATION_FILES[0]} is older than {PROVENANCE}")
+    if report.get("passed") is True:
+        return ValidationStatus("passed", report)
+    failures = report.get("failures") or []
+    reason = (f"{len(failures)} failure(s), first: {failures[0]}" if failures else "the report says passed: false")
+    return ValidationStatus("failed", report, reason)
+
+
+def _artifact_paths(artifact: Path) -> list[str]:
+    """Every file of the artifact folder, except dot folders (the work dir) and half-written files."""
+    out = []
+    for p in sorted(artifact.rglob("*")):
+        rel = p.relative_to(artifact)
+        if p.is_dir() or any(part.startswith(".") for part in rel.parts) or p.name.endswith(TMP_SUFFIX):
+            continue
+        out.append(rel.as_posix())
+    return out
+
+
+def _pipeline_tag(artifact: Path, config: dict) -> str | None:
+    tag = read_frontmatter(artifact / CARD).get("pipeline_tag")
+    if isinstance(tag, str):
+        return tag
+    return "image-text-to-text" if "vision_config" in config else "text-generation"
+
+
+def _upload_order(path: str) -> tuple:
+    # weights first, then the small files, then the index (a repo with an index is meant to be complete),
+    # then the manifests; the card goes last, after the loop
+    if path.endswith(".safetensors"):
+        return (0, path)
+    if path == INDEX_NAME:
+        return (2, path)
+    if path.startswith(META_DIR + "/"):
+        return (3, path)
+    return (1, path)
+
+
+def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> PublishPlan:
+    """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing."""
+    artifact = Path(artifact)
+    if not artifact.is_dir():
+        raise UserError(f"{artifact}: no such artifact folder")
+    from .checkpoint import HUB_ID
+
+    if not HUB_ID.match(repo_id):
+        raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
+    if not (artifact / INDEX_NAME).exists():
+        raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
+    try:
+        prov = _read_json(artifact / PROVENANCE, PROVENANCE)
+    except FileNotFoundError:
+        raise ArtifactError(f"{artifact}: no {PROVENANCE}: not a hybrid-build artifact, or a build from an "
+                            "older version; rebuild it") from None
+
+    validation = read_validation(artifact)
+    if not validation.passed and not force:
+        hint = "fix the artifact, or pass --force to publish it anyway (the card will say so)"
+        if validation.state == "failed":
+            raise ArtifactError(f"validation FAILED ({validation.reason}): {hint}")
+        raise UserError(f"{validation.reason}: run `hybrid-build validate {artifact}` first, or pass --force "
+                        "to publish unvalidated (the card will say so)")
+    if not validation.passed:
+        log.warning("publishing with --force although validation is %s", validation.state)
+
+    recorded = prov.get("files") or {}
+    present = _artifact_paths(artifact)
+    covered = set(recorded) | {PROVENANCE}
+    extra = [p for p in present if p not in covered and p not in VALIDATION_FILES]
+    if extra:
+        raise ArtifactError(f"{extra[0]} is in the artifact but not in {PROVENANCE} (added after the build?)"
+                            + (f"; {len(extra) - 1} more" if len(extra) > 1 else "") + ": remove it or rebuild")
+    for path, info in sorted(recorded.items()):
+        local = artifact / path
+        if not local.is_file():
+            raise ArtifactError(f"{path} is listed in {PROVENANCE} but missing from the artifact")
+        if local.stat().st_size != info.get("bytes"):
+            raise ArtifactError(f"{path} has {local.stat().st_size} bytes, {PROVENANCE} recorded {info.get('bytes')}: "
+                                "the artifact changed after the build")
+
+    notes = []
+    files = []
+    for path in sorted(recorded, key=_upload_order):
+        if path == CARD:
+            notes.append(f"{CARD} (the source's card, copied by the build) is replaced by the generated card")
+            continue
+        files.append(PublishFile(path, recorded[path]["bytes"], recorded[path]["sha256"], "provenance", artifact / path))
+    for path in [PROVENANCE, *VALIDATION_FILES]:
+        local = artifact / path
+        if local.is_file():
+            files.append(PublishFile(path, local.stat().st_size, _sha256_file(local), "local", local))
+
+    config = _read_json(artifact / "config.json", "config.json") if (artifact / "config.json").exists() else {}
+    lic = find_license(artifact, config)
+    if not lic.known:
+        notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
+        log.warning("the source's license is unknown: the card says %r", lic.license)
+    inputs = CardInputs(
+        repo_id=repo_id, provenance=prov, validation=validation, license=lic,
+        converted_bytes=converted_sizes(artifact, prov),
+        files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
+        forced=force and not validation.passed, has_plot=(artifact / VALIDATION_FILES[2]).is_file())
+    card_text = str(render_card(inputs))
+    data = card_text.encode("utf-8")
+    files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
+    artifact_id = hashlib.sha256((artifact / PROVENANCE).read_bytes()).hexdigest()[:12]
+    return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
+                       artifact_id, lic, notes)
+
+
+# ------------------------------------------------------------------------------------ retries
+
+
+@dataclass
+class RetryPolicy:
+    """Network calls are tried ``attempts`` times, waiting base, 2*base, ... (at most ``max_delay``)."""
+
+    attempts: int = 5
+    base_delay: float = 2.0
+    max_delay: float = 60.0
+    sleep: Callable[[float], None] = time.sleep
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+
+
+RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+def _status(exc: BaseException) -> int | None:
+    resp = getattr(exc, "response", None)
+    return getattr(resp, "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure worth retrying: no answer at all, a timeout, or a 5xx/429 from the Hub."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    if isinstance(exc, OfflineModeIsEnabled):
+        return False
+    if isinstance(exc, HfHubHTTPError):
+        status = _status(exc)
+        return status is None or status in RETRY_STATUS
+    try:
+        import httpx
+
+        if isinstance(exc, httpx.TransportError):
+            return True
+    except ImportError:  # pragma: no cover - huggingface_hub 1.x depends on httpx
+        pass
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+class Redactor:
+    """Removes the token from any text that may reach the terminal or a log."""
+
+    def __init__(self, secret: str | None):
+        self.secret = secret or None
+
+    def __call__(self, text: str) -> str:
+        return text.replace(self.secret, "***") if self.secret else text
+
+
+def _one_line(exc: BaseException, redact: Redactor) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return redact(f"{type(exc).__name__}: {first}")
+
+
+def hub_error(exc: BaseException, what: str, repo_id: str, redact: Redactor) -> Exception:
+    """One of our errors, with one line, for a Hub failure that retrying did not cure."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    if isinstance(exc, OfflineModeIsEnabled):
+        return UserError("HF_HUB_OFFLINE is set: publishing needs the network (unset it, or use --dry-run)")
+    status = _status(exc)
+    if isinstance(exc, RepositoryNotFoundError) or status == 404:
+        return UserError(f"{what}: {repo_id} not found, or the token cannot see it")
+    if isinstance(exc, HfHubHTTPError) and status in (401, 403):
+        return UserError(f"{what}: the Hub refused access to {repo_id} (HTTP {status}): the token needs write "
+                         "access to that namespace")
+    return ExternalToolError(f"{what} failed: {_one_line(exc, redact)}; run the same command again to resume")
+
+
+def _is_hub_failure(exc: BaseException) -> bool:
+    """Failures that come from talking to the Hub (as opposed to bugs, which keep their traceback)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        import httpx
+
+        if isinstance(exc, httpx.HTTPError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(exc, (HfHubHTTPError, OSError, ValueError))
+
+
+def call_hub(policy: RetryPolicy, what: str, repo_id: str, redact: Redactor, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, retried on transient failures; anything else becomes one clear error."""
+    for attempt in range(1, policy.attempts + 1):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - classified below, never swallowed
+            if not _is_hub_failure(e):
+                raise
+            if not is_transient(e):
+                raise hub_error(e, what, repo_id, redact) from None
+            if attempt == policy.attempts:
+                raise ExternalToolError(f"{what}: the Hub did not answer after {policy.attempts} attempts "
+                                        f"({_one_line(e, redact)}); run the same command again to resume") from None
+            wait = policy.delay(attempt)
+            log.warning("%s: %s; retry %d/%d in %.0f s", what, _one_line(e, redact), attempt,
+                        policy.attempts - 1, wait)
+            policy.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------------ publishing
+
+
+@dataclass
+class PublishResult:
+    repo_id: str
+    revision: str
+    url: str
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    uploaded_bytes: int = 0
+    commits: int = 0
+    pr_url: str | None = None
+    verified: int = 0
+    remote_extra: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"repo_id": self.repo_id, "revision": self.revision, "url": self.url, "pr_url": self.pr_url,
+                "uploaded": self.uploaded, "skipped": self.skipped, "uploaded_bytes": self.uploaded_bytes,
+                "commits": self.commits, "verified": self.verified, "remote_extra": self.remote_extra}
+
+
+def _null_progress(**_kw):
+    class _Bar:
+        def update(self, n=1):
+            pass
+
+        def close(self):
+            pass
+
+    return _Bar()
+
+
+def _token_of(api) -> str | None:
+    from huggingface_hub import get_token
+
+    tok = getattr(api, "token", None)
+    return tok if isinstance(tok, str) and tok else get_token()
+
+
+def batches(files: list[PublishFile], max_bytes: int = DEFAULT_BATCH_BYTES,
+            max_files: int = DEFAULT_BATCH_FILES) -> list[list[PublishFile]]:
+    """Consecutive groups of files up to ``max_bytes`` / ``max_files`` (a larger file goes alone)."""
+    out: list[list[PublishFile]] = []
+    cur: list[PublishFile] = []
+    size = 0
+    for f in files:
+        if cur and (size + f.bytes > max_bytes or len(cur) >= max_files):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(f)
+        size += f.bytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _matches(remote, f: PublishFile) -> bool:
+    """The remote file already holds ``f``'s content (LFS sha256, or git blob id for a small file)."""
+    if remote is None or getattr(remote, "size", None) != f.bytes:
+        return False
+    lfs = getattr(remote, "lfs", None)
+    if lfs is not None:
+        return getattr(lfs, "sha256", None) == f.sha256
+    blob = getattr(remote, "blob_id", None)
+    return blob is not None and blob == f.git_sha1()
+
+
+class Publisher:
+    """Sends a ``PublishPlan`` to ``repo_id`` through ``api`` (``HfApi()`` unless given)."""
+
+    def __init__(self, plan: PublishPlan, api=None, *, private: bool = False, revision: str | None = None,
+                 create_pr: bool = False, retry: RetryPolicy | None = None, progress=_null_progress,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES, batch_files: int = DEFAULT_BATCH_FILES):
+        if api is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi()
+        self.plan, self.api = plan, api
+        self.repo_id = plan.repo_id
+        self.private, self.base_revision, self.create_pr = private, revision or "main", create_pr
+        self.retry = retry or RetryPolicy()
+        self.progress = progress
+        self.batch_bytes, self.batch_files = batch_bytes, batch_files
+        token = _token_of(api)
+        if not token:
+            raise UserError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+        self.redact = Redactor(token)
+
+    def _call(self, what: str, fn: Callable, *args, **kwargs):
+        return call_hub(self.retry, what, self.repo_id, self.redact, fn, *args, **kwargs)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def ensure_repo(self) -> str:
+        url = self._call("create repo", self.api.create_repo, self.repo_id, repo_type="model",
+                         private=self.private, exist_ok=True)
+        if self.base_revision != "main":
+            self._call(f"create branch {self.base_revision}", self.api.create_branch, self.repo_id,
+                       branch=self.base_revision, repo_type="model", exist_ok=True)
+        return str(url)
+
+    def _open_pr(self) -> str | None:
+        """The revision of an open PR left by an earlier run of this same upload, if any."""
+        title = f"{TITLE_PREFIX} {self.plan.artifact_id}"
+        prs = self._call("list pull requests", lambda: list(self.api.get_repo_discussions(
+            self.repo_id, discussion_type="pull_request", discussion_status="open", repo_type="model")))
+        for d in prs:
+            if getattr(d, "is_pull_request", True) and str(getattr(d, "title", "")).startswith(title):
+                return f"refs/pr/{d.num}"
+        return None
+
+    def remote_files(self, paths: list[str], revision: str) -> dict:
+        """path -> RepoFile for those of ``paths`` that exist at ``revision``."""
+        found = {}
+        for i in range(0, len(paths), PATHS_INFO_CHUNK):
+            chunk = paths[i:i + PATHS_INFO_CHUNK]
+            infos = self._call("read remote files", self.api.get_paths_info, self.repo_id, chunk,
+                               expand=True, revision=revision, repo_type="model")
+            for info in infos:
+                if hasattr(info, "size"):
+                    found[info.path] = info
+        return found
+
+    def _missing(self, files: list[PublishFile], revision: str) -> list[PublishFile]:
+        remote = self.remote_files([f.path for f in files], revision)
+        return [f for f in files if not _matches(remote.get(f.path), f)]
+
+    def _commit_message(self, i: int, n: int) -> str:
+        return f"{TITLE_PREFIX} {self.plan.artifact_id}: {self.plan.artifact.name} ({i}/{n})"
+
+    def _send(self, batch: list[PublishFile], revision: str, create_pr: bool, message: str):
+        cards = [f for f in batch if f.data is not None]
+        folder = [f for f in batch if f.data is None]
+        info, calls = None, 0
+        if folder:
+            info = self.api.upload_folder(
+                repo_id=self.repo_id, repo_type="model", folder_path=str(self.plan.artifact),
+                allow_patterns=[glob.escape(f.path) for f in folder], ignore_patterns=[".*", ".*/**"],
+                commit_message=message, revision=revision, create_pr=create_pr or None)
+            calls += 1
+            if create_pr:
+                revision, create_pr = getattr(info, "pr_revision", None) or revision, False
+        for f in cards:
+            first = info
+            info = self.api.upload_file(path_or_fileobj=f.data, path_in_repo=f.path, repo_id=self.repo_id,
+                                        repo_type="model", revision=revision, commit_message=message,
+                                        create_pr=create_pr or None)
+            calls += 1
+            info = first or info  # the first call is the one that opened a PR, if one was opened
+        return info, calls
+
+    def upload(self, result: PublishResult) -> str:
+        """Upload what the remote lacks, batch by batch; returns the revision holding the files."""
+        revision, create_pr = self.base_revision, False
+        if self.create_pr:
+            existing = self._open_pr()
+            if existing:
+                log.info("resuming into the open pull request %s", existing)
+                revision = existing
+            else:
+                create_pr = True
+        groups = batches(self.plan.files, self.batch_bytes, self.batch_files)
+        bar = self.progress(total=self.plan.total_bytes, desc="upload", unit="B", unit_scale=True)
+        try:
+            for i, group in enumerate(groups, 1):
+                todo = self._missing(group, revision)
+                done = [f for f in group if f not in todo]
+                result.skipped += [f.path for f in done]
+                bar.update(sum(f.bytes for f in done))
+                attempt = 0
+                while todo:
+                    attempt += 1
+                    try:
+                        info, calls = self._send(todo, revision, create_pr, self._commit_message(i, len(groups)))
+                    except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
+                        if not _is_hub_failure(e):
+                            raise
+                        if not is_transient(e):
+                            raise hub_error(e, f"upload part {i}/{len(groups)}", self.repo_id, self.redact) from None
+                        if attempt >= self.retry.attempts:
+                            raise ExternalToolError(
+                                f"upload part {i}/{len(groups)}: the Hub did not answer after {attempt} attempts "
+                                f"({_one_line(e, self.redact)}); run the same command again to resume") from None
+                        wait = self.retry.delay(attempt)
+                        log.warning("upload part %d/%d: %s; retry in %.0f s", i, len(groups),
+                                    _one_line(e, self.redact), wait)
+                        self.retry.sleep(wait)
+                        if create_pr:  # the failed call may have opened the PR already
+                            revision = self._open_pr() or revision
+                            create_pr = revision == self.base_revision
+                        # ask again: part of the batch may have arrived before the failure
+                        before = todo
+                        todo = self._missing(todo, revision)
+                        arrived = [f for f in before if f not in todo]
+                        result.uploaded += [f.path for f in arrived]
+                        result.uploaded_bytes += sum(f.bytes for f in arrived)
+                        bar.update(sum(f.bytes for f in arrived))
+                        continue
+                    result.commits += calls
+                    if create_pr:
+                        result.pr_url = getattr(info, "pr_url", None)
+                        revision = getattr(info, "pr_revision", None) or revision
+                        create_pr = False
+                    result.uploaded += [f.path for f in todo]
+                    result.uploaded_bytes += sum(f.bytes for f in todo)
+                    bar.update(sum(f.bytes for f in todo))
+                    todo = []
+        finally:
+            bar.close()
+        if revision.startswith("refs/pr/") and not result.pr_url:
+            result.pr_url = f"https://huggingface.co/{self.repo_id}/discussions/{revision.rsplit('/', 1)[-1]}"
+        return revision
+
+    def run(self) -> PublishResult:
+        url = self.ensure_repo()
+        result = PublishResult(self.repo_id, self.base_revision, url)
+        log.info("publishing %d files (%d bytes) to %s", len(self.plan.files), self.plan.total_bytes, self.repo_id)
+        result.revision = self.upload(result)
+        verified, extra = verify_remote(self.api, self.plan, result.revision, retry=self.retry, redact=self.redact)
+        result.verified, result.remote_extra = verified, extra
+        return result
+
+
+def verify_remote(api, plan: PublishPlan, revision: str = "main", *, retry: RetryPolicy | None = None,
+                  redact: Redactor | None = None) -> tuple[int, list[str]]:
+    """Check the repo at ``revision`` holds every planned file with its size and hash.
+
+    LFS files are compared by sha256 with the provenance manifest; files the Hub keeps in git by
+    their blob id, after checking the local copy's sha256 against the manifest. Raises
+    ``ArtifactError`` naming the first bad file; returns (files verified, remote files not planned)."""
+    retry = retry or RetryPolicy()
+    redact = redact or Redactor(None)
+    tree = call_hub(retry, "list remote files", plan.repo_id, redact,
+                    lambda: list(api.list_repo_tree(plan.repo_id, recursive=True, expand=True, revision=revision,
+                                                    repo_type="model")))
+    remote = {f.path: f for f in tree if hasattr(f, "size")}
+    problems = []
+    for f in plan.files:
+        r = remote.get(f.path)
+        if r is None:
+            problems.append(f"{f.path}: missing on the Hub")
+            continue
+        if r.size != f.bytes:
+            problems.append(f"{f.path}: {r.size} bytes on the Hub, {f.bytes} expected")
+            continue
+        lfs = getattr(r, "lfs", None)
+        if lfs is not None:
+            if lfs.sha256 != f.sha256:
+                problems.append(f"{f.path}: sha256 {lfs.sha256} on the Hub, {f.sha256} expected"
+                                + (f" (from {PROVENANCE})" if f.origin == "provenance" else ""))
+            continue
+        if f.origin == "provenance" and f.local_sha256() != f.sha256:
+            problems.append(f"{f.path}: the local file's sha256 differs from {PROVENANCE}: the artifact changed "
+                            "after the build")
+        elif r.blob_id != f.git_sha1():
+            problems.append(f"{f.path}: git blob {r.blob_id} on the Hub, {f.git_sha1()} expected")
+    if problems:
+        raise ArtifactError("remote verification failed: " + problems[0]
+                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    planned = {f.path for f in plan.files}
+    extra = sorted(p for p in remote if p not in planned and p not in HUB_OWN_FILES)
+    for p in extra:
+        log.warning("the repo also holds %s, which this artifact does not have", p)
+    return len(plan.files), extra

@@ -1,0 +1,104 @@
+"""``hybrid-build publish``: the command line over ``hybrid_build.pipeline.publish``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .cli import ExampleFormatter, add_json_flag, emit_json, progress
+from .errors import UserError
+
+EPILOG = """examples:
+  hybrid-build publish out/ --repo-id my-org/Qwen3.5-122B-A10B-hybrid --dry-run
+  hybrid-build publish out/ --repo-id my-org/Qwen3.5-122B-A10B-hybrid --private
+  hybrid-build publish out/ --repo-id my-org/Qwen3.5-122B-A10B-hybrid --create-pr
+
+The token comes from HF_TOKEN or `hf auth login`. An interrupted upload resumes when the same
+command is run again: files already on the Hub with the right sha256 are not sent again.
+"""
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("publish", parents=[common], formatter_class=ExampleFormatter, epilog=EPILOG,
+                       help="upload a validated artifact to the Hugging Face Hub",
+                       description="Upload a validated hybrid artifact to the Hub with a generated model card, "
+                                   "then check the remote files against the provenance manifest.")
+    p.add_argument("artifact", metavar="ARTIFACT", help="the folder `hybrid-build run` wrote")
+    p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the Hub model repo (created if needed)")
+    p.add_argument("--private", action="store_true", help="create the repo private (no effect if it exists)")
+    p.add_argument("--revision", metavar="BRANCH", default=None, help="branch to push to (created if needed; default main)")
+    p.add_argument("--create-pr", action="store_true",
+                   help="open a pull request instead of pushing to the branch (a re-run continues the same PR)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the files, their sizes and the model card; send nothing")
+    p.add_argument("--force", action="store_true",
+                   help="publish even if validation is missing or failed (the card says so)")
+    add_json_flag(p)
+    p.set_defaults(handler=run)
+
+
+def make_api():
+    """The Hub client; tests replace this with a recording stand-in."""
+    from huggingface_hub import HfApi
+
+    return HfApi()
+
+
+def _print_plan(plan, revision: str) -> None:
+    from .modelcard import human_bytes
+
+    out = sys.stdout
+    out.write(f"dry run: would publish {len(plan.files)} files, {plan.total_bytes:,} bytes "
+              f"({human_bytes(plan.total_bytes)}) to {plan.repo_id} ({revision}); nothing is sent\n")
+    width = max(len(f"{f.bytes:,}") for f in plan.files)
+    for f in plan.files:
+        what = "  (generated model card)" if f.origin == "card" else ""
+        out.write(f"  {f.bytes:>{width},}  {f.path}{what}\n")
+    out.write(f"total {plan.total_bytes:,} bytes in {len(plan.files)} files\n")
+    out.write(f"validation: {plan.validation.state}" + (" (--force)" if plan.forced else "") + "\n")
+    for note in plan.notes:
+        out.write(f"note: {note}\n")
+    out.write("\n----- README.md -----\n")
+    out.write(plan.card_text if plan.card_text.endswith("\n") else plan.card_text + "\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .publish import Publisher, plan_publish
+
+    plan = plan_publish(args.artifact, args.repo_id, force=args.force)
+    revision = args.revision or "main"
+    if args.dry_run:
+        if args.json:
+            emit_json({**plan.to_json(), "dry_run": True, "revision": revision, "card": plan.card_text})
+        else:
+            _print_plan(plan, revision)
+        return 0
+    if args.revision and args.revision.startswith("refs/"):
+        raise UserError("--revision takes a branch name; use --create-pr for a pull request")
+
+    api = make_api()
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE and type(api).__module__.startswith("huggingface_hub"):
+        raise UserError("HF_HUB_OFFLINE is set: publishing needs the network (unset it, or use --dry-run)")
+    quiet = args.quiet or args.json
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    publisher = Publisher(plan, api, private=args.private, revision=args.revision, create_pr=args.create_pr,
+                          progress=lambda **kw: progress(quiet, **kw))
+    result = publisher.run()
+    if args.json:
+        emit_json(result.to_json())
+        return 0
+    sys.stdout.write(f"published {plan.repo_id} ({result.revision}): {len(result.uploaded)} files sent "
+                     f"({result.uploaded_bytes:,} bytes), {len(result.skipped)} already there; "
+                     f"{result.verified} files verified against the provenance manifest\n")
+    if result.pr_url:
+        sys.stdout.write(f"pull request: {result.pr_url}\n")
+    if result.remote_extra:
+        sys.stdout.write(f"note: the repo also holds {len(result.remote_extra)} file(s) this artifact does not "
+                         f"have, e.g. {result.remote_extra[0]}\n")
+    if plan.forced:
+        sys.stdout.write(f"warning: published with --force (validation {plan.validation.state})\n")
+    return 0
