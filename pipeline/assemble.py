@@ -238,6 +238,7 @@ def assemble(ctx) -> tuple[list[Path], dict]:
     weight_map = {t.name: s.filename for s in shards for t in s.tensors}
     index_text = json.dumps({"metadata": {"total_size": sum(s.data_bytes for s in shards)},
                              "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
+    os.sync()  # shards on disk before the files that say the build is complete
     prov = provenance(ctx, shards, index_text)
     write_text_atomic(out / PROVENANCE, json.dumps(prov, indent=2) + "\n")
     write_text_atomic(out / INDEX_NAME, index_text)
