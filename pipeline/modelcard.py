@@ -314,7 +314,7 @@ def render_body(inp: CardInputs) -> str:
 
     src_bytes = sum((f or {}).get("bytes", 0) for f in (src.get("files") or {}).values())
     weights_after = sum(b for p, b in inp.files.items() if p.endswith(".safetensors"))
-    lines += ["## Sizes", "", "| | bytes | size |", "|---|---|---|",
+    lines += ["## Sizes", "", "| what | bytes | size |", "|---|---|---|",
               f"| source weights (safetensors) | {src_bytes:,} | {human_bytes(src_bytes)} |",
               f"| hybrid weights (safetensors) | {weights_after:,} | {human_bytes(weights_after)} |",
               f"| all published files (this card aside) | {sum(inp.files.values()):,} | {human_bytes(sum(inp.files.values()))} |", ""]

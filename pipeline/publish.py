@@ -221,7 +221,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
     lic = find_license(artifact, config)
     if not lic.known:
         notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
-        log.warning("the source's license is unknown: the card says %r", lic.license)
+        log.info("the source's license is unknown: the card says %r", lic.license)
     inputs = CardInputs(
         repo_id=repo_id, provenance=prov, validation=validation, license=lic,
         converted_bytes=converted_sizes(artifact, prov),
@@ -337,7 +337,7 @@ def call_hub(policy: RetryPolicy, what: str, repo_id: str, redact: Redactor, fn:
                 raise ExternalToolError(f"{what}: the Hub did not answer after {policy.attempts} attempts "
                                         f"({_one_line(e, redact)}); run the same command again to resume") from None
             wait = policy.delay(attempt)
-            log.warning("%s: %s; retry %d/%d in %.0f s", what, _one_line(e, redact), attempt,
+            log.info("%s: %s; retry %d/%d in %.0f s", what, _one_line(e, redact), attempt,
                         policy.attempts - 1, wait)
             policy.sleep(wait)
     raise AssertionError("unreachable")
@@ -354,7 +354,7 @@ class PublishResult:
     uploaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     uploaded_bytes: int = 0
-    commits: int = 0
+    upload_calls: int = 0  # upload_folder / upload_file calls (each may make several commits)
     pr_url: str | None = None
     verified: int = 0
     remote_extra: list[str] = field(default_factory=list)
@@ -362,7 +362,7 @@ class PublishResult:
     def to_json(self) -> dict:
         return {"repo_id": self.repo_id, "revision": self.revision, "url": self.url, "pr_url": self.pr_url,
                 "uploaded": self.uploaded, "skipped": self.skipped, "uploaded_bytes": self.uploaded_bytes,
-                "commits": self.commits, "verified": self.verified, "remote_extra": self.remote_extra}
+                "upload_calls": self.upload_calls, "verified": self.verified, "remote_extra": self.remote_extra}
 
 
 def _null_progress(**_kw):
@@ -528,7 +528,7 @@ class Publisher:
                                 f"upload part {i}/{len(groups)}: the Hub did not answer after {attempt} attempts "
                                 f"({_one_line(e, self.redact)}); run the same command again to resume") from None
                         wait = self.retry.delay(attempt)
-                        log.warning("upload part %d/%d: %s; retry in %.0f s", i, len(groups),
+                        log.info("upload part %d/%d: %s; retry in %.0f s", i, len(groups),
                                     _one_line(e, self.redact), wait)
                         self.retry.sleep(wait)
                         if create_pr:  # the failed call may have opened the PR already
@@ -542,7 +542,7 @@ class Publisher:
                         result.uploaded_bytes += sum(f.bytes for f in arrived)
                         bar.update(sum(f.bytes for f in arrived))
                         continue
-                    result.commits += calls
+                    result.upload_calls += calls
                     if create_pr:
                         result.pr_url = getattr(info, "pr_url", None)
                         revision = getattr(info, "pr_revision", None) or revision

@@ -43,6 +43,13 @@ def make_api():
     return HfApi()
 
 
+def make_retry():
+    """The retry policy for Hub calls; tests replace it with one that does not sleep."""
+    from .publish import RetryPolicy
+
+    return RetryPolicy()
+
+
 def _print_plan(plan, revision: str) -> None:
     from .modelcard import human_bytes
 
@@ -64,6 +71,8 @@ def _print_plan(plan, revision: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from .publish import Publisher, plan_publish
 
+    if args.revision and args.revision.startswith("refs/"):
+        raise UserError("--revision takes a branch name; use --create-pr for a pull request")
     plan = plan_publish(args.artifact, args.repo_id, force=args.force)
     revision = args.revision or "main"
     if args.dry_run:
@@ -72,9 +81,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             _print_plan(plan, revision)
         return 0
-    if args.revision and args.revision.startswith("refs/"):
-        raise UserError("--revision takes a branch name; use --create-pr for a pull request")
-
     api = make_api()
     from huggingface_hub import constants
 
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
         disable_progress_bars()
     publisher = Publisher(plan, api, private=args.private, revision=args.revision, create_pr=args.create_pr,
-                          progress=lambda **kw: progress(quiet, **kw))
+                          retry=make_retry(), progress=lambda **kw: progress(quiet, **kw))
     result = publisher.run()
     if args.json:
         emit_json(result.to_json())
@@ -99,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if result.remote_extra:
         sys.stdout.write(f"note: the repo also holds {len(result.remote_extra)} file(s) this artifact does not "
                          f"have, e.g. {result.remote_extra[0]}\n")
+    for note in plan.notes:
+        sys.stdout.write(f"note: {note}\n")
     if plan.forced:
         sys.stdout.write(f"warning: published with --force (validation {plan.validation.state})\n")
     return 0

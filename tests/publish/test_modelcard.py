@@ -1,0 +1,165 @@
+"""The model card: metadata that parses, figures taken from the validation report, license and
+base model carried from the source, and the warning a forced publish carries."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+
+import pytest
+import yaml
+
+from hybrid_build.pipeline.publish import plan_publish
+
+REPO = "my-org/tiny-hybrid"
+
+
+def split_card(text: str) -> tuple[dict, str]:
+    m = re.match(r"^---\n(.*?)\n---\n(.*)$", text, re.S)
+    assert m, "the card has no YAML front matter"
+    return yaml.safe_load(m.group(1)), m.group(2)
+
+
+def table_rows(body: str, header_first_cell: str) -> list[list[str]]:
+    """Rows of the markdown table whose header starts with ``| header_first_cell |``."""
+    lines = body.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header_first_cell} |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append(cells)
+    return rows
+
+
+def edit_provenance(artifact, change) -> None:
+    """Rewrite provenance.json, then bring the validation report after it again (as a re-validation would)."""
+    path = artifact / "hybrid_build" / "provenance.json"
+    prov = json.loads(path.read_text())
+    change(prov)
+    path.write_text(json.dumps(prov, indent=2))
+    later = time.time() + 2
+    for name in ("validation.json", "validation.md", "validation.png"):
+        p = artifact / "hybrid_build" / name
+        if p.exists():
+            os.utime(p, (later, later))
+
+
+def test_metadata_parses_and_says_what_the_artifact_is(artifact):
+    plan = plan_publish(artifact, REPO)
+    meta, body = split_card(plan.card_text)
+    prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
+    kinds = {c["kind"] for c in prov["converted"]}
+    assert kinds == {"fp8", "int8"}
+    assert {"int4", "fp8", "int8", "auto-round", "hybrid"} <= set(meta["tags"])
+    assert meta["library_name"] == "transformers"
+    # the tiny source is a local folder: no Hub id to name as base model, and no license anywhere
+    assert "base_model" not in meta
+    assert meta["license"] == "other"
+    assert "license of the source could not be determined" in body
+    # the card replaces README.md and is the last file sent
+    assert plan.files[-1].path == "README.md" and plan.files[-1].data == plan.card_text.encode()
+
+
+def test_validation_table_holds_the_report_figures(artifact):
+    report = json.loads((artifact / "hybrid_build" / "validation.json").read_text())
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    rows = {r[0]: r for r in table_rows(body, "figure")}
+    fp8 = [w for w in report["weights"] if w["kind"] == "fp8"]
+    expected = {
+        "FP8 shared experts: worst weight relative error": max(w["rel_error"] for w in fp8),
+        "FP8 shared experts: lowest cosine": min(w["cosine"] for w in fp8),
+        "int8 lm-head: weight relative error": next(w["rel_error"] for w in report["weights"] if w["kind"] == "int8"),
+        "shared-expert MLP output: worst relative error": max(a["rel_error"] for a in report["activations"]),
+        "lm-head logits: top-1 agreement": report["lm_head"]["top1_agreement"],
+        "lm-head logits: KL": report["lm_head"]["kl"],
+        "end to end: KL divergence from the source": report["end_to_end"]["kl"],
+        "end to end: top-1 agreement": report["end_to_end"]["top1_agreement"],
+        "end to end: perplexity change": report["end_to_end"]["ppl_change"],
+    }
+    for name, value in expected.items():
+        shown = float(rows[name][1])
+        # printed with 4 significant digits: the rounding error is at most half a unit in the 4th digit
+        assert math.isclose(shown, value, rel_tol=5e-4), (name, shown, value)
+    assert rows["end to end: KL divergence from the source"][2] == f"e2e_max_kl {report['thresholds']['e2e_max_kl']:.4g}"
+    checks = {r[0]: r[1] for r in table_rows(body, "check")}
+    assert checks == {c["name"]: ("pass" if c["passed"] else "**FAIL**") for c in report["checks"]}
+    assert "![relative error per layer](hybrid_build/validation.png)" in body
+
+
+def test_sizes_and_conversion_bytes_match_the_files(artifact):
+    plan = plan_publish(artifact, REPO)
+    _, body = split_card(plan.card_text)
+    prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
+    sizes = {r[0]: int(r[1].replace(",", "")) for r in table_rows(body, "what")}
+    assert sizes["source weights (safetensors)"] == sum(f["bytes"] for f in prov["source"]["files"].values())
+    assert sizes["hybrid weights (safetensors)"] == sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
+    conv = {r[0]: r for r in table_rows(body, "kind")}
+    n_fp8 = sum(1 for c in prov["converted"] if c["kind"] == "fp8")
+    params = sum(c["shape"][0] * c["shape"][1] for c in prov["converted"] if c["kind"] == "fp8")
+    assert int(conv["fp8"][1]) == n_fp8 and int(conv["fp8"][2].replace(",", "")) == params
+    # FP8 is one byte per weight plus one float32 scale per 128x128 block: ratio to BF16 just above 1/2
+    stored = int(conv["fp8"][4].replace(",", ""))
+    blocks = sum(math.ceil(c["shape"][0] / 128) * math.ceil(c["shape"][1] / 128)
+                 for c in prov["converted"] if c["kind"] == "fp8")
+    assert stored == params + 4 * blocks
+
+
+def test_hub_source_becomes_base_model_and_its_card_license_is_carried(artifact):
+    source_card = "---\nlicense: apache-2.0\npipeline_tag: image-text-to-text\n---\n# the source\n"
+    (artifact / "README.md").write_text(source_card)
+
+    def change(prov):
+        prov["source"]["id"] = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+        prov["source"]["revision"] = "0123abcd"
+        prov["files"]["README.md"] = {"bytes": len(source_card.encode()),
+                                      "sha256": hashlib.sha256(source_card.encode()).hexdigest()}
+
+    edit_provenance(artifact, change)
+    plan = plan_publish(artifact, REPO)
+    meta, body = split_card(plan.card_text)
+    assert meta["base_model"] == "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+    assert meta["base_model_relation"] == "quantized"
+    assert meta["license"] == "apache-2.0"
+    assert "`apache-2.0`, carried over from the source model card" in body
+    assert "revision `0123abcd`" in body
+    # the source's README is not sent: the generated card takes its place
+    assert [f.path for f in plan.files].count("README.md") == 1
+    assert any("replaced by the generated card" in n for n in plan.notes)
+
+
+def test_serving_section_uses_the_recipe_profile(artifact):
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    assert f"hybrid-build serve {REPO} --profile dense" in body
+    prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
+    dense = prov["recipe"]["serve"]["profiles"]["dense"]
+    vllm_line = next(line for line in body.splitlines() if line.startswith("vllm serve"))
+    assert f"--max-model-len {dense['max_model_len']}" in vllm_line
+    assert f"--max-num-seqs {dense['max_num_seqs']}" in vllm_line
+
+
+@pytest.mark.parametrize("state", ["failed", "missing"])
+def test_forced_card_says_validation_did_not_pass(artifact, state):
+    vpath = artifact / "hybrid_build" / "validation.json"
+    if state == "missing":
+        for name in ("validation.json", "validation.md", "validation.png"):
+            (artifact / "hybrid_build" / name).unlink()
+    else:
+        report = json.loads(vpath.read_text())
+        report["passed"] = False
+        report["failures"] = ["model.language_model.layers.1.mlp.shared_expert.up_proj: rel_error 0.3 > 0.045"]
+        vpath.write_text(json.dumps(report))
+    plan = plan_publish(artifact, REPO, force=True)
+    assert plan.forced and plan.validation.state == state
+    _, body = split_card(plan.card_text)
+    first = body.split("\n## ")[0]
+    assert "**Warning:** published with `--force`" in first
+    if state == "failed":
+        assert "rel_error 0.3 > 0.045" in body and "Validation **FAILED**" in body
+    else:
+        assert "published without being validated" in body
+        assert not any(f.path.startswith("hybrid_build/validation.") for f in plan.files)
