@@ -416,6 +416,7 @@ class Publisher:
 
     def __init__(self, plan: PublishPlan, api=None, *, private: bool = False, revision: str | None = None,
                  create_pr: bool = False, retry: RetryPolicy | None = None, progress=_null_progress,
+                 on_part: Callable[[int, int, list[PublishFile], int], None] | None = None,
                  batch_bytes: int = DEFAULT_BATCH_BYTES, batch_files: int = DEFAULT_BATCH_FILES):
         if api is None:
             from huggingface_hub import HfApi
@@ -426,6 +427,7 @@ class Publisher:
         self.private, self.base_revision, self.create_pr = private, revision or "main", create_pr
         self.retry = retry or RetryPolicy()
         self.progress = progress
+        self.on_part = on_part  # (part, parts, files to send, files already there), before each part
         self.batch_bytes, self.batch_files = batch_bytes, batch_files
         token = _token_of(api)
         if not token:
@@ -513,6 +515,8 @@ class Publisher:
                 done = [f for f in group if f not in todo]
                 result.skipped += [f.path for f in done]
                 bar.update(sum(f.bytes for f in done))
+                if self.on_part:
+                    self.on_part(i, len(groups), todo, len(done))
                 attempt = 0
                 while todo:
                     attempt += 1

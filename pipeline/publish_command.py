@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import ExampleFormatter, add_json_flag, emit_json, progress
+from .cli import ExampleFormatter, add_json_flag, emit_json
 from .errors import UserError
 
 EPILOG = """examples:
@@ -50,6 +50,18 @@ def make_retry():
     return RetryPolicy()
 
 
+def _part_line(part: int, parts: int, todo, already: int) -> None:
+    from .modelcard import human_bytes
+
+    sent = sum(f.bytes for f in todo)
+    if not todo:
+        sys.stderr.write(f"part {part}/{parts}: all {already} file(s) already on the Hub\n")
+        return
+    sys.stderr.write(f"part {part}/{parts}: sending {len(todo)} file(s), {human_bytes(sent)}"
+                     + (f"; {already} already on the Hub" if already else "") + "\n")
+    sys.stderr.flush()
+
+
 def _print_plan(plan, revision: str) -> None:
     from .modelcard import human_bytes
 
@@ -91,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+    # huggingface_hub draws the live progress of each part (bytes, speed, commits) while it runs;
+    # a second bar of ours on the same terminal would garble it, so between parts we print a line.
     publisher = Publisher(plan, api, private=args.private, revision=args.revision, create_pr=args.create_pr,
-                          retry=make_retry(), progress=lambda **kw: progress(quiet, **kw))
+                          retry=make_retry(), on_part=None if quiet else _part_line)
     result = publisher.run()
     if args.json:
         emit_json(result.to_json())
