@@ -41,3 +41,8 @@ class ServeProfile(BaseModel):
     load_format: str | None = None
     served_model_name: str = "qwen"
     extra_args: list[str] = Field(default_factory=list)
+    extra_env: dict[str, str] = Field(default_factory=dict, description="environment for the server")
+
+
+DOCKER_IMAGE = "ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"
+PROFILE_NAMES = ("dense", "dflash", "base", "mtp")

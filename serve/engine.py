@@ -1,0 +1,182 @@
+"""How a serve profile becomes one exact command: ``vllm serve`` locally, or ``docker run`` of the
+sm121 vLLM 0.23 image with our runtime patches mounted.
+
+``plan_launch`` resolves the artifact (a hybrid folder, its source, or a Hub id), the recipe's
+profile and the engine into a ``LaunchPlan`` (argv, environment, model name, port). Nothing runs
+here; ``launcher`` starts it, ``--dry-run`` prints it.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybrid_build.pipeline.errors import UserError
+from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
+
+from .profiles import DOCKER_IMAGE, ServeProfile
+
+ENGINES = ("local", "docker")
+CONTAINER_MODEL = "/model"
+CONTAINER_PATCHES = "/opt/hybrid-build/patches"
+PLUGIN_ENV = {"VLLM_PLUGINS": "hybrid_build"}
+
+
+@dataclass
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str]
+    model_name: str
+    port: int
+    host: str
+    profile: str
+    engine: str
+    model: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+    def to_json(self) -> dict:
+        return {"argv": self.argv, "env": self.env, "model_name": self.model_name, "base_url": self.base_url,
+                "profile": self.profile, "engine": self.engine, "model": self.model, "notes": self.notes}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read ({e})")
+
+
+def resolve_recipe(artifact: str, recipe_arg: str | None) -> tuple[Recipe, dict | None]:
+    """The recipe (``--recipe``; else the artifact's own; else chosen from its config) and the
+    artifact's config.json (None for a Hub id)."""
+    path = Path(artifact).expanduser()
+    config = _read_json(path / "config.json") if (path / "config.json").exists() else None
+    if path.exists() and config is None:
+        raise UserError(f"{artifact}: not a checkpoint folder (no config.json)")
+    if recipe_arg:
+        return load_recipe(recipe_arg), config
+    own = path / "hybrid_build" / "recipe.yaml"
+    if own.exists():
+        import yaml
+
+        return parse_recipe(yaml.safe_load(own.read_text()), str(own)), config
+    if config is None:
+        raise UserError(f"{artifact}: a Hub id needs --recipe (shipped recipes hold the serve profiles)")
+    text = config.get("text_config") or config
+    return select_recipe(text, config.get("model_type", "")), config
+
+
+def _speculative(profile: ServeProfile, drafter: str | None) -> dict | None:
+    spec = profile.speculative
+    if spec is None:
+        return None
+    out: dict = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+    if spec.method == "dflash":
+        model = drafter or spec.model
+        if not model:
+            raise UserError("this profile uses a DFlash drafter but names none: pass --drafter HUB_ID_OR_FOLDER")
+        out["model"] = model
+        if spec.revision and not drafter:
+            out["revision"] = spec.revision
+    if spec.attention_backend:
+        out["attention_backend"] = spec.attention_backend
+    return out
+
+
+def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: str | None) -> list[str]:
+    args = ["serve", model, "--served-model-name", profile.served_model_name, "--host", host, "--port", str(port),
+            "--gpu-memory-utilization", f"{profile.gpu_memory_utilization:g}",
+            "--max-model-len", str(profile.max_model_len), "--max-num-seqs", str(profile.max_num_seqs),
+            "--enable-prefix-caching" if profile.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if profile.attention_backend:
+        args += ["--attention-backend", profile.attention_backend]
+    if profile.load_format:
+        args += ["--load-format", profile.load_format]
+    if profile.tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", profile.tool_call_parser]
+    if profile.reasoning_parser:
+        args += ["--reasoning-parser", profile.reasoning_parser]
+    spec = _speculative(profile, drafter)
+    if spec:
+        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    return args + list(profile.extra_args)
+
+
+def _served_model(artifact: str, config: dict | None, profile: ServeProfile, source: str | None) -> str:
+    """The folder or Hub id vLLM loads for this profile."""
+    hybrid = (config or {}).get("hybrid_build")
+    if profile.artifact == "hybrid":
+        if config is not None and not hybrid:
+            raise UserError(f"{artifact}: not a hybrid-build artifact (no hybrid_build block in config.json); "
+                            "the dense profile serves the output of `hybrid-build run`")
+        return artifact
+    if source:
+        return source
+    if not hybrid:
+        return artifact  # the source checkpoint itself
+    src = (hybrid.get("source") or {}).get("id")
+    if not src:
+        raise UserError(f"{artifact}: this profile serves the source checkpoint, which the artifact does not "
+                        "name; pass --source FOLDER_OR_HUB_ID")
+    return src
+
+
+def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,
+                host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
+                source: str | None = None, image: str = DOCKER_IMAGE,
+                patches_dir: Path | None = None) -> LaunchPlan:
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
+    rec, config = resolve_recipe(artifact, recipe)
+    name = profile_name or rec.serve.default_profile
+    profiles = rec.serve.profiles
+    if name not in profiles:
+        raise UserError(f"recipe {rec.name!r} has no serve profile {name!r} (has: {', '.join(profiles) or 'none'})")
+    profile = profiles[name]
+    model = _served_model(artifact, config, profile, source)
+    env = dict(profile.extra_env)
+    hybrid = (config or {}).get("hybrid_build") or {}
+    if profile.artifact == "hybrid" and profile.int8_lm_head and hybrid.get("lm_head") == "quantize-at-load":
+        env["HYBRID_BUILD_LM_HEAD"] = "quantize-at-load"
+    notes = []
+    if profile.artifact == "hybrid" and not profile.int8_lm_head and hybrid.get("lm_head") == "gptq-int8":
+        notes.append("the artifact stores an int8 lm-head; it is served as stored")
+    if engine == "local":
+        env.update(PLUGIN_ENV)
+        local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
+        argv = ["vllm"] + vllm_args(profile, local_model, port, host, drafter)
+        return LaunchPlan(argv, env, profile.served_model_name, port, host, name, engine, local_model, notes)
+
+    # docker: the container serves on 8000 inside; our patches are mounted read-only and applied
+    # to the image's vLLM before `vllm serve` starts
+    from . import patches as patches_pkg
+
+    pdir = Path(patches_dir or Path(patches_pkg.__file__).parent).resolve()
+    mounts: list[str] = []
+    model_in = model
+    if Path(model).expanduser().exists():
+        mounts += ["-v", f"{Path(model).expanduser().resolve()}:{CONTAINER_MODEL}:ro"]
+        model_in = CONTAINER_MODEL
+    mounts += ["-v", f"{pdir}:{CONTAINER_PATCHES}:ro"]
+    inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter)
+    site = "$(python3 -c 'import importlib.util,os;print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')"
+    script = (f"python3 {CONTAINER_PATCHES}/apply.py --site-packages \"{site}\" && "
+              f"exec vllm {shlex.join(inner)}")
+    env_flags: list[str] = []
+    for k, v in sorted(env.items()):
+        env_flags += ["-e", f"{k}={v}"]
+    argv = (["docker", "run", "--rm", "--name", f"hybrid-build-{name}", "--gpus", "all", "--ipc", "host",
+             "-p", f"{'127.0.0.1:' if host in ('127.0.0.1', 'localhost') else ''}{port}:8000",
+             "-v", "hf-cache:/root/.cache/huggingface"] + mounts + env_flags +
+            [image, "bash", "-c", script])
+    return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes)

@@ -1,0 +1,123 @@
+"""Start a server from a ``LaunchPlan``, wait until it answers, and smoke-test it.
+
+READY means ``GET /v1/models`` returns 200. While waiting, a server process that exits ends the
+wait at once with the tail of its log; a server that is not ready in time is stopped, with the
+same tail. The smoke test asks for the capital of France and requires "Paris" in the answer.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybrid_build.pipeline.errors import ArtifactError, ExternalToolError
+
+from .engine import LaunchPlan
+
+log = logging.getLogger(__name__)
+
+SMOKE_PROMPT = "What is the capital of France? Answer in one word."
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 10.0) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def check_prerequisites(plan: LaunchPlan) -> None:
+    """One clear line when the engine's tool or a GPU is missing."""
+    tool = plan.argv[0]
+    if shutil.which(tool) is None:
+        hint = ("install vLLM (pip install vllm) or use --engine docker" if tool == "vllm"
+                else "install Docker, or use --engine local" if tool == "docker" else "")
+        raise ExternalToolError(f"{tool!r} was not found on PATH" + (f": {hint}" if hint else ""))
+    if tool in ("vllm", "docker") and shutil.which("nvidia-smi") is None and not Path("/dev/nvidiactl").exists():
+        raise ExternalToolError("no NVIDIA GPU found (no nvidia-smi, no /dev/nvidiactl): vLLM needs a CUDA GPU")
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    plan: LaunchPlan
+    log_path: Path
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start(plan: LaunchPlan, log_path: Path) -> Server:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_path, "ab")
+    env = dict(os.environ, **plan.env)
+    proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    out.close()
+    log.info("started %s (pid %d), log %s", plan.argv[0], proc.pid, log_path)
+    return Server(proc, plan, log_path)
+
+
+def wait_ready(server: Server, timeout: float, poll: float = 1.0,
+               on_tick: Callable[[float], None] | None = None) -> float:
+    """Seconds until ``/v1/models`` answered 200; raises ExternalToolError on exit or timeout."""
+    t0 = time.monotonic()
+    url = server.plan.base_url + "/models"
+    while True:
+        code = server.process.poll()
+        if code is not None:
+            raise ExternalToolError(f"the server exited with code {code} before it was ready; last log lines:\n"
+                                    + tail(server.log_path))
+        try:
+            http_json(url, timeout=min(5.0, poll * 5))
+            return time.monotonic() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
+            pass
+        elapsed = time.monotonic() - t0
+        if on_tick:
+            on_tick(elapsed)
+        if elapsed > timeout:
+            server.stop()
+            raise ExternalToolError(f"the server was not ready after {timeout:.0f} s (stopped it); last log lines:\n"
+                                    + tail(server.log_path))
+        time.sleep(poll)
+
+
+def smoke_test(base_url: str, model: str, timeout: float = 120.0) -> str:
+    """Ask for the capital of France; the answer must mention Paris. Returns the answer."""
+    try:
+        r = http_json(base_url + "/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": SMOKE_PROMPT}],
+            "max_tokens": 64, "temperature": 0}, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise ArtifactError(f"smoke test: the server answered HTTP {e.code}: {e.read()[:300].decode(errors='replace')}")
+    except (urllib.error.URLError, OSError) as e:
+        raise ArtifactError(f"smoke test: no answer from {base_url} ({e})")
+    try:
+        msg = r["choices"][0]["message"]
+        text = (msg.get("content") or "") + (msg.get("reasoning_content") or msg.get("reasoning") or "")
+    except (KeyError, IndexError, TypeError):
+        raise ArtifactError(f"smoke test: malformed chat completion: {json.dumps(r)[:300]}")
+    if "paris" not in text.lower():
+        raise ArtifactError(f"smoke test failed: asked for the capital of France, got {text.strip()[:200]!r}")
+    return text.strip()

@@ -1,0 +1,98 @@
+"""Golden tests: the exact command and environment of every profile x engine.
+
+The 122B recipe's profiles on a stand-in artifact folder (config.json with a hybrid_build block
+naming its source); paths of this machine are replaced by <ARTIFACT> and <PATCHES>. Regenerate
+after an intended change with ``HYBRID_BUILD_UPDATE_GOLDEN=1`` and review the diff.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hybrid_build.pipeline.cli import main
+from hybrid_build.pipeline.errors import UserError
+from hybrid_build.serve.engine import plan_launch
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+PROFILES = ("dense", "dflash", "base", "mtp")
+
+
+@pytest.fixture
+def artifact(tmp_path) -> Path:
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "hybrid_build": {
+        "format": "inc-hybrid", "source": {"id": "Intel/Qwen3.5-122B-A10B-int4-AutoRound"},
+        "lm_head": "gptq-int8"}}))
+    return art
+
+
+def _render(plan, art: Path) -> str:
+    from hybrid_build.serve import patches
+
+    text = json.dumps(plan.to_json(), indent=1, sort_keys=True)
+    return (text.replace(str(Path(patches.__file__).parent.resolve()), "<PATCHES>")
+                .replace(str(art.resolve()), "<ARTIFACT>")) + "\n"
+
+
+@pytest.mark.parametrize("engine", ["local", "docker"])
+@pytest.mark.parametrize("profile", PROFILES)
+def test_golden_command(profile, engine, artifact):
+    plan = plan_launch(str(artifact), profile, engine=engine, recipe="qwen3.5-122b-a10b")
+    got = _render(plan, artifact)
+    path = GOLDEN / f"{profile}-{engine}.json"
+    if os.environ.get("HYBRID_BUILD_UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(got)
+    assert got == path.read_text()
+
+
+def test_profiles_differ_where_they_should(artifact):
+    plans = {p: plan_launch(str(artifact), p, recipe="qwen3.5-122b-a10b") for p in PROFILES}
+    spec = {p: next((json.loads(plans[p].argv[i + 1]) for i, a in enumerate(plans[p].argv)
+                     if a == "--speculative-config"), None) for p in PROFILES}
+    assert spec["dense"]["method"] == spec["dflash"]["method"] == "dflash"
+    assert spec["dense"]["num_speculative_tokens"] == 12 and spec["dense"]["attention_backend"] == "FLASH_ATTN"
+    assert spec["mtp"]["method"] == "mtp" and spec["base"] is None
+    assert plans["dense"].model.endswith("art")
+    assert plans["base"].model == plans["dflash"].model == "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+    assert all(plans[p].env["VLLM_PLUGINS"] == "hybrid_build" for p in PROFILES)
+
+
+def test_quantize_at_load_head_sets_the_plugin_env(artifact):
+    cfg = json.loads((artifact / "config.json").read_text())
+    cfg["hybrid_build"]["lm_head"] = "quantize-at-load"
+    (artifact / "config.json").write_text(json.dumps(cfg))
+    plan = plan_launch(str(artifact), "dense", recipe="qwen3.5-122b-a10b")
+    assert plan.env["HYBRID_BUILD_LM_HEAD"] == "quantize-at-load"
+    docker = plan_launch(str(artifact), "dense", engine="docker", recipe="qwen3.5-122b-a10b")
+    assert "HYBRID_BUILD_LM_HEAD=quantize-at-load" in docker.argv
+
+
+def test_dense_refuses_a_non_hybrid_folder(tiny_checkpoint):
+    with pytest.raises(UserError, match="not a hybrid-build artifact"):
+        plan_launch(str(tiny_checkpoint), "dense", drafter="x/y")
+
+
+def test_real_artifact_uses_its_own_recipe(tiny_artifact):
+    plan = plan_launch(str(tiny_artifact), "dense", drafter="z-lab/tiny-drafter")
+    assert "--max-model-len" in plan.argv and plan.argv[plan.argv.index("--max-model-len") + 1] == "2048"
+    with pytest.raises(UserError, match="--drafter"):
+        plan_launch(str(tiny_artifact), "dense")
+    with pytest.raises(UserError, match="--source"):
+        plan_launch(str(tiny_artifact), "base")
+    assert plan_launch(str(tiny_artifact), "base", source="/src").model == "/src"
+
+
+def test_dry_run_cli(artifact, capsys):
+    assert main(["serve", str(artifact), "--profile", "mtp", "--recipe", "qwen3.5-122b-a10b", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("export VLLM_PLUGINS=hybrid_build\nvllm serve Intel/Qwen3.5-122B-A10B-int4-AutoRound")
+    assert main(["serve", str(artifact), "--profile", "base", "--recipe", "qwen3.5-122b-a10b",
+                 "--engine", "docker", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["argv"][:2] == ["docker", "run"]
+    assert main(["serve", "nowhere/at-all", "--dry-run"]) == 2
+    assert "needs --recipe" in capsys.readouterr().err
