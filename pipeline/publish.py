@@ -441,7 +441,7 @@ class Publisher:
 
     def ensure_repo(self) -> str:
         url = self._call("create repo", self.api.create_repo, self.repo_id, repo_type="model",
-                         private=self.private, exist_ok=True)
+                         private=self.private or None, exist_ok=True)  # None: the namespace's default
         if self.base_revision != "main":
             self._call(f"create branch {self.base_revision}", self.api.create_branch, self.repo_id,
                        branch=self.base_revision, repo_type="model", exist_ok=True)
