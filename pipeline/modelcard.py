@@ -19,11 +19,11 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
+from .checkpoint import HUB_ID
 from .safetensors_io import INDEX_NAME, read_header
 
 log = logging.getLogger(__name__)
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 UNKNOWN_LICENSE = "other"
 
 
