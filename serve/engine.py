@@ -19,7 +19,7 @@ from .profiles import DOCKER_IMAGE, ServeProfile
 
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
-CONTAINER_PATCHES = "/opt/hybrid-build/patches"
+CONTAINER_SERVE = "/opt/hybrid-build/serve"  # serve/ is mounted: patches/ plus int8_gemv.py
 PLUGIN_ENV = {"VLLM_PLUGINS": "hybrid_build"}
 
 
@@ -161,16 +161,16 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     # to the image's vLLM before `vllm serve` starts
     from . import patches as patches_pkg
 
-    pdir = Path(patches_dir or Path(patches_pkg.__file__).parent).resolve()
+    sdir = Path(patches_dir or Path(patches_pkg.__file__).parent).resolve().parent
     mounts: list[str] = []
     model_in = model
     if Path(model).expanduser().exists():
         mounts += ["-v", f"{Path(model).expanduser().resolve()}:{CONTAINER_MODEL}:ro"]
         model_in = CONTAINER_MODEL
-    mounts += ["-v", f"{pdir}:{CONTAINER_PATCHES}:ro"]
+    mounts += ["-v", f"{sdir}:{CONTAINER_SERVE}:ro"]
     inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter)
     site = "$(python3 -c 'import importlib.util,os;print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')"
-    script = (f"python3 {CONTAINER_PATCHES}/apply.py --site-packages \"{site}\" && "
+    script = (f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\" && "
               f"exec vllm {shlex.join(inner)}")
     env_flags: list[str] = []
     for k, v in sorted(env.items()):

@@ -1,7 +1,7 @@
 """Golden tests: the exact command and environment of every profile x engine.
 
 The 122B recipe's profiles on a stand-in artifact folder (config.json with a hybrid_build block
-naming its source); paths of this machine are replaced by <ARTIFACT> and <PATCHES>. Regenerate
+naming its source); paths of this machine are replaced by <ARTIFACT> and <SERVE>. Regenerate
 after an intended change with ``HYBRID_BUILD_UPDATE_GOLDEN=1`` and review the diff.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _render(plan, art: Path) -> str:
     from hybrid_build.serve import patches
 
     text = json.dumps(plan.to_json(), indent=1, sort_keys=True)
-    return (text.replace(str(Path(patches.__file__).parent.resolve()), "<PATCHES>")
+    return (text.replace(str(Path(patches.__file__).parent.parent.resolve()), "<SERVE>")
                 .replace(str(art.resolve()), "<ARTIFACT>")) + "\n"
 
 

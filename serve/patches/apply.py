@@ -1,0 +1,58 @@
+"""Apply every runtime patch to the vLLM under ``--site-packages`` (what the docker engine runs
+before ``vllm serve``). Idempotent; the first failing anchor stops it with exit code 1 and one
+line naming the patch, the anchor and the file.
+
+    python -m hybrid_build.serve.patches.apply --site-packages DIR
+    python /opt/hybrid-build/serve/patches/apply.py --site-packages DIR    # in the container
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script from the mounted folder
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+    __package__ = "serve.patches"  # noqa: A001
+    importlib.import_module(__package__)
+
+from .anchors import AnchorError, apply_patch, check_patch  # noqa: E402
+
+PATCH_MODULES = ("kv_unify", "prefix_align", "inc_fp8_dispatch", "int8_lm_head", "fla_smem_sm121")
+GEMV_SOURCE = Path(__file__).resolve().parent.parent / "int8_gemv.py"
+GEMV_TARGET = "vllm/hybrid_build_int8_gemv.py"
+
+
+def all_patches():
+    return [importlib.import_module(f"{__package__}.{m}").PATCH for m in PATCH_MODULES]
+
+
+def apply_all(site_packages: Path) -> dict[str, list[str]]:
+    patches = all_patches()
+    for p in patches:  # every anchor is checked before any file changes
+        check_patch(p, site_packages)
+    done = {p.name: apply_patch(p, site_packages) for p in patches}
+    target = Path(site_packages) / GEMV_TARGET
+    if GEMV_SOURCE.exists() and (not target.exists() or target.read_bytes() != GEMV_SOURCE.read_bytes()):
+        shutil.copyfile(GEMV_SOURCE, target)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="apply hybrid-build's runtime patches to an installed vLLM 0.23")
+    ap.add_argument("--site-packages", type=Path, required=True, help="folder that holds vllm/")
+    a = ap.parse_args(argv)
+    try:
+        done = apply_all(a.site_packages)
+    except AnchorError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    for name, edits in done.items():
+        print(f"{name}: {'applied ' + ', '.join(edits) if edits else 'already applied'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The docker engine's runtime patches against vLLM 0.23.0's real sources (unpacked wheel).
+
+Each anchor is found exactly once; the edit applies, applies again as a no-op, and the patched
+module still compiles; a changed source makes the patch fail naming its anchor. The runtime
+effect of the edits needs the sm121 image and a GPU: not exercised here.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_build.serve.patches import apply as apply_mod
+from hybrid_build.serve.patches.anchors import AnchorError, Edit, Patch, apply_patch, apply_to_text
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import vllm_sources  # noqa: E402
+
+PATCHES = apply_mod.all_patches()
+
+
+@pytest.fixture(scope="module")
+def vllm023(tmp_path_factory) -> Path:
+    src = vllm_sources.unpacked("0.23.0")
+    if src is None:
+        pytest.skip("vLLM 0.23.0 sources not prepared (run .ci/vllm_sources.sh)")
+    return src
+
+
+@pytest.fixture
+def site(vllm023, tmp_path) -> Path:
+    """A private site-packages with only the files the patches touch."""
+    for p in PATCHES:
+        dst = tmp_path / p.path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(vllm023 / p.path, dst)
+    return tmp_path
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
+def test_anchor_found_once_applies_and_is_idempotent(patch, vllm023, site):
+    original = (vllm023 / patch.path).read_text()
+    for edit in patch.edits:
+        assert original.count(edit.anchor) == 1, edit.name
+    assert apply_patch(patch, site) == [e.name for e in patch.edits]
+    patched = (site / patch.path).read_text()
+    assert patched != original and all(e.sentinel in patched for e in patch.edits)
+    compile(patched, patch.path, "exec")
+    assert apply_patch(patch, site) == []
+    assert (site / patch.path).read_text() == patched
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
+def test_changed_source_fails_naming_the_anchor(patch, site):
+    path = site / patch.path
+    edit = patch.edits[0]
+    path.write_text(path.read_text().replace(edit.anchor, edit.anchor.replace("(", "( ", 1).replace(" ", "  ", 1)))
+    with pytest.raises(AnchorError, match=f"anchor {edit.name!r} found 0 times in .*{Path(patch.path).name}"):
+        apply_patch(patch, site)
+
+
+@pytest.mark.vllm
+def test_apply_entry_point_checks_everything_before_writing(site):
+    kv = site / PATCHES[0].path
+    before = {p.path: (site / p.path).read_text() for p in PATCHES}
+    fla = next(p for p in PATCHES if p.name == "fla-smem-sm121")
+    (site / fla.path).write_text(before[fla.path].replace(fla.edits[0].anchor, "        return True\n"))
+    r = subprocess.run([sys.executable, "-m", "hybrid_build.serve.patches.apply", "--site-packages", str(site)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "fla-smem-threshold" in r.stderr and r.stderr.count("\n") == 1
+    assert kv.read_text() == before[PATCHES[0].path], "no file may change when one anchor is missing"
+    (site / fla.path).write_text(before[fla.path])
+    script = Path(apply_mod.__file__)
+    r = subprocess.run([sys.executable, str(script), "--site-packages", str(site)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("applied") == len(PATCHES)
+    assert (site / apply_mod.GEMV_TARGET).exists()
+
+
+def test_edit_without_sentinel_is_refused():
+    p = Patch("p", "x.py", (Edit("a", "x = 1\n", "x = 2\n"),))
+    with pytest.raises(AnchorError, match="sentinel"):
+        apply_to_text(p, "x = 1\n", "x.py")
+
+
+def test_patched_module_must_compile(tmp_path):
+    (tmp_path / "m.py").write_text("x = 1\n")
+    p = Patch("p", "m.py", (Edit("a", "x = 1\n", "# hybrid-build patch: a\nx = (\n"),))
+    with pytest.raises(AnchorError, match="does not compile"):
+        apply_patch(p, tmp_path)
+    assert (tmp_path / "m.py").read_text() == "x = 1\n"
