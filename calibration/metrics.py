@@ -29,14 +29,16 @@ class StreamingMetrics:
         self.max_abs = 0.0
 
     def update(self, ref: torch.Tensor, approx: torch.Tensor) -> None:
-        r, a = ref.double().reshape(-1), approx.double().reshape(-1)
+        # float32 BLAS dot products per chunk, summed across chunks in float64: one pass each and
+        # no float64 copy of a 4k-row lm-head chunk (relative error of a blocked sdot ~1e-6)
+        r, a = ref.float().reshape(-1), approx.float().reshape(-1)
         e = a - r
-        self.ref_sq += float(r @ r)
-        self.approx_sq += float(a @ a)
-        self.err_sq += float(e @ e)
-        self.dot += float(r @ a)
+        self.ref_sq += float(torch.dot(r, r))
+        self.approx_sq += float(torch.dot(a, a))
+        self.err_sq += float(torch.dot(e, e))
+        self.dot += float(torch.dot(r, a))
         if e.numel():
-            self.max_abs = max(self.max_abs, float(e.abs().max()))
+            self.max_abs = max(self.max_abs, float(e.abs_().max()))
 
     def result(self) -> dict[str, float]:
         ref_n, err_n = math.sqrt(self.ref_sq), math.sqrt(self.err_sq)

@@ -9,11 +9,13 @@ written last, after the provenance manifest, so a folder with an index is a comp
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -221,7 +223,14 @@ def assemble(ctx) -> tuple[list[Path], dict]:
             stale.unlink()
     total = sum(s.data_bytes for s in shards)
     bar = ctx.progress(total=total, desc="assemble", unit="B", unit_scale=True)
-    written = [write_shard(s, out, resume=resume, progress=bar.update) for s in shards]
+    # each finished shard is hashed on the other core while the next one is written (hashlib and
+    # file reads release the GIL), so the provenance manifest costs almost no extra time
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = {}
+        for s in shards:
+            path = write_shard(s, out, resume=resume, progress=bar.update)
+            pending[s.filename] = pool.submit(sha256_file, path)
+        shard_hashes = {name: f.result() for name, f in pending.items()}
 
     for f in _other_files(ctx.source.root):
         _copy_file_atomic(f, out / f.relative_to(ctx.source.root))
@@ -239,7 +248,7 @@ def assemble(ctx) -> tuple[list[Path], dict]:
     index_text = json.dumps({"metadata": {"total_size": sum(s.data_bytes for s in shards)},
                              "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
     os.sync()  # shards on disk before the files that say the build is complete
-    prov = provenance(ctx, shards, index_text)
+    prov = provenance(ctx, shards, index_text, shard_hashes)
     write_text_atomic(out / PROVENANCE, json.dumps(prov, indent=2) + "\n")
     write_text_atomic(out / INDEX_NAME, index_text)
     marker.unlink(missing_ok=True)
@@ -262,15 +271,15 @@ def artifact_files(out: Path) -> list[Path]:
     return files
 
 
-def provenance(ctx, shards: list[ShardPlan], index_text: str) -> dict:
+def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, str]) -> dict:
+    """The manifest of the artifact; ``known`` holds sha256 of files hashed while writing."""
     out = ctx.out
     files = {}
     for p in artifact_files(out):
         rel = str(p.relative_to(out))
         if rel == INDEX_NAME:
             continue
-        files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-    import hashlib
+        files[rel] = {"bytes": p.stat().st_size, "sha256": known.get(rel) or sha256_file(p)}
 
     files[INDEX_NAME] = {"bytes": len(index_text.encode()), "sha256": hashlib.sha256(index_text.encode()).hexdigest()}
     metrics = {}

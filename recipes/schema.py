@@ -62,7 +62,7 @@ class HeadSpec(_Strict):
     targets: list[str] = Field(default_factory=lambda: ["lm_head"])
     scheme: Literal["int8-row"] = "int8-row"
     storage: Literal["gptq-int8", "bf16"] = "gptq-int8"
-    chunk_rows: int = Field(16384, ge=1, description="rows quantized at a time (bounds memory)")
+    chunk_rows: int = Field(4096, ge=1, description="rows quantized at a time (bounds memory)")
 
     _targets = field_validator("targets")(classmethod(lambda cls, v: _check_targets(v)))
 
