@@ -20,6 +20,17 @@ def build(source, out, fmt=None, recipe="tiny", stages=BUILD_STAGES):
 
 
 @pytest.fixture(scope="session")
+def builder():
+    """``build(source, out, fmt=None, recipe="tiny", stages=BUILD_STAGES)`` for tests that build their own."""
+    return build
+
+
+@pytest.fixture(scope="session")
+def build_stages():
+    return list(BUILD_STAGES)
+
+
+@pytest.fixture(scope="session")
 def inc_artifact(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("inc") / "out"
     build(tiny_checkpoint, out)

@@ -18,8 +18,6 @@ from hybrid_build.pipeline.errors import UserError
 from hybrid_build.pipeline.layout import split_module
 from hybrid_build.pipeline.weights import load_weight, read_tensor
 
-from conftest import BUILD_STAGES, build  # noqa: E402  (tests/pipeline/conftest.py)
-
 
 def _bytes(ckpt, t):
     with open(ckpt.path_of(t), "rb") as f:
@@ -197,9 +195,9 @@ def _all_files(root):
             for p in root.rglob("*") if p.is_file() and not p.relative_to(root).parts[0].startswith(".")}
 
 
-def test_interrupted_run_resumes_to_the_same_bytes(tiny_checkpoint, inc_artifact, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_to_the_same_bytes(tiny_checkpoint, inc_artifact, tmp_path, monkeypatch, builder,
+                                                   build_stages):
     out = tmp_path / "out"
-    real = run_mod.write_shard.__module__  # noqa: F841
     from hybrid_build.pipeline import assemble as asm
 
     calls = {"n": 0}
@@ -213,35 +211,35 @@ def test_interrupted_run_resumes_to_the_same_bytes(tiny_checkpoint, inc_artifact
 
     monkeypatch.setattr(asm, "write_shard", dying)
     with pytest.raises(KeyboardInterrupt):
-        build(tiny_checkpoint, out)
+        builder(tiny_checkpoint, out)
     assert not (out / "model.safetensors.index.json").exists()  # does not look complete
     monkeypatch.setattr(asm, "write_shard", original)
     ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
-    results = run_mod.run_build(ctx, BUILD_STAGES)
+    results = run_mod.run_build(ctx, build_stages)
     status = {r.stage: r.status for r in results}
     assert status["calibrate"] == status["quantize-head"] == "skipped" and status["assemble"] == "ran"
     assert _all_files(out) == _all_files(inc_artifact)
     # a third run does nothing
-    again = run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), BUILD_STAGES)
+    again = run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), build_stages)
     assert {r.status for r in again} == {"skipped"}
 
 
-def test_changed_recipe_reruns_the_stages_it_affects(tiny_checkpoint, tmp_path):
+def test_changed_recipe_reruns_the_stages_it_affects(tiny_checkpoint, tmp_path, builder, build_stages):
     out = tmp_path / "out"
-    build(tiny_checkpoint, out)
+    builder(tiny_checkpoint, out)
     ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
     ctx.recipe.shared_experts.observer = "mse"
-    status = {r.stage: r.status for r in run_mod.run_build(ctx, BUILD_STAGES)}
+    status = {r.stage: r.status for r in run_mod.run_build(ctx, build_stages)}
     assert status == {"inspect": "skipped", "calibrate": "ran", "quantize-head": "skipped", "assemble": "ran"}
 
 
-def test_damaged_intermediate_is_recomputed(tiny_checkpoint, tmp_path):
+def test_damaged_intermediate_is_recomputed(tiny_checkpoint, tmp_path, builder, build_stages):
     out = tmp_path / "out"
-    build(tiny_checkpoint, out)
+    builder(tiny_checkpoint, out)
     fp8 = out / ".hybrid-build" / "calibrate" / "shared_experts_fp8.safetensors"
     fp8.write_bytes(fp8.read_bytes()[:-10])
     ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
-    status = {r.stage: r.status for r in run_mod.run_build(ctx, BUILD_STAGES)}
+    status = {r.stage: r.status for r in run_mod.run_build(ctx, build_stages)}
     assert status["calibrate"] == "ran"
 
 
