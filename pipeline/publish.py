@@ -23,6 +23,7 @@ from pathlib import Path
 from .errors import ArtifactError, ExternalToolError, UserError
 from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_frontmatter, \
     render_card
+from .progress import null_progress
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -365,17 +366,6 @@ class PublishResult:
                 "upload_calls": self.upload_calls, "verified": self.verified, "remote_extra": self.remote_extra}
 
 
-def _null_progress(**_kw):
-    class _Bar:
-        def update(self, n=1):
-            pass
-
-        def close(self):
-            pass
-
-    return _Bar()
-
-
 def _token_of(api) -> str | None:
     from huggingface_hub import get_token
 
@@ -415,7 +405,7 @@ class Publisher:
     """Sends a ``PublishPlan`` to ``repo_id`` through ``api`` (``HfApi()`` unless given)."""
 
     def __init__(self, plan: PublishPlan, api=None, *, private: bool = False, revision: str | None = None,
-                 create_pr: bool = False, retry: RetryPolicy | None = None, progress=_null_progress,
+                 create_pr: bool = False, retry: RetryPolicy | None = None, progress=null_progress,
                  on_part: Callable[[int, int, list[PublishFile], int], None] | None = None,
                  batch_bytes: int = DEFAULT_BATCH_BYTES, batch_files: int = DEFAULT_BATCH_FILES):
         if api is None:

@@ -26,6 +26,7 @@ from . import __version__
 from .checkpoint import Checkpoint
 from .conversion import Conversion, ConversionPlan, plan_conversion
 from .errors import ArtifactError, SourceError, UserError
+from .progress import ProgressFactory, null_progress
 from .manifest import StageManifest, describe_outputs, sha256_json, source_fingerprint
 from .safetensors_io import ByteRange, OutTensor, ShardPlan, write_shard
 from .weights import read_rows, read_tensor
@@ -33,21 +34,6 @@ from .weights import read_rows, read_tensor
 log = logging.getLogger(__name__)
 
 from .stages import STAGES, WORK_DIR  # noqa: F401  (re-exported)
-ProgressFactory = Callable[..., object]
-
-
-def _null_progress(**_kw):
-    class _Bar:
-        def update(self, n=1):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-    return _Bar()
 
 
 @dataclass
@@ -57,7 +43,7 @@ class BuildContext:
     recipe_note: str
     out: Path
     plan: ConversionPlan
-    progress: ProgressFactory = _null_progress
+    progress: ProgressFactory = null_progress
     manifests: dict[str, StageManifest] = field(default_factory=dict)
 
     @property
@@ -238,7 +224,7 @@ def select_stages(only: list[str] | None, start: str | None) -> list[str]:
 
 
 def prepare(source: str | Path, out: Path, recipe_arg: str | None = None,
-            progress: ProgressFactory = _null_progress, revision: str | None = None) -> BuildContext:
+            progress: ProgressFactory = null_progress, revision: str | None = None) -> BuildContext:
     """Open the source, pick the recipe and plan the conversion; nothing is written."""
     ckpt = Checkpoint.open(source, revision=revision)
     ckpt.require_clean()

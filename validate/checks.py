@@ -23,6 +23,7 @@ from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block
 from hybrid_build.calibration.gptq import SYM_ZERO_WORD, dequantize_gptq
 from hybrid_build.calibration.int8_rows import dequantize_int8_rows
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
+from hybrid_build.pipeline.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
 from hybrid_build.pipeline.checkpoint import Checkpoint, TensorInfo
 from hybrid_build.pipeline.conversion import ConversionPlan
 from hybrid_build.pipeline.layout import layer_index, split_module
@@ -44,24 +45,7 @@ ACT_TOKENS = 128  # random inputs per shared-expert MLP
 HEAD_TOKENS = 256  # random hidden states for the lm-head check
 SEED = 1234
 
-ProgressFactory = Callable[..., object]
-
-
-def null_progress(**_kw):
-    class _Bar:
-        def update(self, n=1):
-            pass
-
-        def close(self):
-            pass
-
-    return _Bar()
-
-
-def _close(bar) -> None:
-    close = getattr(bar, "close", None)
-    if close:
-        close()
+_close = close_bar
 
 
 def exceeds(value: float, limit: float) -> bool:
