@@ -100,6 +100,11 @@ def _handle(args: argparse.Namespace) -> int:
             extra = ""
             if res.stage == "validate" and res.status == "ran":
                 extra = "  passed" if res.details.get("passed") else "  FAILED"
+            diffs = [m["official_vs_local_rel_diff"] for m in res.details.get("metrics", {}).values()
+                     if "official_vs_local_rel_diff" in m]
+            if res.stage == "calibrate" and diffs:
+                extra = (f"  official FP8 vs local calibration: mean relative difference "
+                         f"{sum(diffs) / len(diffs):.4f}")
             print(f"  {res.stage:<14} {res.status:<8} {res.seconds:7.2f} s{extra}", flush=True)
 
     results = run_build(ctx, stages, force=args.force, on_stage=report)
