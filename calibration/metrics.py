@@ -29,14 +29,19 @@ class StreamingMetrics:
         self.max_abs = 0.0
 
     def update(self, ref: torch.Tensor, approx: torch.Tensor) -> None:
-        # float32 BLAS dot products per chunk, summed across chunks in float64: one pass each and
-        # no float64 copy of a 4k-row lm-head chunk (relative error of a blocked sdot ~1e-6)
         r, a = ref.float().reshape(-1), approx.float().reshape(-1)
-        e = a - r
-        self.ref_sq += float(torch.dot(r, r))
-        self.approx_sq += float(torch.dot(a, a))
-        self.err_sq += float(torch.dot(e, e))
-        self.dot += float(torch.dot(r, a))
+        self.update_error(r, a - r)
+
+    def update_error(self, ref: torch.Tensor, err: torch.Tensor) -> None:
+        """Accumulate from the reference and the error (approx - ref); ``err`` may be overwritten.
+        float32 BLAS dot products per chunk, summed across chunks in float64: three passes and no
+        float64 copy of a 4k-row lm-head chunk (relative error of a blocked sdot ~1e-6)."""
+        r, e = ref.reshape(-1), err.reshape(-1)
+        rr, ee, re_ = float(torch.dot(r, r)), float(torch.dot(e, e)), float(torch.dot(r, e))
+        self.ref_sq += rr
+        self.err_sq += ee
+        self.dot += rr + re_  # r.a = r.r + r.e
+        self.approx_sq += rr + 2 * re_ + ee  # |a|^2 = |r + e|^2
         if e.numel():
             self.max_abs = max(self.max_abs, float(e.abs_().max()))
 

@@ -179,16 +179,21 @@ def quantize_head(ctx: BuildContext) -> tuple[list[Path], dict]:
                 w = read_rows(ctx.source, c.module + ".weight", lo, hi).float()
                 q, s = quantize_int8_rows(w)
                 s16 = s.half()  # GPTQ scales are fp16: measure the error of what is stored
-                m.update(w, dequantize_int8_rows(q, s16.float()))
+                m.update_error(w, q.float().mul_(s16.float()[:, None]).sub_(w))
                 qweight[:, lo:hi] = pack_int8_gptq(q)
                 scales16[0, lo:hi] = s16
                 bar.update(hi - lo)
             details["metrics"][c.module] = m.result()
             for name, t in (("qweight", qweight), ("qzeros", int8_gptq_qzeros(n)), ("scales", scales16)):
                 tensors.append(OutTensor(f"{c.module}.{name}", {torch.int32: "I32", torch.float16: "F16"}[t.dtype],
-                                         tuple(t.shape), (lambda t=t: iter([t.numpy().tobytes()]))))
+                                         tuple(t.shape), (lambda t=t: iter([_raw(t)]))))
     write_shard(ShardPlan(out.name, tensors), out.parent)
     return [out], details
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (``tobytes`` would double the 763 MB packed head)."""
+    return memoryview(t.contiguous().numpy()).cast("B")
 
 
 # ---------------------------------------------------------------------------- runner
