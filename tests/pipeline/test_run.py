@@ -203,11 +203,11 @@ def test_interrupted_run_resumes_to_the_same_bytes(tiny_checkpoint, inc_artifact
     calls = {"n": 0}
     original = asm.write_shard
 
-    def dying(plan, out_dir, resume=False, progress=None):
+    def dying(plan, out_dir, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt  # killed while writing the second shard
-        return original(plan, out_dir, resume=resume, progress=progress)
+        return original(plan, out_dir, **kw)
 
     monkeypatch.setattr(asm, "write_shard", dying)
     with pytest.raises(KeyboardInterrupt):
