@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Run HERE, in the repository root (needs the venv and network access to PyPI):
+#   bash scripts/gpu/prepare.sh
+# 1. vLLM 0.25.1 (built for torch 2.11 + CUDA 13, what the H200 image has) and the wheels it
+#    needs, packed into .gpu1/ .gpu2/ ... of at most 60 MB each (a device call carries 64 MiB);
+# 2. .gpuhb/: the tiny inc-hybrid and compressed-tensors artifacts, the CPU reference logprobs,
+#    a random tiny DFlash drafter and the hybrid-build wheel; .gpusrc/: the tiny source checkpoint.
+# All these folders are git-ignored (/.gpu*/). docs/gpu.md says which calls carry which folder.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${HYBRID_BUILD_GPU_CACHE:-${TMPDIR:-/tmp}/hybrid-build-gpu}; mkdir -p "$cache/whl"
+plat="--only-binary=:all: --python-version 3.12 --implementation cp"
+for n in 17 24 26 27 28 31; do plat="$plat --platform manylinux_2_${n}_x86_64"; done
+plat="$plat --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+ls "$cache"/vllm-0.25.1-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d "$cache" vllm==0.25.1
+python3 -m pip download -q --no-deps $plat -d "$cache/whl" -r "$here/requirements-gpu.txt"
+if [ ! -f "$cache/vllm.tar.xz" ]; then
+  rm -rf "$cache/site"; mkdir "$cache/site"; (cd "$cache/site" && unzip -q "$cache"/vllm-0.25.1-*.whl)
+  # Hopper runs FA3; the FA2 library and DeepGEMM builds for other Pythons only cost carry space
+  rm -f "$cache"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$cache"/site/vllm/third_party/deep_gemm/_C.cpython-3{10,11,13,14}-*.so
+  tar -C "$cache/site" -cf - vllm vllm-0.25.1.dist-info | xz -T0 -7 > "$cache/vllm.tar.xz"
+fi
+rm -f "$cache"/vllm.tar.xz.part*; (cd "$cache" && split -b 41000000 vllm.tar.xz vllm.tar.xz.part)
+rm -rf .gpu[0-9]*
+python3 - "$cache" "$here" <<'PY'
+import os, shutil, sys
+cache, here = sys.argv[1:3]
+files = [os.path.join(cache, f) for f in os.listdir(cache) if f.startswith("vllm.tar.xz.part")]
+files += [os.path.join(cache, "whl", f) for f in os.listdir(os.path.join(cache, "whl"))]
+files.sort(key=os.path.getsize, reverse=True)
+bins = []  # first fit, largest first
+for f in files:
+    size = os.path.getsize(f)
+    for b in bins:
+        if b[0] + size <= 60e6:
+            b[0] += size; b[1].append(f); break
+    else:
+        bins.append([size, [f]])
+for i, (_, fs) in enumerate(bins, 1):
+    d = f".gpu{i}"; os.makedirs(d)
+    for f in fs:
+        shutil.copy(f, d)
+    shutil.copy(os.path.join(here, "assemble.sh"), d)
+    with open(os.path.join(d, "MANIFEST"), "w") as m:
+        m.write("\n".join(os.path.basename(f) for f in files) + "\n")
+print("vLLM parts:", " ".join(f".gpu{i}" for i in range(1, len(bins) + 1)))
+PY
+# the tiny artifacts, their CPU reference, a drafter and our wheel
+rm -rf .gpuhb .gpusrc; mkdir -p .gpuhb .gpusrc
+hybrid-build run -o .gpuhb/inc -q
+hybrid-build run -o .gpuhb/ct --format compressed-tensors -q
+mv .gpuhb/inc/.hybrid-build/demo-source .gpusrc/src
+rm -rf .gpuhb/inc/.hybrid-build .gpuhb/ct/.hybrid-build
+python3 "$here/reference.py" .gpusrc/src .gpuhb/inc .gpuhb/ct .gpuhb/ref.pt
+python3 "$here/tiny_drafter.py" .gpuhb/inc .gpuhb/drafter-dflash
+python3 -m pip wheel -q --no-deps -w .gpuhb .
+du -sh .gpu*

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Run THERE (the H200 machine), from the repository root, once every .gpuN folder has been
+# assembled (see docs/gpu.md): installs the hybrid-build wheel beside vLLM, puts `vllm` and
+# `hybrid-build` on PATH and runs scripts/gpu/driver.py, which writes results.json and logs to $OUT.
+#   bash scripts/gpu/run.sh --deadline UNIX_TIME [--steps correct,speed,profiles,graphs] [--layers N]
+set -euo pipefail
+# the tiny artifacts travel in .gpuhb (and the tiny source in .gpusrc, possibly with an earlier
+# call); stash them in $HOME, which lasts as long as the machine stays warm
+if [ -d .gpuhb ]; then rm -rf "$HOME/hb"; cp -r .gpuhb "$HOME/hb"; fi
+if [ -d .gpusrc/src ]; then rm -rf "$HOME/hbsrc"; cp -r .gpusrc/src "$HOME/hbsrc"; fi
+hb=$HOME/hbsite
+if [ ! -d "$hb/hybrid_build" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$hb" "$HOME"/hb/hybrid_build-*.whl
+fi
+mkdir -p "$HOME/bin"
+printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > "$HOME/bin/vllm"; chmod +x "$HOME/bin/vllm"
+export PYTHONPATH=$hb:$HOME/site PATH=$hb/bin:$HOME/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
+  PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1 || true
+exec python3 scripts/gpu/driver.py --hb "$HOME/hb" --src "$HOME/hbsrc" --work "$HOME/work" --out "$out" "$@"
