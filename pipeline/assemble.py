@@ -93,7 +93,7 @@ def plan_output(ctx) -> list[ShardPlan]:
             elif ctx.recipe.lm_head.storage == "bf16":
                 dest.append(_copy(t, ctx))
             elif fmt == "compressed-tensors":
-                dest += [_from_intermediate(head, module + ".weight"), _from_intermediate(head, module + ".weight_scale")]
+                dest += [_from_intermediate(head, f"{module}.{p}") for p in ("weight_packed", "weight_scale", "weight_shape")]
             else:
                 dest += [_from_intermediate(head, f"{module}.{p}") for p in ("qweight", "qzeros", "scales")]
         elif fmt == "compressed-tensors" and t.storage == "int4":
@@ -163,7 +163,7 @@ def quantization_config(ctx) -> dict:
     }
     if head_modules and ctx.recipe.lm_head.storage != "bf16":
         groups["int8_head"] = QuantizationScheme(
-            targets=["re:.*lm_head$"], format="int-quantized",
+            targets=["re:.*lm_head$"], format="pack-quantized",
             weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"))
     qc = QuantizationConfig(config_groups=groups, format="mixed-precision", quantization_status="compressed",
                             ignore=["re:.*mtp\\..*", "re:.*visual\\..*"])

@@ -47,7 +47,7 @@ def int8_row_bytes(n: int, k: int, storage: str, fmt: str) -> int:
     if storage == "bf16":
         return n * k * 2
     if fmt == "compressed-tensors":
-        return n * k + n * 4  # int8 weight + float32 per-row scale
+        return n * k + n * 4 + 16  # 8-bit pack-quantized codes + float32 per-row scale + weight_shape
     # GPTQ 8-bit: qweight int32 [K/4, N], scales fp16 [1, N], qzeros int32 [1, N/4]
     return n * k + n * 2 + n
 

@@ -18,7 +18,7 @@ import torch
 
 from hybrid_build.calibration.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from hybrid_build.calibration.gptq import int8_gptq_qzeros, pack_int8_gptq
-from hybrid_build.calibration.int8_rows import dequantize_int8_rows, quantize_int8_rows
+from hybrid_build.calibration.int8_rows import quantize_int8_rows
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
@@ -154,23 +154,28 @@ def quantize_head(ctx: BuildContext) -> tuple[list[Path], dict]:
         m = StreamingMetrics()
         bar = ctx.progress(total=n, desc=f"quantize {c.module}", unit="row")
         if fmt == "compressed-tensors":
+            # weight-only int8 is compressed-tensors "pack-quantized" at 8 bits: codes + 128, four
+            # to an int32 along K. Row-major, so it streams chunk by chunk (vLLM 0.25 rejects an
+            # "int-quantized" int8 weight without int8 activations).
             scales: list[torch.Tensor] = []
 
             def rows(c=c, n=n, m=m, scales=scales, bar=bar):
                 for lo in range(0, n, chunk):
                     w = read_rows(ctx.source, c.module + ".weight", lo, min(n, lo + chunk)).float()
                     q, s = quantize_int8_rows(w)
-                    m.update(w, dequantize_int8_rows(q, s))
+                    m.update_error(w, q.float().mul_(s[:, None]).sub_(w))
                     scales.append(s)
                     bar.update(q.shape[0])
-                    yield q.numpy().tobytes()
+                    yield _raw(pack_int8_gptq(q).t().contiguous())
                 details["metrics"][c.module] = m.result()
 
             def scale_blob(scales=scales):
-                yield torch.cat(scales).float().reshape(-1, 1).numpy().tobytes()
+                yield _raw(torch.cat(scales).float().reshape(-1, 1))
 
-            tensors.append(OutTensor(c.module + ".weight", "I8", (n, k), rows))
+            shape = torch.tensor([n, k], dtype=torch.int64)
+            tensors.append(OutTensor(c.module + ".weight_packed", "I32", (n, k // 4), rows))
             tensors.append(OutTensor(c.module + ".weight_scale", "F32", (n, 1), scale_blob))
+            tensors.append(OutTensor(c.module + ".weight_shape", "I64", (2,), lambda s=shape: iter([_raw(s)])))
         else:
             qweight = torch.empty((k // 4, n), dtype=torch.int32)
             scales16 = torch.empty((1, n), dtype=torch.float16)

@@ -52,10 +52,11 @@ def load_weight(ckpt: Checkpoint, module: str) -> torch.Tensor:
         group = override.get("group_size", ckpt.quant.group_size or 128)
         return dequantize_gptq(read_tensor(ckpt, module + ".qweight"), read_tensor(ckpt, module + ".scales"),
                                bits, group)
-    if "weight_packed" in parts:  # compressed-tensors pack-quantized INT4 (sym, codes offset by 8)
+    if "weight_packed" in parts:  # compressed-tensors pack-quantized (sym: codes offset by 2^(bits-1))
+        bits = ckpt.quant.module_bits(module) or 4
         packed = read_tensor(ckpt, module + ".weight_packed")
         scale = read_tensor(ckpt, module + ".weight_scale").float()
-        codes = unpack_codes(packed.t().contiguous(), 4).t().float() - 8  # [N, K]
+        codes = unpack_codes(packed.t().contiguous(), bits).t().float() - (1 << (bits - 1))  # [N, K]
         g = codes.shape[1] // scale.shape[1]
         return codes * scale.repeat_interleave(g, 1)
     w = read_tensor(ckpt, module + ".weight")

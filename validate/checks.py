@@ -115,8 +115,8 @@ def expected_parts(inp: ValidationInputs, module: str, kind: str) -> dict[str, t
     if kind == "fp8":
         scale = "weight_scale" if inp.fmt == "compressed-tensors" else "weight_scale_inv"
         return {"weight": ("F8_E4M3", (n, k)), scale: ("F32", blocks)}
-    if inp.fmt == "compressed-tensors":
-        return {"weight": ("I8", (n, k)), "weight_scale": ("F32", (n, 1))}
+    if inp.fmt == "compressed-tensors":  # 8-bit pack-quantized: four codes + 128 per int32 along K
+        return {"weight_packed": ("I32", (n, k // 4)), "weight_scale": ("F32", (n, 1)), "weight_shape": ("I64", (2,))}
     if inp.head_storage == "bf16":
         src = inp.source.modules[module]["weight"]
         return {"weight": (src.dtype, (n, k))}
@@ -257,7 +257,8 @@ def check_tensors(inp: ValidationInputs, f: Findings) -> None:
 
 def _compare_repacked(inp: ValidationInputs, f: Findings, expected: dict) -> None:
     """compressed-tensors INT4 must be the source's codes and scales transposed, bit for bit."""
-    modules = sorted({split_module(n)[0] for n in expected if n.endswith(".weight_packed")})
+    converted = {c.module for c in inp.plan.conversions}  # the int8 head is pack-quantized too
+    modules = sorted({split_module(n)[0] for n in expected if n.endswith(".weight_packed")} - converted)
     bar = inp.progress(total=len(modules), desc="compare INT4 repack", unit="module")
     bad = 0
     for module in modules:
@@ -477,11 +478,9 @@ def _head_rows(inp: ValidationInputs, module: str, lo: int, hi: int) -> torch.Te
     """Rows lo:hi of the converted head, dequantized, read without the rest."""
     art = inp.artifact
     if inp.fmt == "compressed-tensors":
-        t = art.tensors[module + ".weight"]
-        with safe_open(str(art.path_of(t)), framework="pt") as fh:
-            q = fh.get_slice(module + ".weight")[lo:hi]
+        packed = _read_rows(art, module + ".weight_packed", lo, hi)  # [rows, K/4], codes + 128
         s = _read(art, module + ".weight_scale")[lo:hi]
-        return dequantize_int8_rows(q, s)
+        return dequantize_gptq(packed.t().contiguous(), s.reshape(1, -1), 8, -1)
     if inp.head_storage == "bf16":
         t = art.tensors[module + ".weight"]
         with safe_open(str(art.path_of(t)), framework="pt") as fh:
@@ -491,9 +490,15 @@ def _head_rows(inp: ValidationInputs, module: str, lo: int, hi: int) -> torch.Te
     return dequantize_gptq(qweight, scales, 8, -1)
 
 
+def _read_rows(ckpt: Checkpoint, name: str, lo: int, hi: int) -> torch.Tensor:
+    t = ckpt.tensors[name]
+    with safe_open(str(ckpt.path_of(t)), framework="pt") as fh:
+        return fh.get_slice(name)[lo:hi]
+
+
 def head_parts(inp: ValidationInputs) -> list[str]:
     if inp.fmt == "compressed-tensors":
-        return ["weight", "weight_scale"]
+        return ["weight_packed", "weight_scale", "weight_shape"]
     if inp.head_storage == "bf16":
         return ["weight"]
     return ["qweight", "qzeros", "scales"]

@@ -102,7 +102,7 @@ def test_int4_weights_dequantize_identically(tiny_checkpoint, inc_artifact, ct_a
             assert torch.equal(load_weight(src, module), load_weight(out, module)), (art.name, module)
 
 
-def test_compressed_tensors_int4_repack_is_bit_exact(tiny_checkpoint, ct_artifact):
+def test_compressed_tensors_int4_repack_is_bit_exact(tiny_checkpoint, ct_artifact, inc_artifact):
     src, out = Checkpoint.read_folder(tiny_checkpoint), Checkpoint.read_folder(ct_artifact)
     m = "model.language_model.layers.2.mlp.experts.5.gate_proj"
     assert torch.equal(read_tensor(out, m + ".weight_packed"), read_tensor(src, m + ".qweight").t())
@@ -111,7 +111,12 @@ def test_compressed_tensors_int4_repack_is_bit_exact(tiny_checkpoint, ct_artifac
     assert m + ".qzeros" not in out.tensors
     cfg = json.loads((ct_artifact / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and set(cfg["config_groups"]) == {"int4", "fp8", "int8_head"}
-    assert out.tensors["lm_head.weight"].dtype == "I8" and out.tensors["lm_head.weight_scale"].shape == (1024, 1)
+    assert out.tensors["lm_head.weight_packed"].shape == (1024, 256 // 4) and out.tensors["lm_head.weight_scale"].shape == (1024, 1)
+    assert cfg["config_groups"]["int8_head"]["format"] == "pack-quantized"
+    assert cfg["config_groups"]["int8_head"]["weights"]["num_bits"] == 8
+    # same codes as the GPTQ head of the inc-hybrid build, only transposed
+    inc = Checkpoint.read_folder(inc_artifact)
+    assert torch.equal(read_tensor(out, "lm_head.weight_packed"), read_tensor(inc, "lm_head.qweight").t())
 
 
 @pytest.mark.slow
