@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
+
+MAKE = r"""
+import sys
+from hybrid_build.pipeline.synthetic import qwen35_122b_config, write_synthetic_checkpoint
+cfg = qwen35_122b_config(compact_extra_config=True)
+cfg["text_config"]["mtp_num_hidden_layers"] = 0
+write_synthetic_checkpoint(sys.argv[1], cfg, layers=range(int(sys.argv[2])), sparse=False)
+"""
 
 
 def measure(cmd: list[str], env: dict | None = None) -> dict:
@@ -25,3 +34,10 @@ def best_of(runs: list[dict]) -> dict:
 
 def folder_bytes(path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def make_synthetic(dest, layers: int) -> None:
+    """Random-data checkpoint at the real 122B widths with ``layers`` decoder layers, written by
+    a child process: a child forked from a big parent would report the parent's pages as its own
+    peak RSS, so this process stays small."""
+    measure([sys.executable, "-c", MAKE, str(dest), str(layers)])

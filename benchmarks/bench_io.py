@@ -17,15 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import best_of, folder_bytes, measure  # noqa: E402
-
-MAKE = r"""
-import sys
-from hybrid_build.pipeline.synthetic import qwen35_122b_config, write_synthetic_checkpoint
-cfg = qwen35_122b_config(compact_extra_config=True)
-cfg["text_config"]["mtp_num_hidden_layers"] = 0
-write_synthetic_checkpoint(sys.argv[1], cfg, layers=range(int(sys.argv[2])), sparse=False)
-"""
+from _measure import best_of, folder_bytes, make_synthetic, measure  # noqa: E402
 
 COPY = r"""
 import sys
@@ -62,7 +54,7 @@ def main() -> None:
         src = work / "src"
         # generated in a child so that this process stays small: a child forked from a big parent
         # would report the parent's pages as its own peak RSS
-        measure([sys.executable, "-c", MAKE, str(src), str(layers_for(args.gb))])
+        make_synthetic(src, layers_for(args.gb))
         size = folder_bytes(src)
         cp_runs, our_runs = [], []
         # our writer fsyncs each shard before renaming it (a crash never leaves a torn shard under

@@ -19,15 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import best_of, folder_bytes, measure  # noqa: E402
-
-MAKE = r"""
-import sys
-from hybrid_build.pipeline.synthetic import qwen35_122b_config, write_synthetic_checkpoint
-cfg = qwen35_122b_config(compact_extra_config=True)
-cfg["text_config"]["mtp_num_hidden_layers"] = 0
-write_synthetic_checkpoint(sys.argv[1], cfg, layers=range(int(sys.argv[2])), sparse=False)
-"""
+from _measure import best_of, folder_bytes, make_synthetic, measure  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +34,7 @@ def main() -> None:
     exe = shutil.which("hybrid-build") or sys.exit("hybrid-build is not on PATH: pip install -e . first")
     try:
         src = work / "src"
-        measure([sys.executable, "-c", MAKE, str(src), str(layers)])
+        make_synthetic(src, layers)
         size = folder_bytes(src)
         int4 = sum(p.stat().st_size for p in src.glob("*.safetensors")) - 2 * 248320 * 3072 * 2
         cp_runs, run_runs = [], []
