@@ -52,8 +52,6 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hb-bench-io-", dir=args.workdir))
     try:
         src = work / "src"
-        # generated in a child so that this process stays small: a child forked from a big parent
-        # would report the parent's pages as its own peak RSS
         make_synthetic(src, layers_for(args.gb))
         size = folder_bytes(src)
         cp_runs, our_runs = [], []
