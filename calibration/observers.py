@@ -5,6 +5,8 @@ the tensor at hand with no running average.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
@@ -13,9 +15,9 @@ OBSERVERS = {"minmax": "memoryless_minmax", "mse": "memoryless_mse"}
 
 def observe(weight: torch.Tensor, args: QuantizationArgs, observer: str) -> dict[str, torch.Tensor]:
     """min/max statistics and qparams of ``weight`` under ``args``, from llm-compressor's observer."""
-    from loguru import logger
-
-    logger.disable("llmcompressor")  # its import warns about the missing GPU on every CPU run
+    # its import configures its own console logger and warns about a missing GPU on every CPU
+    # run; what it has to say about observers is not for our users (unless they ask for it)
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")
     from llmcompressor.observers import Observer
 
     if observer not in OBSERVERS:

@@ -56,7 +56,7 @@ def _train_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=TEXT_CONFIG["vocab_size"],
                                   special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TOKENIZER_TEXT * 40, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", pad_token="<pad>")
@@ -75,7 +75,7 @@ def _mtp_tensors(config, seed: int) -> dict:
     text = dict(TEXT_CONFIG, num_hidden_layers=1, layer_types=["full_attention"])
     torch.manual_seed(seed + 1)
     layer_model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text)).to(torch.bfloat16)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _quiet_libraries("saving the MTP layer"):
         layer_model.save_pretrained(tmp)
         state = {}
         for f in sorted(Path(tmp).glob("*.safetensors")):
@@ -124,24 +124,40 @@ def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int
     return out_dir
 
 
+@contextlib.contextmanager
+def _quiet_libraries(what: str):
+    """auto-round's and transformers' prints, warnings and progress bars are about their own
+    work, not the user's: kept, and shown only if that work fails."""
+    chatter = io.StringIO()
+    loggers = [logging.getLogger(n) for n in ("autoround", "transformers")]
+    levels = [lg.level for lg in loggers]
+    tqdm_env = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # bars bind the real stderr before any redirection
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter):
+            yield
+    except Exception:
+        log.error("%s failed; its output was:\n%s", what, chatter.getvalue()[-4000:])
+        raise
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if tqdm_env is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = tqdm_env
+
+
 def _export_autoround(model, tokenizer, export_dir: Path) -> Path:
     from auto_round import AutoRound
 
-    quiet = logging.getLogger("autoround")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    chatter = io.StringIO()  # auto-round's own progress bars; shown only if the export fails
-    try:
-        with contextlib.redirect_stderr(chatter):
-            # RTN (iters=0) needs no data; the optimised RTN crashes on the full-attention layer's mask
-            ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", iters=0, disable_opt_rtn=True,
-                           ignore_layers="shared_expert.", device_map="cpu")
-            ar.quantize_and_save(str(export_dir), format="auto_round:auto_gptq")
-    except Exception:
-        log.error("auto-round export failed; its output was:\n%s", chatter.getvalue()[-4000:])
-        raise
-    finally:
-        quiet.setLevel(level)
+    with _quiet_libraries("auto-round export"):
+        # RTN (iters=0) needs no data; the optimised RTN crashes on the full-attention layer's mask
+        ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", iters=0, disable_opt_rtn=True,
+                       ignore_layers="shared_expert.", device_map="cpu")
+        ar.quantize_and_save(str(export_dir), format="auto_round:auto_gptq")
     found = [p.parent for p in export_dir.rglob("config.json")]
     if len(found) != 1:
         raise RuntimeError(f"auto-round export: expected one config.json under {export_dir}, found {found}")

@@ -52,6 +52,8 @@ def _handle(args: argparse.Namespace) -> int:
         return progress(args.quiet or args.json, leave=False, **kw)
 
     ctx = prepare(source, args.out, args.recipe, progress=bar, revision=args.revision)
+    if args.source is None:  # provenance names the demo source by its place inside the artifact
+        ctx.source.source_id = str(Path(source).relative_to(args.out))
     if args.observer:
         ctx.recipe.shared_experts.observer = args.observer
     if args.fp8_source:

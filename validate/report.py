@@ -97,13 +97,16 @@ def _load_artifact(artifact: Path) -> Checkpoint:
         raise ArtifactError(f"artifact unreadable: {e}") from None
 
 
-def _resolve_source(source: Path | str | None, provenance: dict | None) -> Checkpoint:
+def _resolve_source(source: Path | str | None, provenance: dict | None,
+                    artifact_root: Path | None = None) -> Checkpoint:
     if source is not None:
         return Checkpoint.open(source)
     src = (provenance or {}).get("source") or {}
     ident, rev = src.get("id"), src.get("revision")
     if not ident:
         raise UserError("the artifact's provenance names no source: pass --source")
+    if artifact_root is not None and not Path(ident).is_absolute() and (artifact_root / ident).is_dir():
+        return Checkpoint.open(artifact_root / ident)  # the demo source lives inside the artifact
     if Path(ident).expanduser().exists() or HUB_ID.match(str(ident)):
         return Checkpoint.open(ident, revision=rev)
     raise UserError(f"the artifact was built from {ident!r}, which is neither a folder here nor a Hub id: "
@@ -144,7 +147,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     progress = progress or checks.null_progress
     art = _load_artifact(Path(artifact))
     provenance = checks.read_provenance(art.root)
-    src = _resolve_source(source, provenance)
+    src = _resolve_source(source, provenance, art.root)
     f = Findings()
     recipe = recipe or _resolve_recipe(art, src, f)
     plan = plan_conversion(src, recipe)
