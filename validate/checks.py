@@ -358,12 +358,22 @@ def _readable(art: Checkpoint, module: str, parts: list[str]) -> bool:
     return all(f"{module}.{p}" in art.tensors for p in parts)
 
 
+_NUMPY_DTYPES = {"I32": "int32", "F16": "float16", "F32": "float32", "BF16": "uint16", "I8": "int8", "U8": "uint8"}
+
+
 def _read(ckpt: Checkpoint, name: str, cols: slice | None = None) -> torch.Tensor:
     t = ckpt.tensors[name]
-    with safe_open(str(ckpt.path_of(t)), framework="pt") as fh:
-        if cols is None:
-            return fh.get_tensor(name)
-        return fh.get_slice(name)[:, cols]
+    if cols is None or t.dtype not in _NUMPY_DTYPES or len(t.shape) != 2:
+        with safe_open(str(ckpt.path_of(t)), framework="pt") as fh:
+            return fh.get_tensor(name) if cols is None else fh.get_slice(name)[:, cols]
+    # A column block of a row-major tensor through a memory map: only the touched pages are read.
+    # (The GPTQ head's qweight is [K/4, N]; a safetensors slice over columns read all 763 MB of it
+    # for every 4k-row chunk of the head check.)
+    import numpy as np
+
+    mm = np.memmap(ckpt.path_of(t), dtype=_NUMPY_DTYPES[t.dtype], mode="r", offset=t.start, shape=t.shape)
+    out = torch.from_numpy(np.array(mm[:, cols]))  # a copy: the map is read-only
+    return out.view(torch.bfloat16) if t.dtype == "BF16" else out
 
 
 def _count_bad_scale(s: torch.Tensor) -> tuple[int, int, int]:
