@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid_build.calibration.gptq import gptq_to_pack_quantized, zeros_are_symmetric
+from hybrid_build.calibration.gptq import zeros_are_symmetric
 
 from . import __version__
 from .checkpoint import TensorInfo

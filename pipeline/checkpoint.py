@@ -15,10 +15,9 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 from .errors import SourceError
-from .layout import classify, dtype_storage, layer_index, module_storage, split_module
+from .layout import classify, dtype_storage, module_storage, split_module
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
 
 log = logging.getLogger(__name__)
@@ -343,7 +342,3 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> tu
         raise SourceError(f"{source}: Hub download failed: {str(e).splitlines()[0]}")
     rev = Path(local).name  # snapshot folders are named by commit hash
     return Path(local), text, rev
-
-
-def load_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())

@@ -12,7 +12,6 @@ from hybrid_build.recipes.schema import Recipe, target_matches
 
 from .checkpoint import Checkpoint, TensorInfo
 from .errors import SourceError
-from .layout import split_module
 
 FP8_BLOCK = 128
 
@@ -92,7 +91,3 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe) -> ConversionPlan:
                 raise SourceError(f"{module}: GPTQ int8 packing needs rows and columns divisible by 4, shape is {n}x{k}")
             out.append(Conversion(module, "int8", w.klass, w, int8_row_bytes(n, k, recipe.lm_head.storage, fmt)))
     return ConversionPlan(recipe, out)
-
-
-def module_of(t: TensorInfo) -> str:
-    return split_module(t.name)[0]

@@ -13,10 +13,6 @@ CLASSES = (
 )
 STORAGES = ("int4", "int8", "fp8", "bf16", "fp16", "fp32", "other")
 
-# suffixes of the parts of one quantized linear layer, by on-disk format
-GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
-FP8_SCALE_PARTS = ("weight_scale_inv", "weight_scale", "input_scale")
-CT_PACKED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +90,3 @@ def describe_outputs(root: Path, paths: list[Path], hashes: dict[str, str] | Non
         sha = (hashes or {}).get(rel) or (sha256_file(p) if size <= QUICK_HASH_LIMIT else None)
         out[rel] = {"bytes": size, "sha256": sha}
     return out
-
-
-def now() -> float:
-    return time.time()

@@ -28,7 +28,7 @@ from .conversion import Conversion, ConversionPlan, plan_conversion
 from .errors import ArtifactError, SourceError, UserError
 from .progress import ProgressFactory, null_progress
 from .manifest import StageManifest, describe_outputs, sha256_json, source_fingerprint
-from .safetensors_io import ByteRange, OutTensor, ShardPlan, write_shard
+from .safetensors_io import OutTensor, ShardPlan, write_shard
 from .weights import read_rows, read_tensor
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class BuildContext:
     plan: ConversionPlan
     progress: ProgressFactory = null_progress
     manifests: dict[str, StageManifest] = field(default_factory=dict)
+    _fingerprint: dict | None = field(default=None, repr=False)
 
     @property
     def work(self) -> Path:
@@ -56,7 +57,10 @@ class BuildContext:
         return d
 
     def fingerprint(self) -> dict:
-        return source_fingerprint(self.source.root, self.source.files)
+        """The source's identity, read once: every stage key and the provenance use it."""
+        if self._fingerprint is None:
+            self._fingerprint = source_fingerprint(self.source.root, self.source.files)
+        return self._fingerprint
 
 
 # ---------------------------------------------------------------------------- stage inputs

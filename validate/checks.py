@@ -21,7 +21,6 @@ from safetensors import safe_open
 
 from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block
 from hybrid_build.calibration.gptq import SYM_ZERO_WORD, dequantize_gptq
-from hybrid_build.calibration.int8_rows import dequantize_int8_rows
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
 from hybrid_build.pipeline.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
 from hybrid_build.pipeline.checkpoint import Checkpoint, TensorInfo
