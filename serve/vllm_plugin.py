@@ -8,7 +8,9 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
 - int8 head: a ``ParallelLMHead`` with an ``lm_head`` entry of 8 bits gets INC's own 8-bit GPTQ
   scheme (GPTQ-Marlin ``uint8b128``), also when the key is the bare ``lm_head`` that vLLM's name
   mapper does not rewrite; with ``quantize-at-load`` the BF16 head is quantized per row when
-  loaded and run through ``int8_gemv.int8_linear``;
+  loaded and run through ``int8_gemv.int8_linear``; with ``HYBRID_BUILD_INT8_HEAD_KERNEL=triton``
+  the stored head is loaded as GPTQ, then unpacked to int8 rows and run through the same kernel
+  instead of vLLM's GPTQ kernel (Machete or Marlin);
 - everything else: INC's own answer, unchanged.
 It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
 head, or the launcher set ``HYBRID_BUILD_LM_HEAD=quantize-at-load``. Works with vLLM 0.25.x and
@@ -23,6 +25,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV_LM_HEAD = "HYBRID_BUILD_LM_HEAD"  # "quantize-at-load": set by `hybrid-build serve`
+ENV_HEAD_KERNEL = "HYBRID_BUILD_INT8_HEAD_KERNEL"  # "triton": the project's GEMV for a stored int8 head
 FP8_BLOCK = (128, 128)
 _REGEX_CHARS = set(r"*+?^$()[]{}|\\")
 
@@ -102,6 +105,60 @@ def _int8_head_method(config, layer, prefix: str):
     return resolve_scheme(layer_config).get_linear_method(config, layer, prefix, layer_config)
 
 
+def gptq_int8_rows(qweight, scales):
+    """A stored 8-bit GPTQ head -> (int8 rows [N, K], per-row scales [N]) for ``int8_linear``.
+
+    ``qweight`` int32 [K/4, N] holds ``code + 128`` for k = 4j..4j+3 in the bytes of word j, low
+    byte first (``calibration.gptq.pack_int8_gptq``); ``scales`` is [1, N] (one group). Runs on the
+    weight's device, N in slices so the temporary stays small."""
+    import sys
+
+    import torch
+
+    if sys.byteorder != "little":
+        raise RuntimeError("the int8 head unpacking assumes a little-endian host")
+    k4, n = qweight.shape
+    if scales.numel() != n:
+        raise ValueError(f"scales have {scales.numel()} elements for {n} output rows (one group expected)")
+    rows = torch.empty((n, 4 * k4), dtype=torch.int8, device=qweight.device)
+    step = 16384
+    for lo in range(0, n, step):
+        part = qweight[:, lo:lo + step].contiguous().view(torch.uint8).view(k4, -1, 4)  # [K/4, n', 4]
+        rows[lo:lo + step] = (part.permute(1, 0, 2) ^ 0x80).reshape(-1, 4 * k4).view(torch.int8)
+    return rows, scales.reshape(-1).float().contiguous()
+
+
+def _triton_int8_head_method(inner):
+    """Wrap vLLM's GPTQ method for the stored head: its parameters load as they are, then the head is
+    unpacked to int8 rows and served by ``int8_gemv.int8_linear``."""
+    from vllm.model_executor.layers.linear import LinearMethodBase
+
+    class Int8HeadTritonMethod(LinearMethodBase):
+        def create_weights(self, layer, *args, **kwargs):
+            inner.create_weights(layer, *args, **kwargs)
+
+        def process_weights_after_loading(self, layer) -> None:
+            import torch
+
+            if not (hasattr(layer, "qweight") and hasattr(layer, "scales")):
+                raise RuntimeError(f"hybrid-build: the int8 head's GPTQ method ({type(inner).__name__}) did not "
+                                   f"create qweight/scales; unset {ENV_HEAD_KERNEL} to use vLLM's own kernel")
+            rows, scale = gptq_int8_rows(layer.qweight.data, layer.scales.data)
+            for name in ("qweight", "qzeros", "scales", "g_idx"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+            layer.weight_int8 = torch.nn.Parameter(rows, requires_grad=False)
+            layer.weight_scale_row = torch.nn.Parameter(scale, requires_grad=False)
+
+        def apply(self, layer, x, bias=None):
+            from hybrid_build.serve.int8_gemv import int8_linear
+
+            out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
+            return out if bias is None else out + bias
+
+    return Int8HeadTritonMethod()
+
+
 def _load_time_int8_head_method():
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -154,7 +211,10 @@ def make_config_class(base: type) -> type:
             packed = getattr(self, "packed_modules_mapping", None) or {}
             if isinstance(layer, ParallelLMHead):
                 if is_int8_entry(exact_entry(extra, prefix)):
-                    return _int8_head_method(self, layer, prefix)
+                    method = _int8_head_method(self, layer, prefix)
+                    if os.environ.get(ENV_HEAD_KERNEL) == "triton":
+                        return _triton_int8_head_method(method)
+                    return method
                 if os.environ.get(ENV_LM_HEAD) == "quantize-at-load":
                     return _load_time_int8_head_method()
                 return None
@@ -193,4 +253,4 @@ def register() -> None:
 
 
 __all__ = ["register", "make_config_class", "layer_fp8_block", "exact_entry", "declares_hybrid",
-           "ENV_LM_HEAD"]
+           "ENV_LM_HEAD", "ENV_HEAD_KERNEL", "gptq_int8_rows"]

@@ -195,18 +195,35 @@ def compare(ref_rows: list, q_rows: list, prompts: list) -> dict:
             "max_abs_logprob_gap_on_tokens": gap, "prompts": per}
 
 
-def child_speed(model: str, label: str, graphs: str, tokens: str) -> dict:
+def kernel_times(prof) -> dict[str, tuple[int, float]]:
+    """GPU kernels of a torch.profiler run: name -> (launches, total microseconds)."""
+    import torch
+
+    out: dict[str, tuple[int, float]] = {}
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        n, t = out.get(e.key, (0, 0.0))
+        out[e.key] = (n + e.count, t + us)
+    return out
+
+
+def child_speed(model: str, label: str, mode: str, tokens: str) -> dict:
+    """Single-stream decode tok/s; in eager mode also the GPU kernels of one decode step (profiled)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     n = int(tokens)
     kw = dict(gpu_memory_utilization=0.35, max_num_seqs=1)
-    if graphs == "graphs":
-        kw.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+    if mode == "graphs":  # full CUDA graphs of the decode step, no torch.compile (minutes saved)
+        kw.update(enforce_eager=False, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                                           "cudagraph_capture_sizes": [1, 2]})
     t0 = now()
     llm = make_llm(model, **kw)
-    res: dict = {"label": label, "mode": graphs, "load_s": round(now() - t0, 1)}
-    if label == "dense":
+    res: dict = {"label": label, "mode": mode, "load_s": round(now() - t0, 1),
+                 "head_kernel": os.environ.get("HYBRID_BUILD_INT8_HEAD_KERNEL", "vllm")}
+    if label.startswith("dense"):
         res["layers"] = inspect_layers(llm)
     prompt = [TokensPrompt(prompt_token_ids=[(37 * i) % 900 + 100 for i in range(32)])]
 
@@ -225,6 +242,26 @@ def child_speed(model: str, label: str, graphs: str, tokens: str) -> dict:
         decode.append(n / (tn - t1))  # n decode steps beyond the first token
     res.update({"decode_tok_s_runs": [round(x, 2) for x in decode], "decode_tok_s": round(statistics.median(decode), 2),
                 "decode_tokens": n})
+    if mode == "eager":  # what one decode step spends on the GPU, kernel by kernel
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        steps = 16
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=acts) as p1:
+            timed(1)
+        with profile(activities=acts) as pn:
+            timed(steps + 1)
+        torch.cuda.synchronize()
+        k1, kn = kernel_times(p1), kernel_times(pn)
+        per_step = {k: ((c - k1.get(k, (0, 0))[0]) / steps, (us - k1.get(k, (0, 0.0))[1]) / steps)
+                    for k, (c, us) in kn.items()}
+        top = sorted(per_step.items(), key=lambda kv: -kv[1][1])[:25]
+        res["gpu_us_per_step"] = round(sum(v[1] for v in per_step.values()), 1)
+        res["launches_per_step"] = round(sum(v[0] for v in per_step.values()), 1)
+        res["wall_us_per_step"] = round(1e6 / res["decode_tok_s"], 1)
+        res["top_kernels_per_step"] = [{"kernel": k[:140], "launches": round(c, 2), "us": round(us, 1)}
+                                       for k, (c, us) in top]
     return res
 
 
@@ -427,7 +464,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, required=True, help="unix time by which everything must end")
-    ap.add_argument("--steps", default="correct,speed,profiles,graphs")
+    ap.add_argument("--steps", default="build,correct,profiles,graphs,eager",
+                    help="build: the synthetic checkpoint; graphs/eager: its decode speed in that mode")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     a = ap.parse_args()
@@ -446,7 +484,7 @@ def main() -> int:
     RESULTS["env_vars"] = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "HYBRID_BUILD_"))}
     save(a.out)
     builder = None
-    if "speed" in steps and not (a.work / "synth-hybrid" / "model.safetensors.index.json").exists():
+    if "build" in steps and not (a.work / "synth-hybrid" / "model.safetensors.index.json").exists():
         builder = threading.Thread(target=build_synthetic, args=(a.work, a.out, a.layers, a.src), daemon=True)
         builder.start()
     inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
@@ -456,20 +494,25 @@ def main() -> int:
     def lane_tiny() -> None:  # the tiny checkpoints: correctness, then the serve profiles
         if "correct" in steps:
             for label, folder in (("inc-hybrid", "inc"), ("compressed-tensors", "ct")):
+                # the first engine JIT-compiles the Triton kernels: give it the longer limit
                 run_child(a.out, f"correct_{label}", ["correct", str(a.hb / folder), str(a.hb / "ref.pt"), label],
-                          min(200, left()), inproc)
+                          min(420 if label == "inc-hybrid" else 200, left()), inproc)
         for i, p in enumerate(profiles):
             serve_profile(a.out, a.hb, a.src, recipe, p, 8100 + i, min(150, left()),
                           a.hb / "drafter-dflash" if p == "dense" else None)
 
     def speed(mode: str) -> None:
-        for label, folder in (("base", "synth-src"), ("dense", "synth-hybrid")):
+        triton_head = {"HYBRID_BUILD_INT8_HEAD_KERNEL": "triton"}
+        variants = (("base", "synth-src", {}), ("dense", "synth-hybrid", {}),
+                    ("dense-triton-head", "synth-hybrid", triton_head))
+        for label, folder, env in variants:
             run_child(a.out, f"speed_{mode}_{label}", ["speed", str(a.work / folder), label, mode, str(a.tokens)],
-                      min(200, left()), inproc)
+                      min(240, left()), dict(inproc, **env))
         b = RESULTS["steps"].get(f"speed_{mode}_base", {}).get("decode_tok_s")
-        d = RESULTS["steps"].get(f"speed_{mode}_dense", {}).get("decode_tok_s")
-        if b and d:
-            record(a.out, f"speed_{mode}_ratio", {"dense_over_base": round(d / b, 4)})
+        for label, _, _ in variants[1:]:
+            d = RESULTS["steps"].get(f"speed_{mode}_{label}", {}).get("decode_tok_s")
+            if b and d:
+                record(a.out, f"speed_{mode}_ratio_{label}", {f"{label}_over_base": round(d / b, 4)})
 
     def lane_speed() -> None:  # the real-width synthetic model, beside the tiny lane (fixed KV sizes)
         built = False
@@ -478,10 +521,9 @@ def main() -> int:
             built = RESULTS["steps"].get("synthetic_build", {}).get("run_rc") == 0
         elif (a.work / "synth-hybrid" / "model.safetensors.index.json").exists():
             built = True  # a later call on the same warm machine
-        if built and "speed" in steps:
-            speed("eager")
-        if built and "graphs" in steps:
-            speed("graphs")
+        for mode in ("graphs", "eager"):
+            if built and mode in steps:
+                speed(mode)
 
     lanes = [threading.Thread(target=f) for f in (lane_tiny, lane_speed)]
     for t in lanes:

@@ -2,7 +2,9 @@
 # Run THERE (the H200 machine), from the repository root, once every .gpuN folder has been
 # assembled (see docs/gpu.md): installs the hybrid-build wheel beside vLLM, puts `vllm` and
 # `hybrid-build` on PATH and runs scripts/gpu/driver.py, which writes results.json and logs to $OUT.
-#   bash scripts/gpu/run.sh --deadline UNIX_TIME [--steps correct,speed,profiles,graphs] [--layers N]
+#   bash scripts/gpu/run.sh --deadline UNIX_TIME [--steps build,correct,profiles,graphs,eager] [--layers N]
+# VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning (the linear-attention prefill kernels
+# otherwise compile every candidate config on a cold cache: minutes per engine); set it to 0 to tune.
 set -euo pipefail
 # the tiny artifacts travel in .gpuhb (and the tiny source in .gpusrc, possibly with an earlier
 # call); stash them in $HOME, which lasts as long as the machine stays warm
@@ -15,6 +17,7 @@ fi
 mkdir -p "$HOME/bin"
 printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > "$HOME/bin/vllm"; chmod +x "$HOME/bin/vllm"
 export PYTHONPATH=$hb:$HOME/site PATH=$hb/bin:$HOME/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
+  VLLM_TRITON_FORCE_FIRST_CONFIG=${VLLM_TRITON_FORCE_FIRST_CONFIG:-1} \
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1 || true

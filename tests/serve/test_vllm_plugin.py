@@ -116,3 +116,22 @@ def test_declares_hybrid(monkeypatch):
     assert not vllm_plugin.declares_hybrid({"extra_config": {"a.b": {"bits": 16, "data_type": "float"}}})
     monkeypatch.setenv(vllm_plugin.ENV_LM_HEAD, "quantize-at-load")
     assert vllm_plugin.declares_hybrid({})
+
+
+@pytest.mark.parametrize("n,k", [(1024, 256), (20000, 64)])  # 20000 rows cross the unpacking slices
+def test_stored_gptq_head_unpacks_to_the_int8_rows_it_was_packed_from(n, k):
+    import torch
+
+    from hybrid_build.calibration.gptq import pack_int8_gptq
+    from hybrid_build.calibration.int8_rows import quantize_int8_rows
+
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    q, scale = quantize_int8_rows(w)
+    qweight = pack_int8_gptq(q)
+    rows, s = vllm_plugin.gptq_int8_rows(qweight, scale.to(torch.bfloat16).reshape(1, -1))
+    assert rows.dtype == torch.int8 and rows.shape == (n, k)
+    assert torch.equal(rows, q)
+    assert torch.equal(s, scale.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="one group"):
+        vllm_plugin.gptq_int8_rows(qweight, torch.ones(2, n))
