@@ -6,9 +6,12 @@ the tensor at hand with no running average.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
-from compressed_tensors.quantization import QuantizationArgs
+
+if TYPE_CHECKING:
+    from compressed_tensors.quantization import QuantizationArgs
 
 OBSERVERS = {"minmax": "memoryless_minmax", "mse": "memoryless_mse"}
 

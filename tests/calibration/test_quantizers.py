@@ -107,3 +107,26 @@ def test_streaming_metrics_equal_one_shot():
     one = error_metrics(a, b)
     for key, value in sm.result().items():
         assert value == pytest.approx(one[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (300, 200), (129, 1000), (1024, 384), (3, 5)])
+def test_fp8_minmax_fast_path_equals_llm_compressor(shape):
+    """The plain-torch min-max path gives exactly llm-compressor's memoryless min-max observer
+    + compressed-tensors' quantize: equal scales, equal FP8 bits (zero blocks, -0.0, ragged
+    edges and values far apart in magnitude included)."""
+    from hybrid_build.calibration.fp8_block import quantize_fp8_block_observed
+
+    torch.manual_seed(6)
+    n, k = shape
+    w = torch.randn(n, k) * torch.logspace(-4, 1, k)[None, :]
+    w[: min(n, 128), : min(k, 128)] = 0  # an all-zero block: the zero scale is replaced
+    w[-1, -1] = -0.0
+    if n > 2 and k > 2:
+        w[1, 2] = 1e-30  # underflows in FP8
+    w = w.to(torch.bfloat16).float()  # the checkpoint's values
+    q, s = quantize_fp8_block(w, "minmax")
+    q_ref, s_ref = quantize_fp8_block_observed(w, "minmax")
+    assert s.dtype == s_ref.dtype == torch.float32 and s.shape == s_ref.shape
+    assert torch.equal(s, s_ref)
+    assert q.shape == q_ref.shape and q.dtype == q_ref.dtype
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
