@@ -38,12 +38,15 @@ class StreamingMetrics:
         float64 copy of a 4k-row lm-head chunk (relative error of a blocked sdot ~1e-6)."""
         r, e = ref.reshape(-1), err.reshape(-1)
         rr, ee, re_ = float(torch.dot(r, r)), float(torch.dot(e, e)), float(torch.dot(r, e))
+        self.update_sums(rr, ee, re_, float(e.abs_().max()) if e.numel() else 0.0)
+
+    def update_sums(self, rr: float, ee: float, re_: float, max_abs: float) -> None:
+        """Accumulate one chunk's r.r, e.e, r.e and max |e| (e = approx - ref)."""
         self.ref_sq += rr
         self.err_sq += ee
         self.dot += rr + re_  # r.a = r.r + r.e
         self.approx_sq += rr + 2 * re_ + ee  # |a|^2 = |r + e|^2
-        if e.numel():
-            self.max_abs = max(self.max_abs, float(e.abs_().max()))
+        self.max_abs = max(self.max_abs, max_abs)
 
     def result(self) -> dict[str, float]:
         ref_n, err_n = math.sqrt(self.ref_sq), math.sqrt(self.err_sq)

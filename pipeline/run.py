@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from hybrid_build.calibration.fp8_block import dequantize_fp8_block, quantize_fp8_block
-from hybrid_build.calibration.gptq import int8_gptq_qzeros, pack_int8_gptq
-from hybrid_build.calibration.int8_rows import quantize_int8_rows
-from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
+from hybrid_build.calibration.gptq import int8_gptq_qzeros
+from hybrid_build.calibration.int8_rows import RowChunkQuantizer
+from hybrid_build.calibration.metrics import error_metrics
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
 from . import __version__
@@ -29,7 +29,7 @@ from .errors import ArtifactError, SourceError, UserError
 from .progress import ProgressFactory, null_progress
 from .manifest import StageManifest, describe_outputs, sha256_json, source_fingerprint
 from .safetensors_io import OutTensor, ShardPlan, write_shard
-from .weights import read_rows, read_tensor
+from .weights import iter_row_chunks, read_tensor
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ def _key(ctx: BuildContext, stage: str) -> str:
 
 FP8_FILE = "shared_experts_fp8.safetensors"
 HEAD_FILE = "lm_head_int8.safetensors"
+HEAD_CACHE_ROWS = 1024  # rows per quantizer step: 12 MB of float32 buffers at K = 3072
 
 
 def calibrate(ctx: BuildContext) -> tuple[list[Path], dict]:
@@ -143,7 +144,9 @@ def quantize_head(ctx: BuildContext) -> tuple[list[Path], dict]:
 
     ``gptq-int8`` stores ``qweight`` int32 [K/4, N], which interleaves all rows, so the packed
     words are gathered in memory (N*K bytes, 763 MB for the real head) and written at the end;
-    compressed-tensors' row-major int8 is streamed chunk by chunk."""
+    compressed-tensors' row-major int8 is streamed chunk by chunk. Chunks are at most
+    ``HEAD_CACHE_ROWS`` rows (fewer if the recipe's ``chunk_rows`` says so) so that the fused
+    quantizer's buffers stay in cache."""
     convs = ctx.plan.of_kind("int8")
     spec = ctx.recipe.lm_head
     if spec.storage == "bf16" or not convs:
@@ -152,47 +155,40 @@ def quantize_head(ctx: BuildContext) -> tuple[list[Path], dict]:
     fmt = ctx.recipe.output.format
     details: dict = {"storage": spec.storage, "metrics": {}}
     tensors: list[OutTensor] = []
+    chunk = min(spec.chunk_rows, HEAD_CACHE_ROWS)
     for c in convs:
         n, k = c.shape
-        chunk = spec.chunk_rows
-        m = StreamingMetrics()
         bar = ctx.progress(total=n, desc=f"quantize {c.module}", unit="row")
         if fmt == "compressed-tensors":
             # weight-only int8 is compressed-tensors "pack-quantized" at 8 bits: codes + 128, four
             # to an int32 along K. Row-major, so it streams chunk by chunk (vLLM 0.25 rejects an
             # "int-quantized" int8 weight without int8 activations).
-            scales: list[torch.Tensor] = []
+            scales = torch.empty((n, 1), dtype=torch.float32)
+            qz = RowChunkQuantizer(k, min(chunk, n), torch.float32)
 
-            def rows(c=c, n=n, m=m, scales=scales, bar=bar):
-                for lo in range(0, n, chunk):
-                    w = read_rows(ctx.source, c.module + ".weight", lo, min(n, lo + chunk)).float()
-                    q, s = quantize_int8_rows(w)
-                    m.update_error(w, q.float().mul_(s[:, None]).sub_(w))
-                    scales.append(s)
-                    bar.update(q.shape[0])
-                    yield _raw(pack_int8_gptq(q).t().contiguous())
-                details["metrics"][c.module] = m.result()
-
-            def scale_blob(scales=scales):
-                yield _raw(torch.cat(scales).float().reshape(-1, 1))
+            def rows(c=c, scales=scales, qz=qz, bar=bar):
+                for lo, w in iter_row_chunks(ctx.source, c.module + ".weight", chunk):
+                    words, s = qz(w)
+                    scales[lo:lo + w.shape[0], 0] = s
+                    bar.update(w.shape[0])
+                    yield _raw(words)
+                details["metrics"][c.module] = qz.metrics.result()
 
             shape = torch.tensor([n, k], dtype=torch.int64)
             tensors.append(OutTensor(c.module + ".weight_packed", "I32", (n, k // 4), rows))
-            tensors.append(OutTensor(c.module + ".weight_scale", "F32", (n, 1), scale_blob))
+            tensors.append(OutTensor(c.module + ".weight_scale", "F32", (n, 1), lambda s=scales: iter([_raw(s)])))
             tensors.append(OutTensor(c.module + ".weight_shape", "I64", (2,), lambda s=shape: iter([_raw(s)])))
         else:
             qweight = torch.empty((k // 4, n), dtype=torch.int32)
             scales16 = torch.empty((1, n), dtype=torch.float16)
-            for lo in range(0, n, chunk):
-                hi = min(n, lo + chunk)
-                w = read_rows(ctx.source, c.module + ".weight", lo, hi).float()
-                q, s = quantize_int8_rows(w)
-                s16 = s.half()  # GPTQ scales are fp16: measure the error of what is stored
-                m.update_error(w, q.float().mul_(s16.float()[:, None]).sub_(w))
-                qweight[:, lo:hi] = pack_int8_gptq(q)
+            qz = RowChunkQuantizer(k, min(chunk, n), torch.float16)  # GPTQ scales are fp16
+            for lo, w in iter_row_chunks(ctx.source, c.module + ".weight", chunk):
+                hi = lo + w.shape[0]
+                words, s16 = qz(w)
+                qweight[:, lo:hi] = words.t()
                 scales16[0, lo:hi] = s16
                 bar.update(hi - lo)
-            details["metrics"][c.module] = m.result()
+            details["metrics"][c.module] = qz.metrics.result()
             for name, t in (("qweight", qweight), ("qzeros", int8_gptq_qzeros(n)), ("scales", scales16)):
                 tensors.append(OutTensor(f"{c.module}.{name}", {torch.int32: "I32", torch.float16: "F16"}[t.dtype],
                                          tuple(t.shape), (lambda t=t: iter([_raw(t)]))))

@@ -8,6 +8,8 @@ one at a time through ``safetensors.safe_open`` (memory-mapped), so memory is on
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from safetensors import safe_open
 
@@ -32,6 +34,38 @@ def read_rows(ckpt: Checkpoint, name: str, start: int, stop: int) -> torch.Tenso
     t = ckpt.tensors[name]
     with safe_open(str(ckpt.path_of(t)), framework="pt") as f:
         return f.get_slice(name)[start:stop]
+
+
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def iter_row_chunks(ckpt: Checkpoint, name: str, rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows [r, K]) of a 2-D float tensor, ``rows`` at a time, read straight from
+    the file into one reused buffer (no memory map: its pages would count towards the process's
+    resident memory; no per-chunk ``safe_open``). Each chunk is valid until the next is read."""
+    t = ckpt.tensors[name]
+    dtype = _TORCH_DTYPES.get(t.dtype)
+    if dtype is None or len(t.shape) != 2:
+        n = t.shape[0]
+        for lo in range(0, n, rows):
+            yield lo, read_rows(ckpt, name, lo, min(n, lo + rows))
+        return
+    n, k = t.shape
+    item = torch.empty((), dtype=dtype).element_size()
+    buf = torch.empty(min(rows, n) * k * item, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    with open(ckpt.path_of(t), "rb", buffering=0) as f:
+        f.seek(t.start)
+        for lo in range(0, n, rows):
+            r = min(rows, n - lo)
+            want = r * k * item
+            got = 0
+            while got < want:
+                m = f.readinto(view[got:want])
+                if not m:
+                    raise ArtifactError(f"{name}: file ends inside the tensor")
+                got += m
+            yield lo, buf[:want].view(dtype).view(r, k)
 
 
 def module_storage(ckpt: Checkpoint, module: str) -> str:

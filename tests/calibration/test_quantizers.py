@@ -130,3 +130,29 @@ def test_fp8_minmax_fast_path_equals_llm_compressor(shape):
     assert torch.equal(s, s_ref)
     assert q.shape == q_ref.shape and q.dtype == q_ref.dtype
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_row_chunk_quantizer_equals_int8_rows_and_gptq_packing(scale_dtype):
+    """The fused chunked quantizer stores exactly what quantize_int8_rows + pack_int8_gptq give
+    (codes, scales, GPTQ words) and measures the error of the stored scales."""
+    from hybrid_build.calibration.int8_rows import RowChunkQuantizer
+
+    torch.manual_seed(7)
+    n, k = 700, 384
+    w = (torch.randn(n, k) * 0.02 * torch.rand(n, 1)).to(torch.bfloat16)
+    w[5] = 0
+    w[6, :] = -0.0
+    qz = RowChunkQuantizer(k, 256, scale_dtype)
+    words, scales = [], []
+    for lo in range(0, n, 256):  # ragged last chunk
+        out_words, s = qz(w[lo:lo + 256])
+        words.append(out_words.clone())
+        scales.append(s)
+    words, scales = torch.cat(words), torch.cat(scales)
+    q_ref, s_ref = quantize_int8_rows(w)
+    assert scales.dtype == scale_dtype and torch.equal(scales, s_ref.to(scale_dtype))
+    assert torch.equal(words.t(), pack_int8_gptq(q_ref))  # qweight [K/4, N] is the transpose
+    ref = error_metrics(w.float(), q_ref.float() * scales.float()[:, None])
+    for key, value in qz.metrics.result().items():
+        assert value == pytest.approx(ref[key], rel=1e-6), key
