@@ -109,3 +109,62 @@ def test_tensor_past_end_of_file_is_truncation(tmp_path):
     p.write_bytes(p.read_bytes()[:-100])
     with pytest.raises(SourceError, match="truncated"):
         read_header(p)
+
+
+def _mixed_plan(tmp_path):
+    """Ranges at odd offsets and lengths plus producer chunks, ~40 KB: with 8 KB staging buffers
+    every kind of piece crosses a buffer boundary."""
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(torch.randint(0, 256, (50_000,), dtype=torch.uint8).numpy().tobytes())
+
+    def produced():
+        for i in range(5):
+            yield torch.full((777,), i, dtype=torch.int8).numpy().tobytes()
+        yield memoryview(torch.arange(1, dtype=torch.int32).numpy()).cast("B")  # 4 more bytes
+
+    return plan_shards([
+        OutTensor("a", "U8", (13_333,), ByteRange(blob, 3, 13_333)),
+        OutTensor("p", "I8", (5 * 777 + 4,), produced),
+        OutTensor("b", "U8", (20_001,), ByteRange(blob, 17_001, 20_001)),
+        OutTensor("c", "U8", (1,), ByteRange(blob, 49_999, 1)),
+    ], 1 << 30, prefix="mixed")[0]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_hashed_writer_writes_and_hashes_the_same_bytes(tmp_path, monkeypatch, direct):
+    """The assemble path (O_DIRECT through staging buffers, or copy_file_range + hashing the
+    source ranges) writes exactly what the plain writer writes, and its sha256 is the file's."""
+    from hybrid_build.pipeline import safetensors_io as sio
+
+    plan = _mixed_plan(tmp_path)
+    ref_dir, out_dir = tmp_path / "ref", tmp_path / "out"
+    ref_dir.mkdir(), out_dir.mkdir()
+    write_shard(plan, ref_dir)
+    expected = (ref_dir / plan.filename).read_bytes()
+    monkeypatch.setattr(sio, "DIRECT_BUFFER", 8192)
+    opened = []
+    real_open = sio._open_direct
+    monkeypatch.setattr(sio, "_open_direct", lambda *a: opened.append(real_open(*a)) or opened[-1])
+    if not direct:
+        monkeypatch.setenv("HYBRID_BUILD_NO_DIRECT_IO", "1")
+    hasher = sio.ShardHasher()
+    write_shard(plan, out_dir, hasher=hasher)
+    if direct and opened[0] is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    assert (opened[0] is not None) == direct
+    assert (out_dir / plan.filename).read_bytes() == expected
+    assert hasher.hexdigest() == hashlib.sha256(expected).hexdigest()
+    assert not list(out_dir.glob("*.partial"))
+
+
+def test_hashed_writer_failure_leaves_no_final_file(tmp_path):
+    from hybrid_build.pipeline import safetensors_io as sio
+
+    def broken():
+        yield b"\0" * 8
+        raise RuntimeError("disk on fire")
+
+    plan = plan_shards([OutTensor("x", "F32", (4,), broken)], 1 << 20)[0]
+    with pytest.raises(RuntimeError):
+        write_shard(plan, tmp_path, hasher=sio.ShardHasher())
+    assert not (tmp_path / plan.filename).exists()
