@@ -107,12 +107,14 @@ def _handle(args: argparse.Namespace) -> int:
             if res.stage == "calibrate" and diffs:
                 extra = (f"  official FP8 vs local calibration: mean relative difference "
                          f"{sum(diffs) / len(diffs):.4f}")
+            if res.background:
+                extra += "  (in the background, alongside assemble)"
             print(f"  {res.stage:<14} {res.status:<8} {res.seconds:7.2f} s{extra}", flush=True)
 
     results = run_build(ctx, stages, force=args.force, on_stage=report)
     if args.json:
         emit_json({"output": str(args.out), "recipe": ctx.recipe.name, "seconds": round(time.perf_counter() - t0, 3),
-                   "stages": [{"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 3)} for r in results]})
+                   "stages": [{"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 3), "background": r.background} for r in results]})
     elif not args.quiet:
         print(f"hybrid checkpoint in {args.out} ({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -116,11 +116,13 @@ def read_header(path: str | os.PathLike) -> FileHeader:
 
 @dataclass(frozen=True)
 class ByteRange:
-    """An unchanged tensor: copied from ``path`` as bytes."""
+    """An unchanged tensor: copied from ``path`` as bytes. ``ready``, if set, is called before
+    the file is read and blocks until it is complete (a file another stage is still writing)."""
 
     path: Path
     start: int
     nbytes: int
+    ready: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 ChunkProducer = Callable[[], Iterator[bytes | memoryview]]
@@ -471,6 +473,8 @@ def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
             if isinstance(t.source, ByteRange):
                 if t.source.nbytes != t.nbytes:
                     raise ArtifactError(f"{t.name}: source range has {t.source.nbytes} bytes, header says {t.nbytes}")
+                if t.source.ready:
+                    t.source.ready()
                 _copy_range(t.source, out, buf)
                 if hasher:
                     hasher.feed_range(t.source)
@@ -494,6 +498,8 @@ def _stream_shard(plan: ShardPlan, direct: _DirectStream, progress: Callable[[in
         if isinstance(t.source, ByteRange):
             if t.source.nbytes != t.nbytes:
                 raise ArtifactError(f"{t.name}: source range has {t.source.nbytes} bytes, header says {t.nbytes}")
+            if t.source.ready:
+                t.source.ready()
             direct.put_range(t.source)
         else:
             written = 0

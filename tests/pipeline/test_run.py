@@ -277,3 +277,64 @@ def test_copy_of_artifact_is_still_readable(inc_artifact, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(inc_artifact, dst)
     assert not Checkpoint.read_folder(dst).errors()
+
+
+def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, inc_artifact, tmp_path, monkeypatch,
+                                                             build_stages):
+    """quantize-head runs in the background: a shard without the head is complete before the
+    head is, the shard holding the head waits for it, and the result is the sequential build's."""
+    import threading
+    import time
+
+    from hybrid_build.pipeline import assemble as asm
+
+    head_done = threading.Event()
+    finished_before_head: list[str] = []
+    original_head, original_write = run_mod.STAGE_FUNCS["quantize-head"], asm.write_shard
+
+    def slow_head(ctx):
+        time.sleep(1.0)  # long enough for the other shards
+        try:
+            return original_head(ctx)
+        finally:
+            head_done.set()
+
+    def write(plan, out_dir, **kw):
+        path = original_write(plan, out_dir, **kw)
+        if not head_done.is_set():
+            finished_before_head.append(plan.filename)
+        return path
+
+    monkeypatch.setitem(run_mod.STAGE_FUNCS, "quantize-head", slow_head)
+    monkeypatch.setattr(asm, "write_shard", write)
+    out = tmp_path / "out"
+    ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
+    results = run_mod.run_build(ctx, build_stages)
+    assert [r.stage for r in results] == build_stages and {r.status for r in results} == {"ran"}
+    assert finished_before_head  # written while the head was being quantized
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    head_shard = index["lm_head.qweight"]
+    assert head_shard not in finished_before_head
+    # the head's tensors are the last ones of their shard
+    from hybrid_build.pipeline.safetensors_io import read_header
+
+    in_shard = [t.name for t in sorted(read_header(out / head_shard).tensors.values(), key=lambda t: t.start)]
+    assert len(in_shard) > 3 and set(in_shard[-3:]) == {"lm_head.qweight", "lm_head.qzeros", "lm_head.scales"}
+    assert _all_files(out) == _all_files(inc_artifact)
+
+
+def test_failed_background_head_fails_the_build_and_leaves_it_incomplete(tiny_checkpoint, inc_artifact, tmp_path,
+                                                                        monkeypatch, build_stages):
+    def broken_head(ctx):
+        raise RuntimeError("head exploded")
+
+    monkeypatch.setitem(run_mod.STAGE_FUNCS, "quantize-head", broken_head)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="head exploded"):
+        run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), build_stages)
+    assert not (out / "model.safetensors.index.json").exists()
+    assert not (out / ".hybrid-build" / "quantize-head.json").exists()
+    monkeypatch.undo()
+    results = run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), build_stages)
+    assert {r.stage: r.status for r in results}["quantize-head"] == "ran"
+    assert _all_files(out) == _all_files(inc_artifact)
