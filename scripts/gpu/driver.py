@@ -139,7 +139,9 @@ def inspect_layers(llm) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def child_correct(artifact: str, ref_path: str, label: str) -> dict:
+def child_correct(artifact: str, ref_path: str, label: str, rows_out: str) -> dict:
+    """vLLM's full-vocabulary prompt logprobs of one checkpoint vs the CPU references; the rows are
+    saved to ``rows_out`` so that the artifacts can also be compared with vLLM's own run of the source."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -162,6 +164,7 @@ def child_correct(artifact: str, ref_path: str, label: str) -> dict:
         vllm_rows.append(rows)
     res["vs_artifact_reference"] = compare(ref[label], vllm_rows, prompts)
     res["vs_source"] = compare(ref["source"], vllm_rows, prompts)
+    torch.save({"prompts": ref["prompts"], "rows": vllm_rows}, rows_out)
     res["logprob_entries_per_row"] = min(len(d) for o in outs for d in o.prompt_logprobs[1:])
     gen = llm.generate([TokensPrompt(prompt_token_ids=prompts[-1][1])],
                        SamplingParams(max_tokens=16, temperature=0.0))
@@ -207,6 +210,21 @@ def kernel_times(prof) -> dict[str, tuple[int, float]]:
         n, t = out.get(e.key, (0, 0.0))
         out[e.key] = (n + e.count, t + us)
     return out
+
+
+def engine_agreement(work: Path) -> dict:
+    """Each artifact's vLLM logprobs against vLLM's own logprobs of the source (same engine, same kernels
+    apart from the converted layers): the conversion's effect inside the engine."""
+    import torch
+
+    try:
+        src = torch.load(work / "rows-source.pt")
+        prompts = list(src["prompts"].items())
+        base = [torch.log_softmax(r, -1) for r in src["rows"]]
+        return {label: compare(base, torch.load(work / f"rows-{label}.pt")["rows"], prompts)
+                for label in ("inc-hybrid", "compressed-tensors")}
+    except (OSError, KeyError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def child_speed(model: str, label: str, mode: str, tokens: str) -> dict:
@@ -493,10 +511,14 @@ def main() -> int:
 
     def lane_tiny() -> None:  # the tiny checkpoints: correctness, then the serve profiles
         if "correct" in steps:
-            for label, folder in (("inc-hybrid", "inc"), ("compressed-tensors", "ct")):
-                # the first engine JIT-compiles the Triton kernels: give it the longer limit
-                run_child(a.out, f"correct_{label}", ["correct", str(a.hb / folder), str(a.hb / "ref.pt"), label],
+            # the source too: vLLM(artifact) vs vLLM(source) separates the conversion from any
+            # difference between vLLM's model code and the transformers reference
+            for label, folder in (("inc-hybrid", a.hb / "inc"), ("compressed-tensors", a.hb / "ct"), ("source", a.src)):
+                # the first engine JIT-compiles the Triton kernels (and DeepGEMM's): the longer limit
+                run_child(a.out, f"correct_{label}", ["correct", str(folder), str(a.hb / "ref.pt"), label,
+                                                      str(a.work / f"rows-{label}.pt")],
                           min(420 if label == "inc-hybrid" else 200, left()), inproc)
+            record(a.out, "correct_vs_vllm_source", engine_agreement(a.work))
         for i, p in enumerate(profiles):
             serve_profile(a.out, a.hb, a.src, recipe, p, 8100 + i, min(150, left()),
                           a.hb / "drafter-dflash" if p == "dense" else None)
