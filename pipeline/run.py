@@ -147,7 +147,7 @@ def quantize_head(ctx: BuildContext) -> tuple[list[Path], dict]:
     if plan is None:
         return [], details
     out = ctx.stage_dir("quantize-head") / plan.filename
-    write_shard(plan, out.parent)
+    write_shard(plan, out.parent)  # buffered: assemble reads it back from the page cache
     return [out], details
 
 
@@ -339,17 +339,16 @@ def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool = 
 
     try:
         for stage in stages:
+            if stage in ("calibrate", "quantize-head"):
+                _start_head_in_background(ctx, stages, force)  # before calibrate: it reads the source too
+            if stage in ctx.pending:
+                continue
             key = _key(ctx, stage)
             manifest = StageManifest.load(ctx.work / f"{stage}.json")
             if not force and manifest and manifest.still_valid(ctx.out, key):
                 ctx.manifests[stage] = manifest
                 report(StageResult(stage, "skipped", 0.0, manifest.details))
                 continue
-            if stage == "quantize-head" and _assemble_will_run(ctx, stages, force):
-                plan, _ = head_plan(ctx)
-                if plan is not None:
-                    ctx.pending[stage] = _Background(ctx, stage, key, plan)
-                    continue
             _require_upstream(ctx, stage)
             try:
                 res = _run_stage(ctx, stage, key)
@@ -358,9 +357,10 @@ def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool = 
                 raise NumericsError("validation failed: " + "; ".join(e.details["failures"][:3])
                                     + (f" (and {len(e.details['failures']) - 3} more)" if len(e.details["failures"]) > 3 else "")
                                     + f"; report in {ctx.out / 'hybrid_build' / 'validation.md'}")
-            for name, bg in list(ctx.pending.items()):  # a background stage reports before the one that waited for it
-                report(bg.wait())
-                del ctx.pending[name]
+            if stage == "assemble":  # the background stage reports before the one that waited for it
+                for name, bg in list(ctx.pending.items()):
+                    report(bg.wait())
+                    del ctx.pending[name]
             report(res)
     finally:
         for bg in ctx.pending.values():
@@ -383,6 +383,20 @@ def _run_stage(ctx: BuildContext, stage: str, key: str) -> StageResult:
     manifest.save(ctx.work / f"{stage}.json")
     ctx.manifests[stage] = manifest
     return StageResult(stage, "ran", secs, details)
+
+
+def _start_head_in_background(ctx: BuildContext, stages: list[str], force: bool) -> None:
+    """Start quantize-head on a thread if it has to run and assemble will run after it."""
+    stage = "quantize-head"
+    if stage in ctx.pending or stage not in stages or not _assemble_will_run(ctx, stages, force):
+        return
+    key = _key(ctx, stage)
+    manifest = StageManifest.load(ctx.work / f"{stage}.json")
+    if not force and manifest and manifest.still_valid(ctx.out, key):
+        return
+    plan, _ = head_plan(ctx)
+    if plan is not None:
+        ctx.pending[stage] = _Background(ctx, stage, key, plan)
 
 
 def _assemble_will_run(ctx: BuildContext, stages: list[str], force: bool) -> bool:

@@ -324,7 +324,7 @@ class _DirectStream:
     the hasher's thread and to this stream's writer thread at once and is refilled when both
     are done. The last block is padded to the alignment and the file truncated to its size."""
 
-    def __init__(self, path: Path, hasher: ShardHasher) -> None:
+    def __init__(self, path: Path, hasher: ShardHasher | None) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
             probe = mmap.mmap(-1, DIRECT_ALIGN)
@@ -366,8 +366,11 @@ class _DirectStream:
         if n == 0:
             return
         slot = self.slot
-        slot.hold(2)
-        self.hasher.feed(self.view[:n], done=slot.release)
+        if self.hasher is not None:
+            slot.hold(2)
+            self.hasher.feed(self.view[:n], done=slot.release)
+        else:
+            slot.hold(1)
         self.writes.put((slot, n + (-n % DIRECT_ALIGN), self.offset))
         self.offset += n
         self.view.release()
@@ -417,7 +420,7 @@ class _DirectStream:
             raise self.error
 
 
-def _open_direct(path: Path, hasher: ShardHasher) -> _DirectStream | None:
+def _open_direct(path: Path, hasher: ShardHasher | None) -> _DirectStream | None:
     if not hasattr(os, "O_DIRECT") or os.environ.get("HYBRID_BUILD_NO_DIRECT_IO"):
         return None
     try:
@@ -438,7 +441,7 @@ def _shard_is_complete(path: Path, plan: ShardPlan) -> bool:
 
 def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
                 progress: Callable[[int], None] | None = None, durable: bool = False,
-                hasher: ShardHasher | None = None) -> Path:
+                hasher: ShardHasher | None = None, direct_io: bool = False) -> Path:
     """Write one shard under a temporary name, check its size, then rename it into place.
 
     ``durable`` fsyncs the shard before the rename. Writers of many shards leave it off and call
@@ -446,7 +449,8 @@ def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
     cost ~40% of the copy time in benchmarks/bench_io.py); a process killed mid-write never leaves
     a torn file under the final name either way. ``hasher`` receives every byte written; with it,
     the shard is written with ``O_DIRECT`` where the filesystem allows (``_DirectStream``), else
-    copied ranges go through ``copy_file_range`` and are hashed from their source files."""
+    copied ranges go through ``copy_file_range`` and are hashed from their source files.
+    ``direct_io`` asks for ``O_DIRECT`` without a hasher too."""
     final = out_dir / plan.filename
     if resume and _shard_is_complete(final, plan):
         log.info("keeping complete shard %s", plan.filename)
@@ -456,7 +460,7 @@ def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
             progress(plan.data_bytes)
         return final
     tmp = out_dir / (plan.filename + TMP_SUFFIX)
-    direct = _open_direct(tmp, hasher) if hasher else None
+    direct = _open_direct(tmp, hasher) if hasher or direct_io else None
     if direct is not None:
         try:
             _stream_shard(plan, direct, progress)
