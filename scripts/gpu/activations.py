@@ -5,7 +5,7 @@ blocks, routers, routed and shared experts record their inputs and outputs for o
 tensors go to OUT.pt. ``compare_activations.py`` (here, on CPU) feeds the same inputs to the
 transformers modules and reports, module by module, how far the outputs are apart.
 
-    python scripts/gpu/activations.py CHECKPOINT REF.pt PROMPT_NAME OUT.pt
+    python scripts/gpu/activations.py CHECKPOINT REF.pt PROMPT_NAME OUT.pt ['{"moe_backend": "humming"}']
 """
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def fetch(model) -> dict:
     return dict(model._hybrid_build_captured)
 
 
-def main(checkpoint: str, ref_path: str, prompt: str, out: str) -> None:
+def main(checkpoint: str, ref_path: str, prompt: str, out: str, engine_kwargs: str = "{}") -> None:
+    import json
+
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -57,7 +59,7 @@ def main(checkpoint: str, ref_path: str, prompt: str, out: str) -> None:
     register()
     ref = torch.load(ref_path)
     ids = ref["prompts"][prompt]
-    llm = driver.make_llm(checkpoint)
+    llm = driver.make_llm(checkpoint, **json.loads(engine_kwargs))
     hooked = llm.apply_model(install)
     llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, temperature=0.0))
     caps = llm.apply_model(fetch)
@@ -67,4 +69,4 @@ def main(checkpoint: str, ref_path: str, prompt: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
