@@ -46,17 +46,38 @@ SKIP_COPY = {"config.json", "quantization_config.json", INDEX_NAME}
 def _intermediate(ctx, stage: str, filename: str) -> dict[str, ByteRange | tuple]:
     path = ctx.work / stage / filename
     pending = getattr(ctx, "pending", {}).get(stage)
-    if pending is not None:  # still being written: its planned layout, read once it is complete
+    if pending is not None:  # still being computed: its planned layout, bytes handed over or read
         entries, offset = {}, len(pending.plan.header_bytes())
         for t in pending.plan.tensors:
-            entries[t.name] = (TensorHeader(t.name, t.dtype, t.shape, offset, t.nbytes),
-                               ByteRange(path, offset, t.nbytes, ready=pending.ready))
+            rng = ByteRange(path, offset, t.nbytes, ready=pending.ready)
+            entries[t.name] = (TensorHeader(t.name, t.dtype, t.shape, offset, t.nbytes), _handed_over(pending, t.name, rng))
             offset += t.nbytes
         return entries
     if not path.exists():
         return {}
     h = read_header(path)
     return {name: (t, ByteRange(path, t.start, t.nbytes)) for name, t in h.tensors.items()}
+
+
+def _handed_over(pending, name: str, rng: ByteRange):
+    """A producer of the tensor's bytes: handed over in memory by the background stage as soon
+    as it has computed them, or else read from its file once that is complete."""
+    def produce():
+        t = pending.take(name)
+        if t is not None:
+            yield memoryview(t.contiguous().numpy()).cast("B")
+            return
+        rng.ready()
+        with open(rng.path, "rb") as f:
+            f.seek(rng.start)
+            left = rng.nbytes
+            while left:
+                chunk = f.read(min(left, 1 << 26))
+                if not chunk:
+                    raise ArtifactError(f"{rng.path.name}: ended early while copying bytes {rng.start}..")
+                left -= len(chunk)
+                yield chunk
+    return produce
 
 
 def _copy(t: TensorInfo, ctx, name: str | None = None) -> OutTensor:
@@ -117,9 +138,8 @@ def plan_output(ctx) -> list[ShardPlan]:
         else:
             dest.append(_copy(t, ctx))
     shards = plan_shards(main, ctx.recipe.output.max_shard_bytes)
-    head_dir = ctx.work / "quantize-head"
     for s in shards:  # the head's tensors last in their shard: the rest is written while it is quantized
-        s.tensors.sort(key=lambda t: isinstance(t.source, ByteRange) and t.source.path.parent == head_dir)
+        s.tensors.sort(key=lambda t: t.name in head)
     taken = {s.filename for s in shards}
     for f, tensors in sorted(extra.items()):
         if f in taken:

@@ -142,19 +142,27 @@ def calibrate(ctx: BuildContext) -> tuple[list[Path], dict]:
 
 
 def quantize_head(ctx: BuildContext) -> tuple[list[Path], dict]:
-    """The ``quantize-head`` stage: write the planned head file (``head_plan``)."""
-    plan, details = head_plan(ctx)
+    """The ``quantize-head`` stage: write the planned head file (``head_plan``).
+
+    In the background for ``assemble`` (``_Background``), the GPTQ tensors are also handed to
+    assemble in memory as soon as they are computed, so the output shard does not wait for this
+    file, and the file is written with ``O_DIRECT`` (this process will not read it back). Run on
+    its own, the file goes through the page cache, where assemble finds it later."""
+    bg = ctx.pending.get("quantize-head")
+    handover = bg.handover if bg is not None and ctx.recipe.output.format != "compressed-tensors" else None
+    plan, details = head_plan(ctx, handover)
     if plan is None:
         return [], details
     out = ctx.stage_dir("quantize-head") / plan.filename
-    write_shard(plan, out.parent)  # buffered: assemble reads it back from the page cache
+    write_shard(plan, out.parent, direct_io=handover is not None)
     return [out], details
 
 
-def head_plan(ctx: BuildContext) -> tuple[ShardPlan | None, dict]:
+def head_plan(ctx: BuildContext, handover: _Handover | None = None) -> tuple[ShardPlan | None, dict]:
     """The quantize-head file as a plan: its layout is known before a byte is computed (so
     ``assemble`` can plan the output while the head is being quantized), and writing it runs
-    the quantization; ``details`` receives the metrics as the producers finish.
+    the quantization; ``details`` receives the metrics as the producers finish. ``handover``,
+    if given, receives the GPTQ tensors once computed (compressed-tensors streams its codes).
 
     lm-head -> int8 codes with float per-row scales, in row chunks (bounded memory).
 
@@ -197,8 +205,9 @@ def head_plan(ctx: BuildContext) -> tuple[ShardPlan | None, dict]:
             # qweight comes first in the file and interleaves all rows: its producer quantizes
             # the whole head, then the scales' producer yields what it left behind
             scales16 = torch.empty((1, n), dtype=torch.float16)
+            zeros = int8_gptq_qzeros(n)
 
-            def qweight_bytes(c=c, n=n, k=k, scales16=scales16, bar=bar):
+            def qweight_bytes(c=c, n=n, k=k, scales16=scales16, zeros=zeros, bar=bar):
                 qweight = torch.empty((k // 4, n), dtype=torch.int32)
                 qz = RowChunkQuantizer(k, min(chunk, n), torch.float16)  # GPTQ scales are fp16
                 for lo, w in iter_row_chunks(ctx.source, c.module + ".weight", chunk):
@@ -209,9 +218,11 @@ def head_plan(ctx: BuildContext) -> tuple[ShardPlan | None, dict]:
                     scales16[0, lo:hi] = s16
                     bar.update(hi - lo)
                 details["metrics"][c.module] = qz.metrics.result()
+                if handover is not None:
+                    handover.put({c.module + ".qweight": qweight, c.module + ".qzeros": zeros,
+                                  c.module + ".scales": scales16})
                 yield _raw(qweight)
 
-            zeros = int8_gptq_qzeros(n)
             tensors.append(OutTensor(c.module + ".qweight", "I32", (k // 4, n), qweight_bytes))
             tensors.append(OutTensor(c.module + ".qzeros", "I32", tuple(zeros.shape), lambda z=zeros: iter([_raw(z)])))
             tensors.append(OutTensor(c.module + ".scales", "F16", (1, n), lambda s=scales16: iter([_raw(s)])))
@@ -396,7 +407,8 @@ def _start_head_in_background(ctx: BuildContext, stages: list[str], force: bool)
         return
     plan, _ = head_plan(ctx)
     if plan is not None:
-        ctx.pending[stage] = _Background(ctx, stage, key, plan)
+        ctx.pending[stage] = bg = _Background(ctx, stage, key, plan)
+        bg.start()  # registered first: the stage looks itself up in ctx.pending
 
 
 def _assemble_will_run(ctx: BuildContext, stages: list[str], force: bool) -> bool:
@@ -411,9 +423,12 @@ class _Background:
 
     def __init__(self, ctx: BuildContext, stage: str, key: str, plan: ShardPlan) -> None:
         self.stage, self.plan = stage, plan
+        self.handover = _Handover()
         self._result: StageResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(ctx, key), name=f"stage-{stage}", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def _run(self, ctx: BuildContext, key: str) -> None:
@@ -422,6 +437,8 @@ class _Background:
             self._result.background = True
         except BaseException as e:  # noqa: BLE001  (raised by wait())
             self._error = e
+        finally:
+            self.handover.close()
 
     def join(self) -> None:
         self._thread.join()
@@ -435,6 +452,35 @@ class _Background:
 
     def ready(self) -> None:
         self.wait()
+
+    def take(self, name: str) -> torch.Tensor | None:
+        """The tensor the stage handed over under ``name`` (once), as soon as it is computed;
+        None if the stage ended without handing it over (then read its file after ``ready``)."""
+        return self.handover.take(name)
+
+
+class _Handover:
+    """Tensors passed from a background stage to a reader in this process, each taken once."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> None:
+        with self._cond:
+            self._tensors.update(tensors)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def take(self, name: str) -> torch.Tensor | None:
+        with self._cond:
+            self._cond.wait_for(lambda: name in self._tensors or self._closed)
+            return self._tensors.pop(name, None)
 
 
 def _require_upstream(ctx: BuildContext, stage: str) -> None:

@@ -282,7 +282,8 @@ def test_copy_of_artifact_is_still_readable(inc_artifact, tmp_path):
 def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, inc_artifact, tmp_path, monkeypatch,
                                                              build_stages):
     """quantize-head runs in the background: a shard without the head is complete before the
-    head is, the shard holding the head waits for it, and the result is the sequential build's."""
+    head is computed, the shard holding the head waits for it, and the result is the sequential
+    build's."""
     import threading
     import time
 
@@ -294,10 +295,8 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
 
     def slow_head(ctx):
         time.sleep(1.0)  # long enough for the other shards
-        try:
-            return original_head(ctx)
-        finally:
-            head_done.set()
+        head_done.set()  # from here on the head may be handed over
+        return original_head(ctx)
 
     def write(plan, out_dir, **kw):
         path = original_write(plan, out_dir, **kw)
@@ -305,8 +304,17 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
             finished_before_head.append(plan.filename)
         return path
 
+    taken: dict[str, bool] = {}
+    original_take = run_mod._Handover.take
+
+    def take(self, name):
+        t = original_take(self, name)
+        taken[name] = t is not None
+        return t
+
     monkeypatch.setitem(run_mod.STAGE_FUNCS, "quantize-head", slow_head)
     monkeypatch.setattr(asm, "write_shard", write)
+    monkeypatch.setattr(run_mod._Handover, "take", take)
     out = tmp_path / "out"
     ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
     results = run_mod.run_build(ctx, build_stages)
@@ -320,6 +328,8 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
 
     in_shard = [t.name for t in sorted(read_header(out / head_shard).tensors.values(), key=lambda t: t.start)]
     assert len(in_shard) > 3 and set(in_shard[-3:]) == {"lm_head.qweight", "lm_head.qzeros", "lm_head.scales"}
+    # handed over in memory, not read back from the head file
+    assert taken == {"lm_head.qweight": True, "lm_head.qzeros": True, "lm_head.scales": True}
     assert _all_files(out) == _all_files(inc_artifact)
 
 
