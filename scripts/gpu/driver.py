@@ -327,7 +327,7 @@ def build_synthetic(work: Path, out: Path, layers: int, tokenizer_from: Path) ->
         res["write_s"] = round(now() - t0, 1)
         t1 = now()
         env = dict(os.environ)
-        proc = subprocess.run([sys.executable, str(HERE), "hbrun", "run", str(src), "-o", str(work / "synth-hybrid"), "--no-validate",
+        proc = subprocess.run(["hybrid-build", "run", str(src), "-o", str(work / "synth-hybrid"), "--no-validate",
                                "--recipe", "qwen3.5-122b-a10b", "-q", "--json"],
                               capture_output=True, text=True, env=env, timeout=900)
         res["run_rc"] = proc.returncode
@@ -435,41 +435,6 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
         record(out, key, res)
 
 
-# ------------------------------------------------------------------------------ hybrid-build run
-
-
-def minmax_block_observe(weight, args, observer: str) -> dict:
-    """Memoryless min-max per FP8 block, for an image without llm-compressor: the same statistics
-    as its ``memoryless_minmax`` observer (checked equal on CPU), qparams from compressed-tensors."""
-    import torch
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    if observer != "minmax":
-        raise RuntimeError(f"observer {observer!r} needs llm-compressor, which this machine lacks")
-    bn, bk = args.block_structure
-    n, k = weight.shape
-    nb, kb = -(-n // bn), -(-k // bk)
-    # zero padding cannot change the result: the qparams take min(min, 0) and max(max, 0)
-    w = torch.nn.functional.pad(weight, (0, kb * bk - k, 0, nb * bn - n)).reshape(nb, bn, kb, bk)
-    mn, mx = w.amin(dim=(1, 3)), w.amax(dim=(1, 3))
-    scale, zp = calculate_qparams(mn, mx, args)
-    return {"min_vals": mn, "max_vals": mx, "scale": scale, "zero_point": zp}
-
-
-def hbrun(argv: list[str]) -> int:
-    """``hybrid-build`` in this process, with the observer fallback when llm-compressor is missing."""
-    try:
-        import llmcompressor.observers  # noqa: F401
-    except Exception:
-        from hybrid_build.calibration import fp8_block
-
-        fp8_block.observe = minmax_block_observe
-    from hybrid_build.pipeline.cli import main as cli_main
-
-    sys.argv = ["hybrid-build"] + argv
-    return cli_main()
-
-
 # ------------------------------------------------------------------------------ main
 
 
@@ -560,6 +525,4 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         sys.exit(child_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "hbrun":
-        sys.exit(hbrun(sys.argv[2:]))
     sys.exit(main())
