@@ -6,7 +6,7 @@
 The ``minmax`` observer is computed here with plain torch: it is llm-compressor's memoryless
 min-max observer followed by compressed-tensors' ``calculate_qparams`` and ``quantize``, step for
 step (tests/calibration check equal scales and equal FP8 bits), without importing either library
-(their imports pull in transformers and cost ~6 s of a ~20 s build). ``mse`` goes through
+(their imports pull in transformers: ~4.4 s of start-up on the development machine). ``mse`` goes through
 llm-compressor's observer.
 """
 from __future__ import annotations
