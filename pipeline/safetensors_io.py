@@ -467,48 +467,45 @@ def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
         finally:
             direct.close()
         return _finish(plan, tmp, final, durable)
-    buf = bytearray(COPY_CHUNK) if getattr(os, "copy_file_range", None) is None else None
-    feed = hasher.feed if hasher else (lambda _chunk: None)
     with open(tmp, "wb") as out:
-        head = plan.header_bytes()
-        out.write(head)
-        feed(head)
-        for t in plan.tensors:
-            if isinstance(t.source, ByteRange):
-                if t.source.nbytes != t.nbytes:
-                    raise ArtifactError(f"{t.name}: source range has {t.source.nbytes} bytes, header says {t.nbytes}")
-                if t.source.ready:
-                    t.source.ready()
-                _copy_range(t.source, out, buf)
-                if hasher:
-                    hasher.feed_range(t.source)
-            else:
-                written = 0
-                for chunk in t.source():
-                    out.write(chunk)
-                    feed(chunk)
-                    written += len(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.nbytes
-                if written != t.nbytes:
-                    raise ArtifactError(f"{t.name}: producer wrote {written} bytes, header says {t.nbytes}")
-            if progress:
-                progress(t.nbytes)
+        _stream_shard(plan, _FileSink(out, hasher), progress)
         out.flush()
     return _finish(plan, tmp, final, durable)
 
 
-def _stream_shard(plan: ShardPlan, direct: _DirectStream, progress: Callable[[int], None] | None) -> None:
-    direct.put_bytes(plan.header_bytes())
+class _FileSink:
+    """Buffered writes: copied ranges go through ``copy_file_range`` and are hashed from their source."""
+
+    def __init__(self, out, hasher: ShardHasher | None) -> None:
+        self.out, self.hasher = out, hasher
+        self.buf = bytearray(COPY_CHUNK) if getattr(os, "copy_file_range", None) is None else None
+
+    def put_bytes(self, data) -> None:
+        self.out.write(data)
+        if self.hasher:
+            self.hasher.feed(data)
+
+    def put_range(self, rng: ByteRange) -> None:
+        _copy_range(rng, self.out, self.buf)
+        if self.hasher:
+            self.hasher.feed_range(rng)
+
+
+def _stream_shard(plan: ShardPlan, sink: _FileSink | _DirectStream,
+                  progress: Callable[[int], None] | None) -> None:
+    """Header, then every tensor's bytes in plan order, into ``sink``; sizes checked against the header."""
+    sink.put_bytes(plan.header_bytes())
     for t in plan.tensors:
         if isinstance(t.source, ByteRange):
             if t.source.nbytes != t.nbytes:
                 raise ArtifactError(f"{t.name}: source range has {t.source.nbytes} bytes, header says {t.nbytes}")
             if t.source.ready:
                 t.source.ready()
-            direct.put_range(t.source)
+            sink.put_range(t.source)
         else:
             written = 0
             for chunk in t.source():
-                direct.put_bytes(chunk)
+                sink.put_bytes(chunk)
                 written += len(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk.nbytes
             if written != t.nbytes:
                 raise ArtifactError(f"{t.name}: producer wrote {written} bytes, header says {t.nbytes}")

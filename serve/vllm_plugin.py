@@ -128,6 +128,14 @@ def gptq_int8_rows(qweight, scales):
     return rows, scales.reshape(-1).float().contiguous()
 
 
+def _apply_int8_rows(layer, x, bias=None):
+    """The head's logits from ``layer.weight_int8`` / ``layer.weight_scale_row`` via the int8 GEMV."""
+    from hybrid_build.serve.int8_gemv import int8_linear
+
+    out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
+    return out if bias is None else out + bias
+
+
 def _triton_int8_head_method(inner):
     """Wrap vLLM's GPTQ method for the stored head: its parameters load as they are, then the head is
     unpacked to int8 rows and served by ``int8_gemv.int8_linear``."""
@@ -151,10 +159,7 @@ def _triton_int8_head_method(inner):
             layer.weight_scale_row = torch.nn.Parameter(scale, requires_grad=False)
 
         def apply(self, layer, x, bias=None):
-            from hybrid_build.serve.int8_gemv import int8_linear
-
-            out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
-            return out if bias is None else out + bias
+            return _apply_int8_rows(layer, x, bias)
 
     return Int8HeadTritonMethod()
 
@@ -177,10 +182,7 @@ def _load_time_int8_head_method():
             layer.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
         def apply(self, layer, x, bias=None):
-            from hybrid_build.serve.int8_gemv import int8_linear
-
-            out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
-            return out if bias is None else out + bias
+            return _apply_int8_rows(layer, x, bias)
 
     return Int8HeadAtLoadMethod()
 

@@ -326,10 +326,9 @@ def build_synthetic(work: Path, out: Path, layers: int, tokenizer_from: Path) ->
         res["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         res["write_s"] = round(now() - t0, 1)
         t1 = now()
-        env = dict(os.environ)
         proc = subprocess.run(["hybrid-build", "run", str(src), "-o", str(work / "synth-hybrid"), "--no-validate",
                                "--recipe", "qwen3.5-122b-a10b", "-q", "--json"],
-                              capture_output=True, text=True, env=env, timeout=900)
+                              capture_output=True, text=True, timeout=900)
         res["run_rc"] = proc.returncode
         res["run_s"] = round(now() - t1, 1)
         res["run_tail"] = (proc.stdout + proc.stderr)[-3000:]
