@@ -12,6 +12,7 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
   the stored head is loaded as GPTQ, then unpacked to int8 rows and run through the same kernel
   instead of vLLM's GPTQ kernel (Machete or Marlin);
 - everything else: INC's own answer, unchanged.
+``register()`` also installs the upstream bug fixes in ``vllm_fixes`` (Marlin MoE scale layout).
 It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
 head, or the launcher set ``HYBRID_BUILD_LM_HEAD=quantize-at-load``. Works with vLLM 0.25.x and
 0.33.x; nothing here is imported before vLLM calls ``register``.
@@ -239,6 +240,9 @@ def register() -> None:
     global _registered
     if _registered is not None:
         return
+    from hybrid_build.serve.vllm_fixes import fix_marlin_moe_scale_layout
+
+    fix_marlin_moe_scale_layout()
     try:
         from vllm.model_executor.layers.quantization import register_quantization_config
         from vllm.model_executor.layers.quantization.inc import INCConfig

@@ -162,3 +162,42 @@ def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
         assert res["codes_equal"]
         assert res["rel_vs_int8_math"] < 2.0**-8 + 256 * 2.0**-24  # K = 256 in the probe
         assert res["rel_vs_bf16_head"] < 0.01
+
+
+def _marlin_layout(shape: list[int], perms: dict) -> list[float]:
+    """The scale layout Marlin's MoE kernel reads for [experts, groups, n] scales holding their own
+    flat index: the grouped permutation when there is more than one group, else the channel-wise one
+    (the rule vLLM's own w2 call encodes; measured on the H200 for w13, docs/gpu.md)."""
+    import torch
+
+    experts, groups, n = shape
+    perm = perms["grouped"] if groups > 1 else perms["single"]
+    s = torch.arange(experts * groups * n, dtype=torch.float32).reshape(experts, groups * n)
+    return s.reshape(experts, -1, len(perm))[:, :, perm].flatten().tolist()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])
+def test_marlin_moe_scale_fix_on_vllms_real_weight_prep(version, tmp_path):
+    """vLLM's real Marlin MoE weight prep, on CPU: with experts of 128 and group 128 (hidden 256) the
+    stock code gives the gate/up scales the channel-wise layout although they hold two groups; the
+    plugin's fix gives every tensor the layout the kernel reads and leaves the shape stock vLLM got
+    right (experts of 256) unchanged."""
+    pp = vllm_sources.cpu_pythonpath(version)
+    if pp is None:
+        pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
+    out = tmp_path / "marlin.json"
+    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR")
+    r = subprocess.run([sys.executable, str(HERE / "marlin_probe.py"), str(out)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["installed"]
+    stock, fixed, perms = res["stock"], res["fixed"], res["perms"]
+    bug = stock["128"]
+    assert bug["w13"] != _marlin_layout(bug["w13_shape"], perms)  # the upstream bug this fix exists for
+    assert bug["w2"] == _marlin_layout(bug["w2_shape"], perms)
+    for inter in ("128", "256"):
+        for w in ("w13", "w2"):
+            assert fixed[inter][w] == _marlin_layout(fixed[inter][f"{w}_shape"], perms), (inter, w)
+    assert fixed["256"] == stock["256"]
