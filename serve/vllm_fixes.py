@@ -48,13 +48,16 @@ def fix_marlin_moe_scale_layout() -> bool:
 
     def marlin_moe_permute_scales(s, size_k, size_n, group_size, is_a_8bit=False):
         true_k = marlin_scale_size_k(s, size_k, group_size)
-        if (group_size < true_k) != (group_size < size_k) and group_size != -1 and not is_a_8bit:
-            log.info("hybrid-build: Marlin MoE scales of %s use the %s layout (vLLM asked for size_k=%d, "
-                     "the scales span %d)", tuple(s.shape), "grouped" if group_size < true_k else "channel-wise",
-                     size_k, true_k)
+        changed = (group_size < true_k) != (group_size < size_k) and group_size != -1 and not is_a_8bit
+        if changed and not marlin_moe_permute_scales.fired:
+            marlin_moe_permute_scales.fired = True
+            log.warning("hybrid-build: Marlin MoE scales %s get the %s layout (vLLM passed size_k=%d, the "
+                        "scales span %d): upstream layout bug worked around", tuple(s.shape),
+                        "grouped" if group_size < true_k else "channel-wise", size_k, true_k)
         return stock(s, true_k, size_n, group_size, is_a_8bit)
 
     marlin_moe_permute_scales.hybrid_build_fix = True
+    marlin_moe_permute_scales.fired = False  # set (and logged once) when the fix changed a layout
     marlin_moe_permute_scales.stock = stock
     int_wna16.marlin_moe_permute_scales = marlin_moe_permute_scales
     return True

@@ -139,10 +139,12 @@ def inspect_layers(llm) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def child_correct(artifact: str, ref_path: str, label: str, rows_out: str) -> dict:
-    """vLLM's full-vocabulary prompt logprobs of one checkpoint vs the CPU references; the rows are
-    saved to ``rows_out`` so that the artifacts can also be compared with vLLM's own run of the source."""
+def child_correct(artifact: str, ref_path: str, label: str, rows_out: str, ref_label: str = "") -> dict:
+    """vLLM's full-vocabulary prompt logprobs of one checkpoint vs the CPU references (``ref_label``,
+    default ``label``); the rows are saved to ``rows_out`` so that the artifacts can also be compared
+    with vLLM's own run of the source."""
     import torch
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -162,7 +164,10 @@ def child_correct(artifact: str, ref_path: str, label: str, rows_out: str) -> di
                 if tok < vocab:
                     rows[t, tok] = lp.logprob
         vllm_rows.append(rows)
-    res["vs_artifact_reference"] = compare(ref[label], vllm_rows, prompts)
+    res["vs_artifact_reference"] = compare(ref[ref_label or label], vllm_rows, prompts)
+    fix = int_wna16.marlin_moe_permute_scales
+    res["marlin_moe_scale_fix"] = {"installed": getattr(fix, "hybrid_build_fix", False),
+                                   "changed_a_layout": getattr(fix, "fired", False)}
     res["vs_source"] = compare(ref["source"], vllm_rows, prompts)
     torch.save({"prompts": ref["prompts"], "rows": vllm_rows}, rows_out)
     res["logprob_entries_per_row"] = min(len(d) for o in outs for d in o.prompt_logprobs[1:])
@@ -222,7 +227,8 @@ def engine_agreement(work: Path) -> dict:
         prompts = list(src["prompts"].items())
         base = [torch.log_softmax(r, -1) for r in src["rows"]]
         return {label: compare(base, torch.load(work / f"rows-{label}.pt")["rows"], prompts)
-                for label in ("inc-hybrid", "compressed-tensors")}
+                for label in ("inc-hybrid", "compressed-tensors", "source-head-at-load")
+                if (work / f"rows-{label}.pt").exists()}
     except (OSError, KeyError, RuntimeError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -477,11 +483,17 @@ def main() -> int:
         if "correct" in steps:
             # the source too: vLLM(artifact) vs vLLM(source) separates the conversion from any
             # difference between vLLM's model code and the transformers reference
-            for label, folder in (("inc-hybrid", a.hb / "inc"), ("compressed-tensors", a.hb / "ct"), ("source", a.src)):
+            # and the source with its BF16 head quantized to int8 rows at load (the `serve` option
+            # for a checkpoint without a stored int8 head), against the source's reference
+            at_load = {"HYBRID_BUILD_LM_HEAD": "quantize-at-load"}
+            for label, folder, ref_label, env in (("inc-hybrid", a.hb / "inc", "inc-hybrid", {}),
+                                                  ("compressed-tensors", a.hb / "ct", "compressed-tensors", {}),
+                                                  ("source", a.src, "source", {}),
+                                                  ("source-head-at-load", a.src, "source", at_load)):
                 # the first engine JIT-compiles the Triton kernels (and DeepGEMM's): the longer limit
                 run_child(a.out, f"correct_{label}", ["correct", str(folder), str(a.hb / "ref.pt"), label,
-                                                      str(a.work / f"rows-{label}.pt")],
-                          min(420 if label == "inc-hybrid" else 200, left()), inproc)
+                                                      str(a.work / f"rows-{label}.pt"), ref_label],
+                          min(420 if label == "inc-hybrid" else 200, left()), dict(inproc, **env))
             record(a.out, "correct_vs_vllm_source", engine_agreement(a.work))
         for i, p in enumerate(profiles):
             serve_profile(a.out, a.hb, a.src, recipe, p, 8100 + i, min(150, left()),
