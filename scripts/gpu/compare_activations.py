@@ -6,6 +6,11 @@ outputs are, module by module.
 
 vLLM's ``shared_expert`` output already carries the sigmoid of ``shared_expert_gate``; its MoE
 runner's output is the whole block (routed + gated shared), so the routed part is the difference.
+
+The routed experts are also computed with the gate/up scales laid out as stock vLLM 0.23-0.33 lays
+them out for Marlin when ``moe_intermediate_size <= group_size < hidden_size`` (channel-wise
+permutation, read by the kernel as grouped; ``serve/vllm_fixes.py``): a capture made without the
+fix matches that line, one made with it matches the line above.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.weights import load_weight
+from hybrid_build.pipeline.weights import load_weight, read_tensor
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -24,6 +29,43 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def swiglu(x, wg, wu, wd):
     return (torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())) @ wd.t()
+
+
+def stock_marlin_w13_scales(scales: torch.Tensor, hidden: int, group: int, intermediate: int) -> torch.Tensor:
+    """[groups, n] gate/up scales as the Marlin MoE kernel reads them after stock vLLM's preparation:
+    permuted by the rule ``group < intermediate`` and read back by the kernel's rule ``groups > 1``."""
+    grouped = torch.tensor([i + 8 * j for i in range(8) for j in range(8)])
+    single = torch.tensor([2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)])
+
+    def layout(n: int, use_grouped: bool) -> torch.Tensor:
+        perm = grouped if use_grouped else single
+        return torch.arange(n).reshape(-1, len(perm))[:, perm].reshape(-1)
+
+    flat = scales.reshape(-1)
+    written = layout(flat.numel(), group < intermediate)
+    expected = layout(flat.numel(), scales.shape[0] > 1)
+    seen = torch.empty_like(flat)
+    seen[expected] = flat[written]
+    return seen.reshape(scales.shape)
+
+
+def stock_marlin_expert(ck: Checkpoint, prefix: str, hidden: int, group: int) -> list[torch.Tensor]:
+    """(gate, up, down) of one INT4 GPTQ expert (symmetric, zero point 8) with stock-vLLM w13 scales."""
+    def raw(name):
+        return read_tensor(ck, f"{prefix}.{name}")
+
+    inter = raw("gate_proj.qweight").shape[1]
+    s13 = stock_marlin_w13_scales(torch.cat([raw("gate_proj.scales"), raw("up_proj.scales")], 1).float(),
+                                  hidden, group, inter)
+    shifts = torch.arange(8) * 4
+
+    def dequant(qweight, scales):
+        k = qweight.shape[0] * 8
+        codes = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(k, -1)
+        return ((codes.float() - 8) * scales.float().repeat_interleave(group, 0)[:k]).t()
+
+    return [dequant(raw("gate_proj.qweight"), s13[:, :inter]), dequant(raw("up_proj.qweight"), s13[:, inter:]),
+            dequant(raw("down_proj.qweight"), raw("down_proj.scales"))]
 
 
 def main(checkpoint: str, activations: str) -> None:
@@ -64,6 +106,14 @@ def main(checkpoint: str, activations: str) -> None:
                 routed[t] += val[t, k] * swiglu(x[t:t + 1], *experts[int(idx[t, k])])[0]
         routed_vllm = caps[f"{p}.mlp.experts"]["out"] - shared["out"]
         print(f"layer {i} routed experts (INT4)          rel {rel(routed, routed_vllm):.4f}")
+        group = ck.quant.group_size or 128
+        stock = {j: stock_marlin_expert(ck, f"model.language_model.layers.{i}.mlp.experts.{j}", cfg.hidden_size, group)
+                 for j in idx.unique().tolist()}
+        routed_stock = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(idx.shape[1]):
+                routed_stock[t] += val[t, k] * swiglu(x[t:t + 1], *stock[int(idx[t, k])])[0]
+        print(f"layer {i}   as stock vLLM's Marlin scales  rel {rel(routed_stock, routed_vllm):.4f}")
 
 
 if __name__ == "__main__":
