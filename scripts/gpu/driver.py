@@ -458,6 +458,7 @@ def main() -> int:
                     help="build: the synthetic checkpoint; graphs/eager/compiled: its decode speed in that mode")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=1, help="engines per speed variant, interleaved")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -507,14 +508,20 @@ def main() -> int:
                     ("dense-triton-head", "synth-hybrid", triton_head))
         if mode == "compiled":  # each engine compiles for minutes: base against the default dense only
             variants = variants[:2]
-        for label, folder, env in variants:
-            run_child(a.out, f"speed_{mode}_{label}", ["speed", str(a.work / folder), label, mode, str(a.tokens)],
-                      min(330 if mode == "compiled" else 240, left()), dict(inproc, **env))
-        b = RESULTS["steps"].get(f"speed_{mode}_base", {}).get("decode_tok_s")
+        runs: dict[str, list[float]] = {}
+        for r in range(a.repeat):  # engines interleaved (base, dense, ..., base, dense, ...): drift hits all
+            for label, folder, env in variants:
+                key = f"speed_{mode}_{label}" + (f"_r{r + 1}" if a.repeat > 1 else "")
+                res = run_child(a.out, key, ["speed", str(a.work / folder), label, mode, str(a.tokens)],
+                                min(330 if mode == "compiled" else 240, left()), dict(inproc, **env))
+                if res.get("decode_tok_s"):
+                    runs.setdefault(label, []).append(res["decode_tok_s"])
+        b = statistics.median(runs["base"]) if runs.get("base") else None
         for label, _, _ in variants[1:]:
-            d = RESULTS["steps"].get(f"speed_{mode}_{label}", {}).get("decode_tok_s")
-            if b and d:
-                record(a.out, f"speed_{mode}_ratio_{label}", {f"{label}_over_base": round(d / b, 4)})
+            if b and runs.get(label):
+                d = statistics.median(runs[label])
+                record(a.out, f"speed_{mode}_ratio_{label}", {f"{label}_over_base": round(d / b, 4),
+                                                              "engines": len(runs[label])})
 
     def lane_speed() -> None:  # the real-width synthetic model, beside the tiny lane (fixed KV sizes)
         built = False
