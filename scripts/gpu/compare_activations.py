@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from hybrid_build.calibration.gptq import dequantize_gptq
 from hybrid_build.pipeline.checkpoint import Checkpoint
 from hybrid_build.pipeline.weights import load_weight, read_tensor
 
@@ -57,15 +58,9 @@ def stock_marlin_expert(ck: Checkpoint, prefix: str, hidden: int, group: int) ->
     inter = raw("gate_proj.qweight").shape[1]
     s13 = stock_marlin_w13_scales(torch.cat([raw("gate_proj.scales"), raw("up_proj.scales")], 1).float(),
                                   hidden, group, inter)
-    shifts = torch.arange(8) * 4
-
-    def dequant(qweight, scales):
-        k = qweight.shape[0] * 8
-        codes = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(k, -1)
-        return ((codes.float() - 8) * scales.float().repeat_interleave(group, 0)[:k]).t()
-
-    return [dequant(raw("gate_proj.qweight"), s13[:, :inter]), dequant(raw("up_proj.qweight"), s13[:, inter:]),
-            dequant(raw("down_proj.qweight"), raw("down_proj.scales"))]
+    return [dequantize_gptq(raw("gate_proj.qweight"), s13[:, :inter], 4, group),
+            dequantize_gptq(raw("up_proj.qweight"), s13[:, inter:], 4, group),
+            dequantize_gptq(raw("down_proj.qweight"), raw("down_proj.scales"), 4, group)]
 
 
 def main(checkpoint: str, activations: str) -> None:
