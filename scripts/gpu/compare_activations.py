@@ -32,7 +32,7 @@ def swiglu(x, wg, wu, wd):
     return (torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t())) @ wd.t()
 
 
-def stock_marlin_w13_scales(scales: torch.Tensor, hidden: int, group: int, intermediate: int) -> torch.Tensor:
+def stock_marlin_w13_scales(scales: torch.Tensor, group: int, intermediate: int) -> torch.Tensor:
     """[groups, n] gate/up scales as the Marlin MoE kernel reads them after stock vLLM's preparation:
     permuted by the rule ``group < intermediate`` and read back by the kernel's rule ``groups > 1``."""
     grouped = torch.tensor([i + 8 * j for i in range(8) for j in range(8)])
@@ -50,14 +50,14 @@ def stock_marlin_w13_scales(scales: torch.Tensor, hidden: int, group: int, inter
     return seen.reshape(scales.shape)
 
 
-def stock_marlin_expert(ck: Checkpoint, prefix: str, hidden: int, group: int) -> list[torch.Tensor]:
+def stock_marlin_expert(ck: Checkpoint, prefix: str, group: int) -> list[torch.Tensor]:
     """(gate, up, down) of one INT4 GPTQ expert (symmetric, zero point 8) with stock-vLLM w13 scales."""
     def raw(name):
         return read_tensor(ck, f"{prefix}.{name}")
 
     inter = raw("gate_proj.qweight").shape[1]
     s13 = stock_marlin_w13_scales(torch.cat([raw("gate_proj.scales"), raw("up_proj.scales")], 1).float(),
-                                  hidden, group, inter)
+                                  group, inter)
     return [dequantize_gptq(raw("gate_proj.qweight"), s13[:, :inter], 4, group),
             dequantize_gptq(raw("up_proj.qweight"), s13[:, inter:], 4, group),
             dequantize_gptq(raw("down_proj.qweight"), raw("down_proj.scales"), 4, group)]
@@ -102,7 +102,7 @@ def main(checkpoint: str, activations: str) -> None:
         routed_vllm = caps[f"{p}.mlp.experts"]["out"] - shared["out"]
         print(f"layer {i} routed experts (INT4)          rel {rel(routed, routed_vllm):.4f}")
         group = ck.quant.group_size or 128
-        stock = {j: stock_marlin_expert(ck, f"model.language_model.layers.{i}.mlp.experts.{j}", cfg.hidden_size, group)
+        stock = {j: stock_marlin_expert(ck, f"model.language_model.layers.{i}.mlp.experts.{j}", group)
                  for j in idx.unique().tolist()}
         routed_stock = torch.zeros_like(x)
         for t in range(x.shape[0]):
