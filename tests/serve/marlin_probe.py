@@ -1,5 +1,5 @@
 """Run vLLM's real Marlin MoE weight preparation (``int_wna16._process_weights_marlin``) on CPU and
-record the scale layouts it hands the kernel, stock and with the plugin's fix.
+record the scale layouts it hands the kernel, stock and after the plugin's ``register()``.
 
 Usage: ``PYTHONPATH=<vllm src>:<cpu deps> python marlin_probe.py OUT.json``
 
@@ -20,7 +20,7 @@ def main(out: str) -> int:
     import torch
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
 
-    from hybrid_build.serve import vllm_fixes
+    from hybrid_build.serve import vllm_plugin
 
     int_wna16.ops.gptq_marlin_moe_repack = lambda w, *args, **kwargs: w
     params = inspect.signature(int_wna16._process_weights_marlin).parameters
@@ -49,7 +49,8 @@ def main(out: str) -> int:
                 "w13_shape": list(w13_s.shape), "w2_shape": list(w2_s.shape)}
 
     stock = {i: prepare(i) for i in (128, 256)}
-    installed = vllm_fixes.fix_marlin_moe_scale_layout()
+    vllm_plugin.register()  # what vLLM's plugin loader calls: it must install the fix
+    installed = getattr(int_wna16.marlin_moe_permute_scales, "hybrid_build_fix", False)
     fixed = {i: prepare(i) for i in (128, 256)}
     from vllm.model_executor.layers.quantization.utils.marlin_utils import get_scale_perms
 

@@ -5,8 +5,10 @@ wheel and a few pure-Python dependencies on PYTHONPATH (``vllm_sources.py`` prep
 tests skip when they are not prepared). What is exercised: the real ``INCConfig.from_config``,
 ``apply_vllm_mapper`` with the Qwen3.5 VL model's own prefixes, its ``packed_modules_mapping``,
 ``get_quant_method`` and INC's scheme factory, for every linear and MoE layer of the artifact.
-Not exercised: ``create_weights``/loading tensors and any kernel (no GPU, and the Qwen3.5 model
-module itself cannot be imported on CPU because of torchvision's compiled ops).
+Also run: vLLM's Marlin MoE weight preparation (its CUDA repack stubbed) with and without the
+plugin's fix, and the int8 head methods on vLLM's base classes. Not exercised: loading a whole
+model and any kernel (no GPU, and the Qwen3.5 model module itself cannot be imported on CPU because
+of torchvision's compiled ops).
 """
 from __future__ import annotations
 
