@@ -58,6 +58,5 @@ def fix_marlin_moe_scale_layout() -> bool:
 
     marlin_moe_permute_scales.hybrid_build_fix = True
     marlin_moe_permute_scales.fired = False  # set (and logged once) when the fix changed a layout
-    marlin_moe_permute_scales.stock = stock
     int_wna16.marlin_moe_permute_scales = marlin_moe_permute_scales
     return True

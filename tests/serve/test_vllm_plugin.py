@@ -27,17 +27,21 @@ sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 
 
-def _probe(version: str, artifact: Path, mode: str, tmp_path: Path) -> dict:
+def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 300) -> dict:
+    """Run ``script ARGS... OUT`` in a subprocess with vLLM ``version``'s sources importable; its JSON."""
     pp = vllm_sources.cpu_pythonpath(version)
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
-    out = tmp_path / f"{version}-{mode}.json"
     env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR")
     env.pop(vllm_plugin.ENV_LM_HEAD, None)
-    r = subprocess.run([sys.executable, str(HERE / "vllm_probe.py"), str(artifact), mode, str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, str(HERE / script), *args, str(out)], env=env, capture_output=True,
+                       text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def _probe(version: str, artifact: Path, mode: str, tmp_path: Path) -> dict:
+    return _run_probe("vllm_probe.py", version, tmp_path / f"{version}-{mode}.json", str(artifact), mode)
 
 
 def _expected(layer: str, info: dict) -> str:
@@ -147,15 +151,7 @@ def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
     kernel's bf16 output (8 significant bits) rounds each value by at most 2^-8 relative, plus an
     fp32 accumulation error of at most K * 2^-24; against the BF16 head, per-row int8 of a
     Gaussian head is below the 0.01 the issue sets for the head."""
-    pp = vllm_sources.cpu_pythonpath(version)
-    if pp is None:
-        pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
-    out = tmp_path / "head.json"
-    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR")
-    r = subprocess.run([sys.executable, str(HERE / "head_probe.py"), str(out)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _run_probe("head_probe.py", version, tmp_path / "head.json", timeout=600)
     at_load, triton_head = result["at_load"], result["triton_head"]
     assert at_load["base"] and triton_head["base"]
     assert at_load["params"] == ["weight_int8", "weight_scale_row"]  # the BF16 copy is released
@@ -185,15 +181,7 @@ def test_marlin_moe_scale_fix_on_vllms_real_weight_prep(version, tmp_path):
     stock code gives the gate/up scales the channel-wise layout although they hold two groups; the
     plugin's fix gives every tensor the layout the kernel reads and leaves the shape stock vLLM got
     right (experts of 256) unchanged."""
-    pp = vllm_sources.cpu_pythonpath(version)
-    if pp is None:
-        pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
-    out = tmp_path / "marlin.json"
-    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR")
-    r = subprocess.run([sys.executable, str(HERE / "marlin_probe.py"), str(out)], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = _run_probe("marlin_probe.py", version, tmp_path / "marlin.json")
     assert res["installed"]
     stock, fixed, perms = res["stock"], res["fixed"], res["perms"]
     bug = stock["128"]
