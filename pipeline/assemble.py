@@ -26,7 +26,8 @@ from . import __version__
 from .checkpoint import TensorInfo
 from .errors import ArtifactError
 from .layout import split_module
-from .manifest import sha256_file, sha256_json
+from .manifest import sha256_file
+from .source_identity import LOCATION_FILE
 from .safetensors_io import (
     INDEX_NAME, TensorHeader, TMP_SUFFIX, ByteRange, OutTensor, ShardHasher, ShardPlan, plan_shards, read_header, write_shard,
     write_text_atomic,
@@ -202,12 +203,11 @@ def quantization_config(ctx) -> dict:
 
 
 def hybrid_block(ctx) -> dict:
-    src = ctx.source
     return {
         "format": ctx.recipe.output.format,
         "version": __version__,
         "recipe": ctx.recipe.name,
-        "source": {"id": src.source_id, "revision": src.revision},
+        "source": {k: v for k, v in ctx.source_record().to_provenance().items() if k != "files"},
         "fp8_modules": [c.module for c in ctx.plan.of_kind("fp8")],
         "fp8_block": [128, 128],
         "lm_head": ("quantize-at-load" if ctx.recipe.lm_head.storage == "bf16" else
@@ -238,9 +238,7 @@ def _copy_file_atomic(src: Path, dst: Path) -> None:
 def assemble(ctx) -> tuple[list[Path], dict]:
     out = ctx.out
     fmt = ctx.recipe.output.format
-    from .run import _key  # the assemble key decides whether half-written shards may be kept
-
-    key = _key(ctx, "assemble")
+    key = ctx.assemble_marker()  # decides whether half-written shards of an earlier try may be kept
     marker = ctx.work / "assemble.inprogress"
     resume = marker.exists() and marker.read_text() == key
     (out / INDEX_NAME).unlink(missing_ok=True)  # from here on the folder no longer looks complete
@@ -283,7 +281,9 @@ def assemble(ctx) -> tuple[list[Path], dict]:
     index_text = json.dumps({"metadata": {"total_size": sum(s.data_bytes for s in shards)},
                              "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
     os.sync()  # shards on disk before the files that say the build is complete
-    prov = provenance(ctx, shards, index_text, shard_hashes)
+    record = ctx.source_record()
+    write_text_atomic(ctx.work / LOCATION_FILE, json.dumps(record.to_location(), indent=2) + "\n")
+    prov = provenance(ctx, shards, index_text, shard_hashes, record)
     write_text_atomic(out / PROVENANCE, json.dumps(prov, indent=2) + "\n")
     write_text_atomic(out / INDEX_NAME, index_text)
     marker.unlink(missing_ok=True)
@@ -306,8 +306,9 @@ def artifact_files(out: Path) -> list[Path]:
     return files
 
 
-def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, str]) -> dict:
-    """The manifest of the artifact; ``known`` holds sha256 of files hashed while writing."""
+def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, str], record) -> dict:
+    """The manifest of the artifact; ``known`` holds sha256 of files hashed while writing,
+    ``record`` is the source's identity (``source_identity.SourceRecord``)."""
     out = ctx.out
     files = {}
     for p in artifact_files(out):
@@ -330,12 +331,10 @@ def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, s
     n_out = sum(len(s.tensors) for s in shards)
     src = ctx.source
     return {
-        "schema_version": 1,
+        "schema_version": 2,  # 2: the source is identified by content (kind, per-file sha256)
         "tool": {"name": "hybrid-build", "version": __version__},
         "format": ctx.recipe.output.format,
-        "source": {"id": src.source_id or src.root.name, "revision": src.revision,
-                   "fingerprint": sha256_json(ctx.fingerprint()),
-                   "files": {f: {"bytes": (src.root / f).stat().st_size} for f in src.files}},
+        "source": record.to_provenance(),
         "recipe": ctx.recipe.model_dump(mode="json", by_alias=True),
         "files": dict(sorted(files.items())),
         "tensors": {"total": n_out, "converted_modules": len(ctx.plan.conversions),

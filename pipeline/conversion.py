@@ -88,6 +88,8 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe) -> ConversionPlan:
             out.append(Conversion(module, "fp8", w.klass, w, fp8_block_bytes(n, k)))
         elif recipe.lm_head.enabled and w.klass == "lm_head" and target_matches(recipe.lm_head.targets, module):
             if recipe.lm_head.storage == "gptq-int8" and fmt != "compressed-tensors" and (n % 4 or k % 4):
-                raise SourceError(f"{module}: GPTQ int8 packing needs rows and columns divisible by 4, shape is {n}x{k}")
+                raise SourceError(f"{module}: the recipe's lm_head storage gptq-int8 packs 4 values to an int32 and needs "
+                                  f"rows and columns divisible by 4, the shape is {n}x{k}; use --format "
+                                  f"compressed-tensors, or set lm_head.storage: bf16 in the recipe")
             out.append(Conversion(module, "int8", w.klass, w, int8_row_bytes(n, k, recipe.lm_head.storage, fmt)))
     return ConversionPlan(recipe, out)

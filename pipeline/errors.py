@@ -36,3 +36,11 @@ class NumericsError(HybridBuildError):
 
 class ExternalToolError(HybridBuildError):
     """A tool we drive (vLLM, Docker, the Hub) is missing or failed."""
+
+
+class SourceMismatch(UserError):
+    """A source given or recorded is not, by content, the one the artifact was built from."""
+
+
+class StorageError(HybridBuildError):
+    """The filesystem refused: no space, read-only, unreadable. The message names the path."""

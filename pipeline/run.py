@@ -9,6 +9,7 @@ inputs is skipped, so an interrupted build resumes where it stopped.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -25,11 +26,13 @@ from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
 from . import __version__
 from .checkpoint import Checkpoint
+from .inspection import human_bytes
 from .conversion import Conversion, ConversionPlan, plan_conversion
-from .errors import ArtifactError, SourceError, UserError
+from .errors import ArtifactError, RecipeError, SourceError, StorageError, UserError
 from .progress import ProgressFactory, null_progress
-from .manifest import StageManifest, describe_outputs, sha256_json, source_fingerprint
+from .manifest import StageManifest, describe_outputs, sha256_json
 from .safetensors_io import OutTensor, ShardPlan, write_shard
+from .source_identity import DIGEST_CACHE, SourceDigests, SourceRecord, record_for
 from .weights import iter_row_chunks, read_tensor
 
 log = logging.getLogger(__name__)
@@ -45,9 +48,11 @@ class BuildContext:
     out: Path
     plan: ConversionPlan
     progress: ProgressFactory = null_progress
+    in_artifact: str | None = None  # the demo source: its place inside the output folder
     manifests: dict[str, StageManifest] = field(default_factory=dict)
     pending: dict[str, _Background] = field(default_factory=dict)  # stages running in the background
-    _fingerprint: dict | None = field(default=None, repr=False)
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # manifest saves waiting for the digests
+    _digests: SourceDigests | None = field(default=None, repr=False)
 
     @property
     def work(self) -> Path:
@@ -58,11 +63,29 @@ class BuildContext:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def fingerprint(self) -> dict:
-        """The source's identity, read once: every stage key and the provenance use it."""
-        if self._fingerprint is None:
-            self._fingerprint = source_fingerprint(self.source.root, self.source.files)
-        return self._fingerprint
+    @property
+    def digests(self) -> SourceDigests:
+        """sha256 of every source file, from the work folder's cache or computed (``source_identity``)."""
+        if self._digests is None:
+            self._digests = SourceDigests(self.source.root, self.work / DIGEST_CACHE)
+        return self._digests
+
+    def fingerprint(self) -> str:
+        """The source's identity by content: every stage key and the provenance use it. Waits for
+        the digests if they are still being computed."""
+        return self.digests.fingerprint(self.progress)
+
+    def source_record(self) -> SourceRecord:
+        return record_for(self.source.root, self.source.source_id, self.source.revision,
+                          self.digests.result(self.progress), self.in_artifact)
+
+    def assemble_marker(self) -> str:
+        """Identifies an assemble in progress, so a resumed one keeps only its own complete shards.
+        It uses the source files' size, mtime and inode rather than their digests, which a fresh
+        build is still computing when assemble starts; the digest cache trusts the same fields."""
+        stats = {f: self.digests.stat(f) for f in self.digests.files}
+        return sha256_json({"tool": __version__, "source": stats,
+                            "recipe": self.recipe.model_dump(mode="json", by_alias=True)})
 
 
 # ---------------------------------------------------------------------------- stage inputs
@@ -237,9 +260,38 @@ def _raw(t: torch.Tensor) -> memoryview:
 # ---------------------------------------------------------------------------- runner
 
 
-def resolve_recipe(source: Checkpoint, recipe_arg: str | None) -> tuple[Recipe, str]:
+@dataclass
+class RecipeOverrides:
+    """Command-line changes to the recipe; applied before the conversion is planned."""
+
+    format: str | None = None
+    observer: str | None = None
+    fp8_source: str | None = None
+
+    def apply(self, recipe: Recipe) -> Recipe:
+        recipe = recipe.model_copy(deep=True)
+        if self.format:
+            recipe.output.format = self.format
+        if self.observer:
+            recipe.shared_experts.observer = self.observer
+        if self.fp8_source:
+            recipe.shared_experts.source = "checkpoint"
+            recipe.shared_experts.fp8_checkpoint = self.fp8_source
+        return recipe
+
+
+def resolve_recipe(source: Checkpoint, recipe_arg: str | None, force: bool = False,
+                   how: str = "given") -> tuple[Recipe, str]:
+    """The recipe to build with, and a note saying how it was chosen. A recipe given by name or
+    file must fit the source's config (its ``match`` block), unless ``force``."""
     if recipe_arg:
-        return load_recipe(recipe_arg), f"recipe {recipe_arg} (given)"
+        recipe = load_recipe(recipe_arg)
+        misfit = recipe.mismatches(source.text_config, source.model_type)
+        if misfit and not force:
+            raise RecipeError(f"recipe {recipe.name} does not fit this source: {'; '.join(misfit)}. Leave out "
+                              f"--recipe to let run choose, or pass --force to build with it anyway")
+        note = f"recipe {recipe.name} ({how})" + (f"; does not fit the source ({misfit[0]}), forced" if misfit else "")
+        return recipe, note
     recipe = select_recipe(source.text_config, source.model_type)
     return recipe, f"recipe {recipe.name} (chosen from the source's config.json)"
 
@@ -267,18 +319,46 @@ def select_stages(only: list[str] | None, start: str | None) -> list[str]:
 
 
 def prepare(source: str | Path, out: Path, recipe_arg: str | None = None,
-            progress: ProgressFactory = null_progress, revision: str | None = None) -> BuildContext:
-    """Open the source, pick the recipe and plan the conversion; nothing is written."""
+            progress: ProgressFactory = null_progress, revision: str | None = None,
+            overrides: RecipeOverrides | None = None, force: bool = False,
+            in_artifact: str | None = None, recipe_how: str = "given") -> BuildContext:
+    """Open the source, pick the recipe, apply ``overrides`` and plan the conversion; nothing is
+    written. ``force`` accepts a recipe whose ``match`` does not fit the source; ``in_artifact``
+    marks a source that lives inside the output folder (the demo's)."""
     ckpt = Checkpoint.open(source, revision=revision)
     ckpt.require_clean()
     if ckpt.hybrid_info:
         raise SourceError(f"{source}: already a hybrid-build artifact (config.json has a hybrid_build block)")
-    recipe, note = resolve_recipe(ckpt, recipe_arg)
-    check_output_folder(Path(out), ckpt.root)
+    recipe, note = resolve_recipe(ckpt, recipe_arg, force, recipe_how)
+    recipe = (overrides or RecipeOverrides()).apply(recipe)
+    if in_artifact is None:
+        check_output_folder(Path(out), ckpt.root)
     plan = plan_conversion(ckpt, recipe)
     if not plan.conversions:
         raise SourceError(f"{source}: recipe {recipe.name} finds nothing to convert (no BF16 shared experts or lm_head)")
-    return BuildContext(ckpt, recipe, note, Path(out), plan, progress)
+    return BuildContext(ckpt, recipe, note, Path(out), plan, progress, in_artifact)
+
+
+def planned_write_bytes(ctx: BuildContext) -> dict[str, int]:
+    """Bytes a full build writes: the output checkpoint and the intermediate stage files."""
+    source_bytes = sum(t.nbytes for t in ctx.source.tensors.values())
+    head = sum(c.out_bytes for c in ctx.plan.of_kind("int8")) if ctx.recipe.lm_head.storage != "bf16" else 0
+    return {"output": source_bytes - ctx.plan.bytes_before + ctx.plan.bytes_after,
+            "intermediate": sum(c.out_bytes for c in ctx.plan.of_kind("fp8")) + head}
+
+
+def check_free_space(ctx: BuildContext, stages: list[str]) -> None:
+    """Refuse, before writing anything, a build that the output's filesystem cannot hold."""
+    planned = planned_write_bytes(ctx)
+    need = (planned["output"] if "assemble" in stages else 0) + planned["intermediate"]
+    # files this build replaces give their space back (shards are renamed over them)
+    need -= sum(p.stat().st_size for p in ctx.out.glob("*.safetensors"))
+    need -= sum(p.stat().st_size for p in ctx.work.glob("*/*.safetensors"))
+    free = shutil.disk_usage(ctx.out).free
+    if need > free:
+        raise StorageError(f"{ctx.out}: {human_bytes(free)} free on its filesystem, this build writes about "
+                           f"{human_bytes(need)} (output ~{human_bytes(planned['output'])}, stage files "
+                           f"~{human_bytes(planned['intermediate'])}); free some space or choose another folder")
 
 
 STAGE_FUNCS: dict[str, Callable[[BuildContext], tuple[list[Path], dict]]] = {}
@@ -326,9 +406,14 @@ class StageResult:
     background: bool = False  # ran on a thread alongside the next stage (its seconds overlap)
 
 
-def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool = False,
+def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool | list[str] = False,
               on_stage: Callable[[StageResult], None] | None = None) -> list[StageResult]:
     """Run the selected stages in order, skipping those whose manifests still match.
+
+    ``force`` re-runs every selected stage (True) or the ones named. The source's digests are
+    needed to decide whether a manifest still matches: when there are manifests to reuse they
+    are computed (or read from the cache) first, otherwise on a background thread alongside the
+    stages, whose manifests are then saved as soon as the digests are known.
 
     When both ``quantize-head`` and ``assemble`` have to run, the head is quantized on a
     background thread (compute-bound; torch releases the GIL) while ``assemble`` writes the
@@ -336,11 +421,19 @@ def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool = 
     the writer waits for it only when it reaches the head's tensors. The head's manifest is saved
     when it finishes, as if the stages had run one after the other; if ``assemble`` fails, the
     head is still finished and recorded, so the next run resumes after it."""
-    from .errors import NumericsError
+    from .errors import HybridBuildError, NumericsError
 
     stages = stages or list(STAGES)
+    forced = set(stages) if force is True else set(force or ())
     ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.work.mkdir(exist_ok=True)
+    check_free_space(ctx, stages)
+    if not ctx.digests.ready:
+        reusable = [s for s in stages if s not in forced and (ctx.work / f"{s}.json").exists()]
+        if reusable:
+            ctx.digests.compute(ctx.progress)
+        else:
+            ctx.digests.start()
     results: list[StageResult] = []
 
     def report(res: StageResult) -> None:
@@ -348,21 +441,22 @@ def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool = 
         if on_stage:
             on_stage(res)
 
+    stage = None
     try:
         for stage in stages:
+            _save_deferred(ctx, wait=False)
             if stage in ("calibrate", "quantize-head"):
-                _start_head_in_background(ctx, stages, force)  # before calibrate: it reads the source too
+                _start_head_in_background(ctx, stages, forced)  # before calibrate: it reads the source too
             if stage in ctx.pending:
                 continue
-            key = _key(ctx, stage)
             manifest = StageManifest.load(ctx.work / f"{stage}.json")
-            if not force and manifest and manifest.still_valid(ctx.out, key):
+            if stage not in forced and manifest and manifest.still_valid(ctx.out, _key(ctx, stage)):
                 ctx.manifests[stage] = manifest
                 report(StageResult(stage, "skipped", 0.0, manifest.details))
                 continue
             _require_upstream(ctx, stage)
             try:
-                res = _run_stage(ctx, stage, key)
+                res = _run_stage(ctx, stage)
             except _ValidationFailed as e:
                 report(StageResult(stage, "failed", e.seconds, e.details))
                 raise NumericsError("validation failed: " + "; ".join(e.details["failures"][:3])
@@ -370,17 +464,25 @@ def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool = 
                                     + f"; report in {ctx.out / 'hybrid_build' / 'validation.md'}")
             if stage == "assemble":  # the background stage reports before the one that waited for it
                 for name, bg in list(ctx.pending.items()):
+                    stage = name
                     report(bg.wait())
                     del ctx.pending[name]
+                stage = "assemble"
             report(res)
+        stage = None
+        _save_deferred(ctx, wait=True)
+    except (HybridBuildError, OSError) as e:
+        e.stage = getattr(e, "stage", None) or stage  # for `run --json`: which stage failed
+        raise
     finally:
         for bg in ctx.pending.values():
             bg.join()  # never leave a stage running behind a failure; it records its manifest itself
         ctx.pending.clear()
+        _save_deferred(ctx, wait=False)  # after a failure: what finished is kept if it can be keyed
     return results
 
 
-def _run_stage(ctx: BuildContext, stage: str, key: str) -> StageResult:
+def _run_stage(ctx: BuildContext, stage: str) -> StageResult:
     t = time.perf_counter()
     try:
         paths, details = STAGE_FUNCS[stage](ctx)
@@ -389,51 +491,67 @@ def _run_stage(ctx: BuildContext, stage: str, key: str) -> StageResult:
         raise
     secs = time.perf_counter() - t
     hashes = details.pop("_hashes", None)
-    manifest = StageManifest(stage, key, stage_inputs(ctx, stage), describe_outputs(ctx.out, paths, hashes),
-                             details, round(secs, 3), time.time())
-    manifest.save(ctx.work / f"{stage}.json")
+    manifest = StageManifest(stage, "", {}, describe_outputs(ctx.out, paths, hashes), details, round(secs, 3),
+                             time.time())
     ctx.manifests[stage] = manifest
+
+    def save() -> None:  # the key needs the source's digests: saved once they are known
+        manifest.inputs = stage_inputs(ctx, stage)
+        manifest.key = sha256_json(manifest.inputs)
+        manifest.save(ctx.work / f"{stage}.json")
+
+    if ctx.digests.ready or threading.current_thread() is not threading.main_thread():
+        save()
+    else:
+        ctx.deferred.append(save)
     return StageResult(stage, "ran", secs, details)
 
 
-def _start_head_in_background(ctx: BuildContext, stages: list[str], force: bool) -> None:
+def _save_deferred(ctx: BuildContext, wait: bool) -> None:
+    if ctx.deferred and (wait or ctx.digests.ready):
+        ctx.digests.result(ctx.progress)
+        while ctx.deferred:
+            ctx.deferred.pop(0)()
+
+
+def _start_head_in_background(ctx: BuildContext, stages: list[str], forced: set[str]) -> None:
     """Start quantize-head on a thread if it has to run and assemble will run after it."""
     stage = "quantize-head"
-    if stage in ctx.pending or stage not in stages or not _assemble_will_run(ctx, stages, force):
+    if stage in ctx.pending or stage not in stages or not _will_run(ctx, "assemble", stages, forced):
         return
-    key = _key(ctx, stage)
-    manifest = StageManifest.load(ctx.work / f"{stage}.json")
-    if not force and manifest and manifest.still_valid(ctx.out, key):
+    if not _will_run(ctx, stage, stages, forced):
         return
     plan, _ = head_plan(ctx)
     if plan is not None:
-        ctx.pending[stage] = bg = _Background(ctx, stage, key, plan)
+        ctx.pending[stage] = bg = _Background(ctx, stage, plan)
         bg.start()  # registered first: the stage looks itself up in ctx.pending
 
 
-def _assemble_will_run(ctx: BuildContext, stages: list[str], force: bool) -> bool:
-    if "assemble" not in stages:
+def _will_run(ctx: BuildContext, stage: str, stages: list[str], forced: set[str]) -> bool:
+    if stage not in stages:
         return False
-    m = StageManifest.load(ctx.work / "assemble.json")
-    return force or not (m and m.still_valid(ctx.out, _key(ctx, "assemble")))
+    if stage in forced:
+        return True
+    m = StageManifest.load(ctx.work / f"{stage}.json")
+    return not (m and m.still_valid(ctx.out, _key(ctx, stage)))
 
 
 class _Background:
     """One stage running on a thread; ``plan`` is the layout of the file it writes."""
 
-    def __init__(self, ctx: BuildContext, stage: str, key: str, plan: ShardPlan) -> None:
+    def __init__(self, ctx: BuildContext, stage: str, plan: ShardPlan) -> None:
         self.stage, self.plan = stage, plan
         self.handover = _Handover()
         self._result: StageResult | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(ctx, key), name=f"stage-{stage}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(ctx,), name=f"stage-{stage}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def _run(self, ctx: BuildContext, key: str) -> None:
+    def _run(self, ctx: BuildContext) -> None:
         try:
-            self._result = _run_stage(ctx, self.stage, key)
+            self._result = _run_stage(ctx, self.stage)
             self._result.background = True
         except BaseException as e:  # noqa: BLE001  (raised by wait())
             self._error = e
@@ -487,8 +605,8 @@ def _require_upstream(ctx: BuildContext, stage: str) -> None:
     """A stage may only run on current results of the stages it reads."""
     needs = {"assemble": ("calibrate", "quantize-head"), "validate": ("assemble",)}.get(stage, ())
     for up in needs:
-        if up in ctx.pending:
-            continue  # running in the background; the stage waits for its file
+        if up in ctx.pending or up in ctx.manifests:
+            continue  # ran or checked in this run, or running in the background (the stage waits for its file)
         m = StageManifest.load(ctx.work / f"{up}.json")
         if not m or not m.still_valid(ctx.out, _key(ctx, up)):
             raise UserError(f"stage {stage} needs a current {up} result; run without --only/--from, or --from {up}")

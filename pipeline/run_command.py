@@ -35,12 +35,11 @@ def _demo_source(args) -> Path:
 
 def _handle(args: argparse.Namespace) -> int:
     from .cli import emit_json, progress
-    from .run import prepare, run_build, select_stages, stage_status
+    from .run import RecipeOverrides, WORK_DIR, prepare, run_build, select_stages, stage_status
 
     stages = select_stages(_split_stages(args.only), getattr(args, "from"))
-    if args.source is None:
-        if args.recipe is None:
-            args.recipe = "tiny"
+    demo = args.source is None
+    if demo:
         from .run import check_output_folder
 
         check_output_folder(args.out, Path(tempfile.gettempdir()) / "hybrid-build-none")
@@ -51,47 +50,15 @@ def _handle(args: argparse.Namespace) -> int:
     def bar(**kw):
         return progress(args.quiet or args.json, leave=False, **kw)
 
-    ctx = prepare(source, args.out, args.recipe, progress=bar, revision=args.revision)
-    if args.source is None:  # provenance names the demo source by its place inside the artifact
-        ctx.source.source_id = str(Path(source).relative_to(args.out))
-    if args.observer:
-        ctx.recipe.shared_experts.observer = args.observer
-    if args.fp8_source:
-        ctx.recipe.shared_experts.source = "checkpoint"
-        ctx.recipe.shared_experts.fp8_checkpoint = args.fp8_source
-    if args.format:
-        ctx.recipe.output.format = args.format
-        from .conversion import plan_conversion
-
-        ctx.plan = plan_conversion(ctx.source, ctx.recipe)
+    overrides = RecipeOverrides(format=args.format, observer=args.observer, fp8_source=args.fp8_source)
+    ctx = prepare(source, args.out, args.recipe or ("tiny" if demo else None), progress=bar, revision=args.revision,
+                  overrides=overrides, force=args.force, in_artifact=f"{WORK_DIR}/demo-source" if demo else None,
+                  recipe_how="given" if args.recipe else "the demo's")
     if args.no_validate and "validate" in stages:
         stages.remove("validate")
 
     if args.dry_run:
-        from .assemble import plan_output
-
-        status = stage_status(ctx)
-        shards = plan_output(ctx) if status["calibrate"] == status["quantize-head"] == "up to date" else None
-        data = {"source": str(source), "recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note,
-                "output": str(args.out), "format": ctx.recipe.output.format,
-                "stages": {s: status[s] for s in stages}, "conversion": ctx.plan.to_json(),
-                "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values())}
-        data["output_bytes_estimate"] = data["source_bytes"] - ctx.plan.bytes_before + ctx.plan.bytes_after
-        if shards:
-            data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
-        if args.json:
-            emit_json(data)
-        else:
-            print(f"{ctx.recipe_note}; output format {data['format']}")
-            print(f"source {human_bytes(data['source_bytes'])} -> output ~{human_bytes(data['output_bytes_estimate'])}")
-            for c in ctx.plan.conversions:
-                print(f"  {c.kind:<5} {c.module}  {c.shape[0]}x{c.shape[1]}  "
-                      f"{human_bytes(c.in_bytes)} -> {human_bytes(c.out_bytes)}")
-            for s in data.get("shards", []):
-                print(f"  shard {s['file']}: {s['tensors']} tensors, {human_bytes(s['bytes'])}")
-            for s, st in data["stages"].items():
-                print(f"stage {s}: {st}")
-        return 0
+        return _dry_run(args, ctx, source, stages)
 
     if not args.quiet and not args.json:
         print(ctx.recipe_note)
@@ -111,12 +78,66 @@ def _handle(args: argparse.Namespace) -> int:
                 extra += "  (in the background, alongside assemble)"
             print(f"  {res.stage:<14} {res.status:<8} {res.seconds:7.2f} s{extra}", flush=True)
 
-    results = run_build(ctx, stages, force=args.force, on_stage=report)
+    # --force re-runs every selected stage; --from re-runs the stage it names and those after it
+    force = True if args.force else (stages if getattr(args, "from") else False)
+    report_path = args.out / "hybrid_build" / "validation.md"
+    where = {"output": str(args.out), "recipe": ctx.recipe.name,
+             "report": str(report_path) if "validate" in stages else None,
+             "demo_source": str(ctx.source.root) if demo else None}
+    results = []
+    try:
+        results = run_build(ctx, stages, force=force, on_stage=lambda r: (results.append(r), report(r)))
+    except BaseException as e:
+        if args.json:  # a script gets a result object on failure too (the error line goes to stderr)
+            emit_json({**where, "status": "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                       "failed_stage": getattr(e, "stage", None), "error": str(e).splitlines()[0] if str(e) else
+                       type(e).__name__, "report": str(report_path) if report_path.exists() else None,
+                       "seconds": round(time.perf_counter() - t0, 3), "stages": [_stage_json(r) for r in results]})
+        raise
     if args.json:
-        emit_json({"output": str(args.out), "recipe": ctx.recipe.name, "seconds": round(time.perf_counter() - t0, 3),
-                   "stages": [{"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 3), "background": r.background} for r in results]})
+        emit_json({**where, "status": "ok", "seconds": round(time.perf_counter() - t0, 3),
+                   "stages": [_stage_json(r) for r in results]})
     elif not args.quiet:
         print(f"hybrid checkpoint in {args.out} ({time.perf_counter() - t0:.1f} s)")
+        if report_path.exists() and "validate" in stages:
+            print(f"validation report: {report_path}")
+        if demo:
+            print(f"demo source (the tiny INT4 checkpoint it was built from): {ctx.source.root}")
+    return 0
+
+
+def _stage_json(r) -> dict:
+    return {"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 3), "background": r.background}
+
+
+def _dry_run(args, ctx, source, stages: list[str]) -> int:
+    from .assemble import plan_output
+    from .cli import emit_json
+    from .run import planned_write_bytes, stage_status
+
+    status = stage_status(ctx)
+    shards = plan_output(ctx) if status["calibrate"] == status["quantize-head"] == "up to date" else None
+    planned = planned_write_bytes(ctx)
+    data = {"source": str(source), "recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note,
+            "output": str(args.out), "format": ctx.recipe.output.format,
+            "stages": {s: status[s] for s in stages}, "conversion": ctx.plan.to_json(),
+            "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values()),
+            "output_bytes_estimate": planned["output"], "intermediate_bytes_estimate": planned["intermediate"]}
+    if shards:
+        data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
+    if args.json:
+        emit_json(data)
+        return 0
+    print(f"{ctx.recipe_note}; output format {data['format']}")
+    print(f"source {human_bytes(data['source_bytes'])} -> output ~{human_bytes(data['output_bytes_estimate'])} "
+          f"(+ ~{human_bytes(data['intermediate_bytes_estimate'])} of stage files while building)")
+    for c in ctx.plan.conversions:
+        print(f"  {c.kind:<5} {c.module}  {c.shape[0]}x{c.shape[1]}  "
+              f"{human_bytes(c.in_bytes)} -> {human_bytes(c.out_bytes)}")
+    for s in data.get("shards", []):
+        print(f"  shard {s['file']}: {s['tensors']} tensors, {human_bytes(s['bytes'])}")
+    for s, st in data["stages"].items():
+        print(f"stage {s}: {st}")
     return 0
 
 
@@ -138,12 +159,15 @@ def register(sub, common) -> None:
                "  hybrid-build run ./int4 -o hybrid/ --from assemble   # redo assembly and validation")
     p.add_argument("source", nargs="?", help="INT4 checkpoint folder or Hub id (default: the tiny demo model)")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
-    p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from the source's config)")
+    p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from the source's config); it must "
+                                    "fit the source's config unless --force")
     p.add_argument("--revision", help="Hub revision of the source")
     p.add_argument("--dry-run", action="store_true", help="print the plan with sizes and do nothing")
     p.add_argument("--only", metavar="STAGE[,STAGE]", help="run only these stages")
-    p.add_argument("--from", metavar="STAGE", help="run this stage and the ones after it")
-    p.add_argument("--force", action="store_true", help="re-run stages even if their manifests match")
+    p.add_argument("--from", metavar="STAGE", help="redo this stage and the ones after it (their results are "
+                                                   "recomputed even if current)")
+    p.add_argument("--force", action="store_true", help="re-run stages even if their manifests match, and build "
+                                                        "with a --recipe that does not fit the source")
     p.add_argument("--format", choices=["inc-hybrid", "compressed-tensors"], help="override the recipe's output format")
     p.add_argument("--observer", choices=["minmax", "mse"], help="override the FP8 observer")
     p.add_argument("--fp8-source", metavar="CKPT",

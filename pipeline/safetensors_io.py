@@ -460,17 +460,22 @@ def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
             progress(plan.data_bytes)
         return final
     tmp = out_dir / (plan.filename + TMP_SUFFIX)
-    direct = _open_direct(tmp, hasher) if hasher or direct_io else None
-    if direct is not None:
-        try:
-            _stream_shard(plan, direct, progress)
-        finally:
-            direct.close()
+    try:
+        direct = _open_direct(tmp, hasher) if hasher or direct_io else None
+        if direct is not None:
+            try:
+                _stream_shard(plan, direct, progress)
+            finally:
+                direct.close()
+            return _finish(plan, tmp, final, durable)
+        with open(tmp, "wb") as out:
+            _stream_shard(plan, _FileSink(out, hasher), progress)
+            out.flush()
         return _finish(plan, tmp, final, durable)
-    with open(tmp, "wb") as out:
-        _stream_shard(plan, _FileSink(out, hasher), progress)
-        out.flush()
-    return _finish(plan, tmp, final, durable)
+    except OSError as e:
+        if e.filename is None:  # write(2) errors name no file: say which one (the user sees one line)
+            raise OSError(e.errno, e.strerror or str(e), str(tmp)) from e
+        raise
 
 
 class _FileSink:

@@ -126,14 +126,24 @@ class Recipe(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
 
     def matches(self, text_config: dict, model_type: str) -> bool:
+        return not self.mismatches(text_config, model_type)
+
+    def mismatches(self, text_config: dict, model_type: str) -> list[str]:
+        """Each way the source's config differs from this recipe's ``match`` block."""
         m = self.match
+        out = []
         if m.model_type and model_type not in m.model_type and text_config.get("model_type") not in m.model_type:
-            return False
+            out.append(f"model_type is {model_type!r}, the recipe is for {', '.join(m.model_type)}")
         for key in ("hidden_size", "num_hidden_layers", "num_experts"):
             want = getattr(m, key)
             if want is not None and text_config.get(key) != want:
-                return False
-        return True
+                out.append(f"{key} is {text_config.get(key)}, the recipe is for {want}")
+        return out
+
+    @property
+    def specificity(self) -> int:
+        """How many config values the ``match`` block pins (a family recipe pins only the type)."""
+        return sum(getattr(self.match, k) is not None for k in ("hidden_size", "num_hidden_layers", "num_experts"))
 
 
 def _allowed_at(loc: tuple) -> list[str]:
@@ -195,11 +205,13 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
 
 
 def select_recipe(text_config: dict, model_type: str) -> Recipe:
-    """The first shipped recipe whose ``match`` block fits the source config."""
-    for name in list_recipes():
-        recipe = load_recipe(name)
-        if recipe.match != MatchSpec() and recipe.matches(text_config, model_type):
-            return recipe
+    """The shipped recipe whose ``match`` block fits the source config; the one that pins the
+    most values wins, so a model's own recipe beats its family's (``qwen3.5-moe``), whose targets
+    come from the model's structure alone."""
+    fitting = [r for r in map(load_recipe, list_recipes())
+               if r.match != MatchSpec() and r.matches(text_config, model_type)]
+    if fitting:
+        return max(fitting, key=lambda r: r.specificity)
     raise RecipeError(f"no shipped recipe matches this model (model_type {model_type!r}, hidden "
                       f"{text_config.get('hidden_size')}, {text_config.get('num_hidden_layers')} layers); "
                       f"pass --recipe (shipped: {', '.join(list_recipes())})")

@@ -113,22 +113,22 @@ def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: 
 
 
 def _served_model(artifact: str, config: dict | None, profile: ServeProfile, source: str | None) -> str:
-    """The folder or Hub id vLLM loads for this profile."""
+    """The folder or Hub id vLLM loads for this profile. A source (given, or the one the artifact
+    records) is checked by content against the artifact's provenance before it is served."""
     hybrid = (config or {}).get("hybrid_build")
     if profile.artifact == "hybrid":
         if config is not None and not hybrid:
             raise UserError(f"{artifact}: not a hybrid-build artifact (no hybrid_build block in config.json); "
                             "the dense profile serves the output of `hybrid-build run`")
         return artifact
-    if source:
-        return source
     if not hybrid:
-        return artifact  # the source checkpoint itself
-    src = (hybrid.get("source") or {}).get("id")
-    if not src:
-        raise UserError(f"{artifact}: this profile serves the source checkpoint, which the artifact does not "
-                        "name; pass --source FOLDER_OR_HUB_ID")
-    return src
+        return source or artifact  # the source checkpoint itself
+    from hybrid_build.pipeline.source_identity import open_recorded_source
+
+    prov_path = Path(artifact) / "hybrid_build" / "provenance.json"
+    provenance = _read_json(prov_path) if prov_path.exists() else {"source": hybrid.get("source")}
+    ckpt = open_recorded_source(Path(artifact), provenance, source)
+    return str(ckpt.root.resolve())  # for a Hub source, the snapshot folder of the recorded revision
 
 
 def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,

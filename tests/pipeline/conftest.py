@@ -3,18 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_build.pipeline.run import prepare, run_build
+from hybrid_build.pipeline.run import RecipeOverrides, prepare, run_build
 
 BUILD_STAGES = ["inspect", "calibrate", "quantize-head", "assemble"]
 
 
 def build(source, out, fmt=None, recipe="tiny", stages=BUILD_STAGES):
-    ctx = prepare(source, out, recipe)
-    if fmt:
-        ctx.recipe.output.format = fmt
-        from hybrid_build.pipeline.conversion import plan_conversion
-
-        ctx.plan = plan_conversion(ctx.source, ctx.recipe)
+    ctx = prepare(source, out, recipe, overrides=RecipeOverrides(format=fmt))
     run_build(ctx, stages)
     return ctx
 
