@@ -283,25 +283,31 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
                                                              build_stages):
     """quantize-head runs in the background: a shard without the head is complete before the
     head is computed, the shard holding the head waits for it, and the result is the sequential
-    build's."""
+    build's. Ordered by events, not by sleeping: the head stage may only start once assemble has
+    finished a shard without the head, which it can only do if it does not wait for the head."""
     import threading
-    import time
 
     from hybrid_build.pipeline import assemble as asm
 
-    head_done = threading.Event()
+    other_shard_written = threading.Event()
+    head_started = threading.Event()
     finished_before_head: list[str] = []
     original_head, original_write = run_mod.STAGE_FUNCS["quantize-head"], asm.write_shard
 
-    def slow_head(ctx):
-        time.sleep(1.0)  # long enough for the other shards
-        head_done.set()  # from here on the head may be handed over
+    def gated_head(ctx):
+        # generous: on a loaded 2-core machine a shard of the tiny model takes well under a second
+        if not other_shard_written.wait(timeout=120):
+            raise AssertionError("no shard without the head was written while the head waited: "
+                                 "assemble does not run alongside quantize-head")
+        head_started.set()  # from here on the head may be handed over
         return original_head(ctx)
 
     def write(plan, out_dir, **kw):
         path = original_write(plan, out_dir, **kw)
-        if not head_done.is_set():
+        if not head_started.is_set():
             finished_before_head.append(plan.filename)
+        if not any(t.name.startswith("lm_head.") for t in plan.tensors):
+            other_shard_written.set()
         return path
 
     taken: dict[str, bool] = {}
@@ -312,14 +318,15 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
         taken[name] = t is not None
         return t
 
-    monkeypatch.setitem(run_mod.STAGE_FUNCS, "quantize-head", slow_head)
+    monkeypatch.setitem(run_mod.STAGE_FUNCS, "quantize-head", gated_head)
     monkeypatch.setattr(asm, "write_shard", write)
     monkeypatch.setattr(run_mod._Handover, "take", take)
     out = tmp_path / "out"
     ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
     results = run_mod.run_build(ctx, build_stages)
     assert [r.stage for r in results] == build_stages and {r.status for r in results} == {"ran"}
-    assert finished_before_head  # written while the head was being quantized
+    assert head_started.is_set()
+    assert finished_before_head  # written while the head was waiting to be quantized
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     head_shard = index["lm_head.qweight"]
     assert head_shard not in finished_before_head
