@@ -328,17 +328,13 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> tu
     if not HUB_ID.match(text) or text.startswith((".", "/")):
         raise SourceError(f"{source}: no such file or directory")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    from .hub_errors import hub_error, hub_exceptions
 
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
     try:
         local = snapshot_download(text, revision=revision, local_files_only=offline)
-    except (LocalEntryNotFoundError, FileNotFoundError):
-        raise SourceError(f"{source}: not a local folder, and not in the Hub cache (offline)" if offline
-                          else f"{source}: could not be downloaded from the Hub")
-    except RepositoryNotFoundError:
-        raise SourceError(f"{source}: no such repository on the Hub (or no access)")
-    except HfHubHTTPError as e:
-        raise SourceError(f"{source}: Hub download failed: {str(e).splitlines()[0]}")
+    except hub_exceptions() as e:  # offline, not found, gated, unauthorized, bad revision...: said in one line
+        raise hub_error(e, text, revision=revision) from None
     rev = Path(local).name  # snapshot folders are named by commit hash
     return Path(local), text, rev

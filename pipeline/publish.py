@@ -296,18 +296,13 @@ def _one_line(exc: BaseException, redact: Redactor) -> str:
 
 
 def hub_error(exc: BaseException, what: str, repo_id: str, redact: Redactor) -> Exception:
-    """One of our errors, with one line, for a Hub failure that retrying did not cure."""
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+    """One of our errors, with one line naming the cause (``hub_errors``' mapping: offline, not
+    found, gated, unauthorized, forbidden...), for a Hub failure that retrying did not cure."""
+    from .hub_errors import hub_error as mapped
 
-    if isinstance(exc, OfflineModeIsEnabled):
-        return UserError("HF_HUB_OFFLINE is set: publishing needs the network (unset it, or use --dry-run)")
-    status = _status(exc)
-    if isinstance(exc, RepositoryNotFoundError) or status == 404:
-        return UserError(f"{what}: {repo_id} not found, or the token cannot see it")
-    if isinstance(exc, HfHubHTTPError) and status in (401, 403):
-        return UserError(f"{what}: the Hub refused access to {repo_id} (HTTP {status}): the token needs write "
-                         "access to that namespace")
-    return ExternalToolError(f"{what} failed: {_one_line(exc, redact)}; run the same command again to resume")
+    # a Publisher refuses to start without a token, so one was sent
+    return mapped(exc, f"{what} ({repo_id})", upload=True, repo_id=repo_id, redact=redact, has_token=True,
+                  suffix="; run the same command again to resume")
 
 
 def _is_hub_failure(exc: BaseException) -> bool:
