@@ -1,14 +1,16 @@
 """A small OpenAI-compatible stand-in server (stdlib only) for the launcher and bench tests.
 
-``python standin_server.py --port P [--ready-after S] [--answer TEXT] [--exit-after S]
-[--tokens N] [--token-delay S] [--first-delay S]``: ``/v1/models`` answers 503 until
-``--ready-after`` seconds have passed; chat completions answer ``--answer`` (non-streaming) or
+``python standin_server.py --port P [--ready-after S] [--ready-file PATH] [--answer TEXT]
+[--exit-after S] [--tokens N] [--token-delay S] [--first-delay S]``: ``/v1/models`` answers 503
+until ``--ready-after`` seconds have passed and, with ``--ready-file``, until that file exists (a
+test decides when the server is ready, instead of guessing a time); chat completions answer ``--answer`` (non-streaming) or
 stream ``--tokens`` chunks ``--token-delay`` apart after ``--first-delay``, with a usage chunk.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -21,6 +23,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--ready-after", type=float, default=0.0)
+    ap.add_argument("--ready-file", default=None)
     ap.add_argument("--answer", default="Paris.")
     ap.add_argument("--exit-after", type=float, default=None)
     ap.add_argument("--tokens", type=int, default=20)
@@ -45,7 +48,7 @@ def main() -> int:
         def do_GET(self):
             if self.path != "/v1/models":
                 return self._json(404, {"error": "not found"})
-            if time.monotonic() - START < a.ready_after:
+            if time.monotonic() - START < a.ready_after or (a.ready_file and not os.path.exists(a.ready_file)):
                 return self._json(503, {"error": "loading"})
             self._json(200, {"object": "list", "data": [{"id": a.model, "object": "model"}]})
 
@@ -78,7 +81,6 @@ def main() -> int:
         def _die():
             time.sleep(a.exit_after)
             print("stand-in: CUDA out of memory (simulated)", flush=True)
-            import os
             os._exit(3)
         threading.Thread(target=_die, daemon=True).start()
     print(f"stand-in: serving on {a.port}", flush=True)
