@@ -41,10 +41,10 @@ def main() -> None:
         for _ in range(args.repeat):
             cp_runs.append(measure(["sh", "-c", f"cp -r '{src}' '{work / 'cp'}' && sync"]))
             shutil.rmtree(work / "cp")
-            run_runs.append(measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b",
+            run_runs.append(measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b", "--force",
                                      "--no-validate", "-q"]))
             shutil.rmtree(work / "out")
-        measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b", "--no-validate", "-q"])
+        measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b", "--force", "--no-validate", "-q"])
         val = measure([exe, "validate", str(work / "out"), "--source", str(src), "-q", "--no-e2e"])
         cp, run = best_of(cp_runs), best_of(run_runs)
         result = {"input_bytes": size, "layers": layers, "cp_sync": cp, "run": run, "validate": val,

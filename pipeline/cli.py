@@ -85,8 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(verbose: int, quiet: bool) -> None:
-    level = logging.ERROR if quiet else (logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
+    """WARNING by default, INFO with -v; -vv adds DEBUG for hybrid-build's own loggers only (all
+    under ``hybrid_build``), so that the debug chatter of the libraries it imports (matplotlib's font
+    manager, PIL, filelock, urllib3, asyncio, torch...) does not bury them. ``main`` prints
+    tracebacks with -vv."""
+    level = logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    logging.getLogger("hybrid_build").setLevel(logging.DEBUG if verbose >= 2 and not quiet else logging.NOTSET)
     for noisy in ("autoround", "transformers", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
@@ -105,11 +110,23 @@ def main(argv: list[str] | None = None) -> int:
             logging.exception("failed")
         sys.stderr.write(f"error: {e}\n")
         return e.exit_code
+    except BrokenPipeError:  # an OSError too: the reader went away, nothing to report
+        return 0
+    except OSError as e:  # the filesystem refused (full, read-only, unreadable): the path and the cause
+        if args.verbose >= 2:
+            logging.exception("failed")
+        sys.stderr.write(f"error: {describe_os_error(e)}\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("interrupted: run the same command again to resume\n")
         return 130
-    except BrokenPipeError:
-        return 0
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for a filesystem failure: the path, then the cause in words."""
+    cause = e.strerror or str(e)
+    path = e.filename if e.filename is not None else getattr(e, "path", None)
+    return f"{path}: {cause}" if path else cause
 
 
 def progress(quiet: bool, **kw):

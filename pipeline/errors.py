@@ -44,3 +44,11 @@ class SourceMismatch(UserError):
 
 class StorageError(HybridBuildError):
     """The filesystem refused: no space, read-only, unreadable. The message names the path."""
+
+
+class StageFailed(NumericsError):
+    """A stage ran and its result failed its checks (validation); ``details`` is its report."""
+
+    def __init__(self, message: str, details: dict) -> None:
+        super().__init__(message)
+        self.details = details

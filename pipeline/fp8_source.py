@@ -62,10 +62,15 @@ def open_fp8_checkpoint(ref: str, modules: list[str], source_prefix: str) -> Che
     return ckpt
 
 
-def take_from_fp8_checkpoint(source: Checkpoint, convs, spec) -> tuple[list[OutTensor], dict]:
-    if not spec.fp8_checkpoint:
+def require_named(spec) -> None:
+    """A recipe that takes the FP8 tensors from a checkpoint must name it."""
+    if spec.source == "checkpoint" and not spec.fp8_checkpoint:
         raise SourceError("shared_experts.source is 'checkpoint' but no fp8_checkpoint is named "
                           "(recipe field shared_experts.fp8_checkpoint, or --fp8-source)")
+
+
+def take_from_fp8_checkpoint(source: Checkpoint, convs, spec) -> tuple[list[OutTensor], dict]:
+    require_named(spec)
     fp8 = open_fp8_checkpoint(spec.fp8_checkpoint, [c.module for c in convs], source.lm_prefix)
     tensors: list[OutTensor] = []
     metrics: dict[str, dict] = {}

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ def _split_stages(text: str | None) -> list[str] | None:
 def _demo_source(args) -> Path:
     """No SOURCE: build (once) the tiny demo checkpoint next to the output folder's work dir."""
     from .demo import build_demo_checkpoint
-    from .run import WORK_DIR
+    from .stages import WORK_DIR
 
     path = args.out / WORK_DIR / "demo-source"
     if not (path / "model.safetensors.index.json").exists():
@@ -34,15 +33,15 @@ def _demo_source(args) -> Path:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from .build import RecipeOverrides, check_output_folder, prepare
     from .cli import emit_json, progress
-    from .run import RecipeOverrides, WORK_DIR, prepare, run_build, select_stages, stage_status
+    from .runner import run_build, select_stages
+    from .stages import WORK_DIR
 
     stages = select_stages(_split_stages(args.only), getattr(args, "from"))
     demo = args.source is None
     if demo:
-        from .run import check_output_folder
-
-        check_output_folder(args.out, Path(tempfile.gettempdir()) / "hybrid-build-none")
+        check_output_folder(args.out)
         source = _demo_source(args)
     else:
         source = args.source
@@ -83,7 +82,7 @@ def _handle(args: argparse.Namespace) -> int:
     report_path = args.out / "hybrid_build" / "validation.md"
     where = {"output": str(args.out), "recipe": ctx.recipe.name,
              "report": str(report_path) if "validate" in stages else None,
-             "demo_source": str(ctx.source.root) if demo else None}
+             "demo_source": str(ctx.source.root.resolve()) if demo else None}
     results = []
     try:
         results = run_build(ctx, stages, force=force, on_stage=lambda r: (results.append(r), report(r)))
@@ -102,7 +101,7 @@ def _handle(args: argparse.Namespace) -> int:
         if report_path.exists() and "validate" in stages:
             print(f"validation report: {report_path}")
         if demo:
-            print(f"demo source (the tiny INT4 checkpoint it was built from): {ctx.source.root}")
+            print(f"demo source (the tiny INT4 checkpoint it was built from): {ctx.source.root.resolve()}")
     return 0
 
 
@@ -111,20 +110,10 @@ def _stage_json(r) -> dict:
 
 
 def _dry_run(args, ctx, source, stages: list[str]) -> int:
-    from .assemble import plan_output
+    from .build import dry_run
     from .cli import emit_json
-    from .run import planned_write_bytes, stage_status
 
-    status = stage_status(ctx)
-    shards = plan_output(ctx) if status["calibrate"] == status["quantize-head"] == "up to date" else None
-    planned = planned_write_bytes(ctx)
-    data = {"source": str(source), "recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note,
-            "output": str(args.out), "format": ctx.recipe.output.format,
-            "stages": {s: status[s] for s in stages}, "conversion": ctx.plan.to_json(),
-            "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values()),
-            "output_bytes_estimate": planned["output"], "intermediate_bytes_estimate": planned["intermediate"]}
-    if shards:
-        data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
+    data = {"source": str(source), **dry_run(ctx, stages)}
     if args.json:
         emit_json(data)
         return 0

@@ -234,7 +234,8 @@ def read_record(artifact: Path, provenance: dict | None) -> SourceRecord | None:
             loc = {}
         if loc.get("fingerprint") != src.get("fingerprint"):
             loc = {}  # written for another build of this folder
-    kind = src.get("kind") or ("hub" if src.get("revision") else "local")
+    # schema 1 had no kind: a local source was recorded by folder name, which has no "/"
+    kind = src.get("kind") or ("hub" if "/" in src["id"] else "local")
     return SourceRecord(kind, src["id"], src.get("revision"), src.get("fingerprint"), src.get("files") or {},
                         loc.get("path"), loc.get("in_artifact"))
 

@@ -112,23 +112,28 @@ def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: 
     return args + list(profile.extra_args)
 
 
-def _served_model(artifact: str, config: dict | None, profile: ServeProfile, source: str | None) -> str:
-    """The folder or Hub id vLLM loads for this profile. A source (given, or the one the artifact
-    records) is checked by content against the artifact's provenance before it is served."""
+def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
+                  source: str | None) -> tuple[str, str | None]:
+    """The folder or Hub id vLLM loads for this profile, and the Hub revision to load. A local
+    source (given, or the one the artifact records) is checked by content against the artifact's
+    provenance before it is served; a recorded Hub source is pinned to its recorded commit."""
     hybrid = (config or {}).get("hybrid_build")
     if profile.artifact == "hybrid":
         if config is not None and not hybrid:
             raise UserError(f"{artifact}: not a hybrid-build artifact (no hybrid_build block in config.json); "
                             "the dense profile serves the output of `hybrid-build run`")
-        return artifact
+        return artifact, None
     if not hybrid:
-        return source or artifact  # the source checkpoint itself
-    from hybrid_build.pipeline.source_identity import open_recorded_source
+        return source or artifact, None  # the source checkpoint itself
+    from hybrid_build.pipeline.source_identity import open_recorded_source, read_record
 
     prov_path = Path(artifact) / "hybrid_build" / "provenance.json"
     provenance = _read_json(prov_path) if prov_path.exists() else {"source": hybrid.get("source")}
+    record = read_record(Path(artifact), provenance)
+    if source is None and record is not None and record.kind == "hub":
+        return record.id, record.revision  # a commit pins the bytes; vLLM fetches it if needed
     ckpt = open_recorded_source(Path(artifact), provenance, source)
-    return str(ckpt.root.resolve())  # for a Hub source, the snapshot folder of the recorded revision
+    return str(ckpt.root.resolve()), None
 
 
 def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,
@@ -143,7 +148,8 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if name not in profiles:
         raise UserError(f"recipe {rec.name!r} has no serve profile {name!r} (has: {', '.join(profiles) or 'none'})")
     profile = profiles[name]
-    model = _served_model(artifact, config, profile, source)
+    model, revision = _served_model(artifact, config, profile, source)
+    pin = ["--revision", revision] if revision else []
     env = dict(profile.extra_env)
     hybrid = (config or {}).get("hybrid_build") or {}
     if profile.artifact == "hybrid" and profile.int8_lm_head and hybrid.get("lm_head") == "quantize-at-load":
@@ -154,7 +160,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if engine == "local":
         env.update(PLUGIN_ENV)
         local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
-        argv = ["vllm"] + vllm_args(profile, local_model, port, host, drafter)
+        argv = ["vllm"] + vllm_args(profile, local_model, port, host, drafter) + pin
         return LaunchPlan(argv, env, profile.served_model_name, port, host, name, engine, local_model, notes)
 
     # docker: the container serves on 8000 inside; our patches are mounted read-only and applied
@@ -168,7 +174,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         mounts += ["-v", f"{Path(model).expanduser().resolve()}:{CONTAINER_MODEL}:ro"]
         model_in = CONTAINER_MODEL
     mounts += ["-v", f"{sdir}:{CONTAINER_SERVE}:ro"]
-    inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter)
+    inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter) + pin
     site = "$(python3 -c 'import importlib.util,os;print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')"
     script = (f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\" && "
               f"exec vllm {shlex.join(inner)}")

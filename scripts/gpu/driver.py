@@ -335,7 +335,7 @@ def build_synthetic(work: Path, out: Path, layers: int, tokenizer_from: Path) ->
         res["write_s"] = round(now() - t0, 1)
         t1 = now()
         proc = subprocess.run(["hybrid-build", "run", str(src), "-o", str(work / "synth-hybrid"), "--no-validate",
-                               "--recipe", "qwen3.5-122b-a10b", "-q", "--json"],
+                               "--recipe", "qwen3.5-122b-a10b", "--force", "-q", "--json"],
                               capture_output=True, text=True, timeout=900)
         res["run_rc"] = proc.returncode
         res["run_s"] = round(now() - t1, 1)

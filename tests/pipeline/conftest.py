@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_build.pipeline.run import RecipeOverrides, prepare, run_build
+from hybrid_build.pipeline.build import RecipeOverrides, prepare
+from hybrid_build.pipeline.runner import run_build
 
 BUILD_STAGES = ["inspect", "calibrate", "quantize-head", "assemble"]
 

@@ -2,6 +2,7 @@
 loading back, recipe errors, and resume after an interruption."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -11,7 +12,10 @@ import pytest
 import torch
 
 from hybrid_build.calibration.metrics import error_metrics
-from hybrid_build.pipeline import run as run_mod
+from hybrid_build.pipeline import build, runner
+from hybrid_build.pipeline.stages import assemble as asm
+from hybrid_build.pipeline.stages import base as stage_base
+from hybrid_build.pipeline.stages import quantize_head
 from hybrid_build.pipeline.checkpoint import Checkpoint
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.errors import UserError
@@ -192,7 +196,7 @@ def test_recipe_typo_exits_2_naming_the_field(tiny_checkpoint, tmp_path, capsys)
 def test_output_into_a_foreign_folder_is_refused(tiny_checkpoint, tmp_path):
     (tmp_path / "precious.txt").write_text("keep me")
     with pytest.raises(UserError, match="not a hybrid-build output"):
-        run_mod.prepare(tiny_checkpoint, tmp_path, "tiny")
+        build.prepare(tiny_checkpoint, tmp_path, "tiny")
 
 
 def _all_files(root):
@@ -203,8 +207,6 @@ def _all_files(root):
 def test_interrupted_run_resumes_to_the_same_bytes(tiny_checkpoint, inc_artifact, tmp_path, monkeypatch, builder,
                                                    build_stages):
     out = tmp_path / "out"
-    from hybrid_build.pipeline import assemble as asm
-
     calls = {"n": 0}
     original = asm.write_shard
 
@@ -219,22 +221,22 @@ def test_interrupted_run_resumes_to_the_same_bytes(tiny_checkpoint, inc_artifact
         builder(tiny_checkpoint, out)
     assert not (out / "model.safetensors.index.json").exists()  # does not look complete
     monkeypatch.setattr(asm, "write_shard", original)
-    ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
-    results = run_mod.run_build(ctx, build_stages)
+    ctx = build.prepare(tiny_checkpoint, out, "tiny")
+    results = runner.run_build(ctx, build_stages)
     status = {r.stage: r.status for r in results}
     assert status["calibrate"] == status["quantize-head"] == "skipped" and status["assemble"] == "ran"
     assert _all_files(out) == _all_files(inc_artifact)
     # a third run does nothing
-    again = run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), build_stages)
+    again = runner.run_build(build.prepare(tiny_checkpoint, out, "tiny"), build_stages)
     assert {r.status for r in again} == {"skipped"}
 
 
 def test_changed_recipe_reruns_the_stages_it_affects(tiny_checkpoint, tmp_path, builder, build_stages):
     out = tmp_path / "out"
     builder(tiny_checkpoint, out)
-    ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
+    ctx = build.prepare(tiny_checkpoint, out, "tiny")
     ctx.recipe.shared_experts.observer = "mse"
-    status = {r.stage: r.status for r in run_mod.run_build(ctx, build_stages)}
+    status = {r.stage: r.status for r in runner.run_build(ctx, build_stages)}
     assert status == {"inspect": "skipped", "calibrate": "ran", "quantize-head": "skipped", "assemble": "ran"}
 
 
@@ -243,8 +245,8 @@ def test_damaged_intermediate_is_recomputed(tiny_checkpoint, tmp_path, builder, 
     builder(tiny_checkpoint, out)
     fp8 = out / ".hybrid-build" / "calibrate" / "shared_experts_fp8.safetensors"
     fp8.write_bytes(fp8.read_bytes()[:-10])
-    ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
-    status = {r.stage: r.status for r in run_mod.run_build(ctx, build_stages)}
+    ctx = build.prepare(tiny_checkpoint, out, "tiny")
+    status = {r.stage: r.status for r in runner.run_build(ctx, build_stages)}
     assert status["calibrate"] == "ran"
 
 
@@ -287,20 +289,18 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
     finished a shard without the head, which it can only do if it does not wait for the head."""
     import threading
 
-    from hybrid_build.pipeline import assemble as asm
-
     other_shard_written = threading.Event()
     head_started = threading.Event()
     finished_before_head: list[str] = []
-    original_head, original_write = run_mod.STAGE_FUNCS["quantize-head"], asm.write_shard
+    original_head, original_write = quantize_head.STAGE.run, asm.write_shard
 
-    def gated_head(ctx):
+    def gated_head(ctx, io):
         # generous: on a loaded 2-core machine a shard of the tiny model takes well under a second
         if not other_shard_written.wait(timeout=120):
             raise AssertionError("no shard without the head was written while the head waited: "
                                  "assemble does not run alongside quantize-head")
         head_started.set()  # from here on the head may be handed over
-        return original_head(ctx)
+        return original_head(ctx, io)
 
     def write(plan, out_dir, **kw):
         path = original_write(plan, out_dir, **kw)
@@ -311,19 +311,19 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
         return path
 
     taken: dict[str, bool] = {}
-    original_take = run_mod._Handover.take
+    original_take = stage_base.Handover.take
 
     def take(self, name):
         t = original_take(self, name)
         taken[name] = t is not None
         return t
 
-    monkeypatch.setitem(run_mod.STAGE_FUNCS, "quantize-head", gated_head)
+    monkeypatch.setattr(quantize_head, "STAGE", dataclasses.replace(quantize_head.STAGE, run=gated_head))
     monkeypatch.setattr(asm, "write_shard", write)
-    monkeypatch.setattr(run_mod._Handover, "take", take)
+    monkeypatch.setattr(stage_base.Handover, "take", take)
     out = tmp_path / "out"
-    ctx = run_mod.prepare(tiny_checkpoint, out, "tiny")
-    results = run_mod.run_build(ctx, build_stages)
+    ctx = build.prepare(tiny_checkpoint, out, "tiny")
+    results = runner.run_build(ctx, build_stages)
     assert [r.stage for r in results] == build_stages and {r.status for r in results} == {"ran"}
     assert head_started.is_set()
     assert finished_before_head  # written while the head was waiting to be quantized
@@ -342,16 +342,16 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
 
 def test_failed_background_head_fails_the_build_and_leaves_it_incomplete(tiny_checkpoint, inc_artifact, tmp_path,
                                                                         monkeypatch, build_stages):
-    def broken_head(ctx):
+    def broken_head(ctx, io):
         raise RuntimeError("head exploded")
 
-    monkeypatch.setitem(run_mod.STAGE_FUNCS, "quantize-head", broken_head)
+    monkeypatch.setattr(quantize_head, "STAGE", dataclasses.replace(quantize_head.STAGE, run=broken_head))
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="head exploded"):
-        run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), build_stages)
+        runner.run_build(build.prepare(tiny_checkpoint, out, "tiny"), build_stages)
     assert not (out / "model.safetensors.index.json").exists()
     assert not (out / ".hybrid-build" / "quantize-head.json").exists()
     monkeypatch.undo()
-    results = run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), build_stages)
+    results = runner.run_build(build.prepare(tiny_checkpoint, out, "tiny"), build_stages)
     assert {r.stage: r.status for r in results}["quantize-head"] == "ran"
     assert _all_files(out) == _all_files(inc_artifact)

@@ -16,11 +16,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybrid_build.pipeline import run as run_mod
+from hybrid_build.pipeline import build, runner
 from hybrid_build.pipeline import source_identity
 from hybrid_build.pipeline.checkpoint import Checkpoint
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.run import RecipeOverrides
+from hybrid_build.pipeline.build import RecipeOverrides
 from hybrid_build.recipes.schema import load_recipe, select_recipe
 
 SHARED = "model.language_model.layers.1.mlp.shared_expert.up_proj.weight"
@@ -53,7 +53,7 @@ def test_same_shape_source_with_other_weights_rebuilds(tiny_checkpoint, tmp_path
     builder(a, out)
     old_fp8 = (out / ".hybrid-build" / "calibrate" / "shared_experts_fp8.safetensors").read_bytes()
 
-    results = run_mod.run_build(run_mod.prepare(b, out, "tiny"), build_stages)
+    results = runner.run_build(build.prepare(b, out, "tiny"), build_stages)
     assert set(_statuses(results).values()) == {"ran"}
     prov = json.loads((out / "hybrid_build" / "provenance.json").read_text())
     digests = source_identity.SourceDigests(b).result()
@@ -81,7 +81,7 @@ def test_resumed_run_reads_digests_from_the_cache(tiny_checkpoint, tmp_path, bui
         raise AssertionError(f"{path} hashed again")
 
     monkeypatch.setattr(source_identity, "sha256_file", no_hashing)
-    results = run_mod.run_build(run_mod.prepare(tiny_checkpoint, out, "tiny"), build_stages)
+    results = runner.run_build(build.prepare(tiny_checkpoint, out, "tiny"), build_stages)
     assert set(_statuses(results).values()) == {"skipped"}
 
 
@@ -143,8 +143,8 @@ def test_demo_source_is_printed_as_an_absolute_path(tiny_checkpoint, tmp_path, m
     """The demo keeps its source inside the artifact; serve names it by absolute path."""
     out = tmp_path / "demo-out"
     shutil.copytree(tiny_checkpoint, out / ".hybrid-build" / "demo-source")
-    ctx = run_mod.prepare(out / ".hybrid-build" / "demo-source", out, "tiny", in_artifact=".hybrid-build/demo-source")
-    run_mod.run_build(ctx, ["inspect", "calibrate", "quantize-head", "assemble"])
+    ctx = build.prepare(out / ".hybrid-build" / "demo-source", out, "tiny", in_artifact=".hybrid-build/demo-source")
+    runner.run_build(ctx, ["inspect", "calibrate", "quantize-head", "assemble"])
     moved = tmp_path / "moved-demo-out"
     out.rename(moved)  # the whole artifact moves: its demo source moves with it
     monkeypatch.chdir(tmp_path)
@@ -176,7 +176,7 @@ def test_format_override_applies_before_planning(odd_head, tiny_checkpoint, tmp_
 
 
 def test_overrides_do_not_leak_into_the_shipped_recipe(tiny_checkpoint, tmp_path):
-    ctx = run_mod.prepare(tiny_checkpoint, tmp_path / "o", "tiny", overrides=RecipeOverrides(observer="mse"))
+    ctx = build.prepare(tiny_checkpoint, tmp_path / "o", "tiny", overrides=RecipeOverrides(observer="mse"))
     assert ctx.recipe.shared_experts.observer == "mse"
     assert load_recipe("tiny").shared_experts.observer == "minmax"
 
@@ -246,7 +246,7 @@ def test_disk_full_mid_write_is_one_line_and_nothing_looks_complete(tiny_checkpo
     fs = tmpfs("4m")
     out = fs / "out"
     real = shutil.disk_usage
-    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))  # defeat the check
+    monkeypatch.setattr(build.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))  # defeat the check
     assert main(["run", str(tiny_checkpoint), "-o", str(out), "--recipe", "tiny", "--json"]) == 1
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()

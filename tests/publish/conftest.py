@@ -190,7 +190,8 @@ class StandInHub:
 @pytest.fixture(scope="session")
 def validated_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
     """A real artifact of the tiny checkpoint, built and validated by the pipeline (read-only)."""
-    from hybrid_build.pipeline.run import prepare, run_build
+    from hybrid_build.pipeline.build import prepare
+    from hybrid_build.pipeline.runner import run_build
 
     out = tmp_path_factory.mktemp("publish") / "tiny-hybrid"
     run_build(prepare(tiny_checkpoint, out, "tiny"))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.errors import UserError
+from hybrid_build.pipeline.errors import SourceMismatch, UserError
 from hybrid_build.serve.engine import plan_launch
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -82,9 +83,17 @@ def test_real_artifact_uses_its_own_recipe(tiny_artifact):
     assert "--max-model-len" in plan.argv and plan.argv[plan.argv.index("--max-model-len") + 1] == "2048"
     with pytest.raises(UserError, match="--drafter"):
         plan_launch(str(tiny_artifact), "dense")
-    with pytest.raises(UserError, match="--source"):
-        plan_launch(str(tiny_artifact), "base")
-    assert plan_launch(str(tiny_artifact), "base", source="/src").model == "/src"
+
+
+
+def test_source_profiles_serve_the_recorded_source_checked_by_content(tiny_artifact, tiny_checkpoint, tmp_path):
+    assert plan_launch(str(tiny_artifact), "base").model == str(tiny_checkpoint.resolve())
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_checkpoint, copy)
+    assert plan_launch(str(tiny_artifact), "base", source=str(copy)).model == str(copy.resolve())
+    (copy / "config.json").write_text((copy / "config.json").read_text().replace("}", " }", 1))
+    with pytest.raises(SourceMismatch, match="config.json has"):
+        plan_launch(str(tiny_artifact), "base", source=str(copy))
 
 
 def test_dry_run_cli(artifact, capsys):

@@ -168,7 +168,8 @@ def test_end_to_end_measures_only_the_replaced_weights(tiny_checkpoint):
 
 
 def test_compressed_tensors_build_passes_and_repack_is_checked(tiny_checkpoint, test_recipe, tmp_path, plant, capsys):
-    from hybrid_build.pipeline.run import prepare, run_build
+    from hybrid_build.pipeline.build import prepare
+    from hybrid_build.pipeline.runner import run_build
 
     out = tmp_path / "ct"
     ctx = prepare(tiny_checkpoint, out, str(test_recipe))

@@ -22,17 +22,18 @@ import torch
 
 from hybrid_build.calibration.gptq import zeros_are_symmetric
 
-from . import __version__
-from .checkpoint import TensorInfo
-from .errors import ArtifactError
-from .layout import split_module
-from .manifest import sha256_file
-from .source_identity import LOCATION_FILE
-from .safetensors_io import (
-    INDEX_NAME, TensorHeader, TMP_SUFFIX, ByteRange, OutTensor, ShardHasher, ShardPlan, plan_shards, read_header, write_shard,
-    write_text_atomic,
+from .. import __version__
+from ..checkpoint import TensorInfo
+from ..context import BuildContext
+from ..errors import ArtifactError
+from ..layout import split_module
+from ..manifest import sha256_file
+from ..safetensors_io import (
+    INDEX_NAME, TMP_SUFFIX, ByteRange, OutTensor, ShardHasher, ShardPlan, plan_shards, write_shard, write_text_atomic,
 )
-from .weights import read_tensor
+from ..source_identity import LOCATION_FILE
+from ..weights import read_tensor
+from .base import Stage, StageIO, StageOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +43,6 @@ RECIPE_FILE = f"{META_DIR}/recipe.yaml"
 FP8_EXTRA = {"bits": 8, "data_type": "fp", "weight_block_size": [128, 128], "act_data_type": "fp", "act_dynamic": True}
 INT8_HEAD_EXTRA = {"bits": 8, "group_size": -1, "sym": True, "data_type": "int"}
 SKIP_COPY = {"config.json", "quantization_config.json", INDEX_NAME}
-
-
-def _intermediate(ctx, stage: str, filename: str) -> dict[str, ByteRange | tuple]:
-    path = ctx.work / stage / filename
-    pending = getattr(ctx, "pending", {}).get(stage)
-    if pending is not None:  # still being computed: its planned layout, bytes handed over or read
-        entries, offset = {}, len(pending.plan.header_bytes())
-        for t in pending.plan.tensors:
-            rng = ByteRange(path, offset, t.nbytes, ready=pending.ready)
-            entries[t.name] = (TensorHeader(t.name, t.dtype, t.shape, offset, t.nbytes), _handed_over(pending, t.name, rng))
-            offset += t.nbytes
-        return entries
-    if not path.exists():
-        return {}
-    h = read_header(path)
-    return {name: (t, ByteRange(path, t.start, t.nbytes)) for name, t in h.tensors.items()}
-
-
-def _handed_over(pending, name: str, rng: ByteRange):
-    """A producer of the tensor's bytes: handed over in memory by the background stage as soon
-    as it has computed them, or else read from its file once that is complete."""
-    def produce():
-        t = pending.take(name)
-        if t is not None:
-            yield memoryview(t.contiguous().numpy()).cast("B")
-            return
-        rng.ready()
-        with open(rng.path, "rb") as f:
-            f.seek(rng.start)
-            left = rng.nbytes
-            while left:
-                chunk = f.read(min(left, 1 << 26))
-                if not chunk:
-                    raise ArtifactError(f"{rng.path.name}: ended early while copying bytes {rng.start}..")
-                left -= len(chunk)
-                yield chunk
-    return produce
 
 
 def _copy(t: TensorInfo, ctx, name: str | None = None) -> OutTensor:
@@ -98,12 +62,14 @@ def _transposed(ctx, t: TensorInfo, name: str) -> OutTensor:
     return OutTensor(name, t.dtype, (t.shape[1], t.shape[0]), produce)
 
 
-def plan_output(ctx) -> list[ShardPlan]:
-    """Every output file with its tensors, in source order; nothing is read but headers."""
+def plan_output(ctx: BuildContext, up: dict[str, StageOutput]) -> list[ShardPlan]:
+    """Every output file with its tensors, in source order; nothing is read but headers. The
+    converted tensors come from ``up``: calibrate's file, and quantize-head's (finished, or still
+    running in the background with its layout known)."""
     fmt = ctx.recipe.output.format
     conv = {c.module: c for c in ctx.plan.conversions}
-    fp8 = _intermediate(ctx, "calibrate", "shared_experts_fp8.safetensors")
-    head = _intermediate(ctx, "quantize-head", "lm_head_int8.safetensors")
+    fp8 = up["calibrate"].entries()
+    head = up["quantize-head"].entries()
     src = ctx.source
     indexed_files = set((src.index or {}).get("weight_map", {}).values()) if src.index else set(src.files)
     main: list[OutTensor] = []
@@ -147,6 +113,11 @@ def plan_output(ctx) -> list[ShardPlan]:
             raise ArtifactError(f"source file {f} collides with an output shard name")
         shards.append(ShardPlan(f, tensors))  # e.g. MTP: same file as the source, now listed in the index
     return shards
+
+
+def check(ctx: BuildContext) -> None:
+    if ctx.recipe.output.format == "compressed-tensors":
+        check_int4_symmetric(ctx)
 
 
 def check_int4_symmetric(ctx) -> None:
@@ -235,7 +206,11 @@ def _copy_file_atomic(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def assemble(ctx) -> tuple[list[Path], dict]:
+def inputs(ctx: BuildContext) -> dict:
+    return {"recipe": ctx.recipe.model_dump(mode="json", by_alias=True)}
+
+
+def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
     out = ctx.out
     fmt = ctx.recipe.output.format
     key = ctx.assemble_marker()  # decides whether half-written shards of an earlier try may be kept
@@ -243,9 +218,7 @@ def assemble(ctx) -> tuple[list[Path], dict]:
     resume = marker.exists() and marker.read_text() == key
     (out / INDEX_NAME).unlink(missing_ok=True)  # from here on the folder no longer looks complete
     write_text_atomic(marker, key)
-    if fmt == "compressed-tensors":
-        check_int4_symmetric(ctx)
-    shards = plan_output(ctx)
+    shards = plan_output(ctx, io.up)
     planned = {s.filename for s in shards}
     for stale in out.glob("*.safetensors*"):
         if stale.name not in planned or not resume:
@@ -262,8 +235,8 @@ def assemble(ctx) -> tuple[list[Path], dict]:
     # runs at ~1.3 GB/s a core, slower than the copy: two shards are written at a time.
     with ThreadPoolExecutor(max_workers=2) as pool:
         shard_hashes = dict(zip((s.filename for s in shards), pool.map(write_hashed, shards)))
-    for pending in list(getattr(ctx, "pending", {}).values()):
-        pending.wait()  # its metrics go into the provenance: wait for its manifest
+    for upstream in io.up.values():
+        upstream.wait()  # a stage still in the background: its metrics go into the provenance
 
     for f in _other_files(ctx.source.root):
         _copy_file_atomic(f, out / f.relative_to(ctx.source.root))
@@ -283,7 +256,7 @@ def assemble(ctx) -> tuple[list[Path], dict]:
     os.sync()  # shards on disk before the files that say the build is complete
     record = ctx.source_record()
     write_text_atomic(ctx.work / LOCATION_FILE, json.dumps(record.to_location(), indent=2) + "\n")
-    prov = provenance(ctx, shards, index_text, shard_hashes, record)
+    prov = provenance(ctx, shards, index_text, shard_hashes, record, io.up)
     write_text_atomic(out / PROVENANCE, json.dumps(prov, indent=2) + "\n")
     write_text_atomic(out / INDEX_NAME, index_text)
     marker.unlink(missing_ok=True)
@@ -306,9 +279,11 @@ def artifact_files(out: Path) -> list[Path]:
     return files
 
 
-def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, str], record) -> dict:
+def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, str], record,
+               up: dict[str, StageOutput]) -> dict:
     """The manifest of the artifact; ``known`` holds sha256 of files hashed while writing,
-    ``record`` is the source's identity (``source_identity.SourceRecord``)."""
+    ``record`` is the source's identity (``source_identity.SourceRecord``), ``up`` the stage
+    results whose metrics it records."""
     out = ctx.out
     files = {}
     for p in artifact_files(out):
@@ -319,10 +294,8 @@ def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, s
 
     files[INDEX_NAME] = {"bytes": len(index_text.encode()), "sha256": hashlib.sha256(index_text.encode()).hexdigest()}
     metrics = {}
-    for stage in ("calibrate", "quantize-head"):
-        m = ctx.manifests.get(stage)
-        if m:
-            metrics.update(m.details.get("metrics", {}))
+    for upstream in up.values():
+        metrics.update(upstream.details.get("metrics", {}))
     converted = []
     for c in ctx.plan.conversions:
         names = [t.name for s in shards for t in s.tensors if split_module(t.name)[0] == c.module]
@@ -342,3 +315,6 @@ def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, s
                                   and t.source.path.is_relative_to(src.root))},
         "converted": converted,
     }
+
+
+STAGE = Stage("assemble", run, inputs=inputs, reads=("calibrate", "quantize-head"), check=check)

@@ -1,0 +1,131 @@
+"""A build as a library call: source + recipe (+ overrides) -> a planned ``BuildContext``.
+
+``prepare`` opens the source (headers only), chooses the recipe, applies command-line overrides
+and plans the conversion; ``dry_run`` describes what a build would write; ``runner.run_build``
+runs it. Nothing here parses arguments or prints: ``commands/run.py`` does that, and a notebook
+or another tool can call these directly::
+
+    ctx = prepare("./int4", Path("hybrid"), overrides=RecipeOverrides(format="compressed-tensors"))
+    run_build(ctx)
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
+
+from .checkpoint import Checkpoint
+from .context import BuildContext
+from .conversion import plan_conversion
+from .errors import RecipeError, SourceError, StorageError, UserError
+from .inspection import human_bytes
+from .progress import ProgressFactory, null_progress
+from .stages import WORK_DIR
+
+
+@dataclass
+class RecipeOverrides:
+    """Command-line changes to the recipe; applied before the conversion is planned."""
+
+    format: str | None = None
+    observer: str | None = None
+    fp8_source: str | None = None
+
+    def apply(self, recipe: Recipe) -> Recipe:
+        recipe = recipe.model_copy(deep=True)
+        if self.format:
+            recipe.output.format = self.format
+        if self.observer:
+            recipe.shared_experts.observer = self.observer
+        if self.fp8_source:
+            recipe.shared_experts.source = "checkpoint"
+            recipe.shared_experts.fp8_checkpoint = self.fp8_source
+        return recipe
+
+
+def resolve_recipe(source: Checkpoint, recipe_arg: str | None, force: bool = False,
+                   how: str = "given") -> tuple[Recipe, str]:
+    """The recipe to build with, and a note saying how it was chosen. A recipe given by name or
+    file must fit the source's config (its ``match`` block), unless ``force``."""
+    if recipe_arg:
+        recipe = load_recipe(recipe_arg)
+        misfit = recipe.mismatches(source.text_config, source.model_type)
+        if misfit and not force:
+            raise RecipeError(f"recipe {recipe.name} does not fit this source: {'; '.join(misfit)}. Leave out "
+                              f"--recipe to let run choose, or pass --force to build with it anyway")
+        note = f"recipe {recipe.name} ({how})" + (f"; does not fit the source ({misfit[0]}), forced" if misfit else "")
+        return recipe, note
+    recipe = select_recipe(source.text_config, source.model_type)
+    return recipe, f"recipe {recipe.name} (chosen from the source's config.json)"
+
+
+def check_output_folder(out: Path, source_root: Path | None = None) -> None:
+    if source_root is not None and (out.resolve() == source_root.resolve()
+                                    or source_root.resolve() in out.resolve().parents):
+        raise UserError(f"{out}: the output folder must not be the source folder or inside it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not (out / WORK_DIR).exists():
+        raise UserError(f"{out}: exists, is not empty and is not a hybrid-build output; choose another folder")
+
+
+def prepare(source: str | Path, out: Path, recipe_arg: str | None = None,
+            progress: ProgressFactory = null_progress, revision: str | None = None,
+            overrides: RecipeOverrides | None = None, force: bool = False,
+            in_artifact: str | None = None, recipe_how: str = "given") -> BuildContext:
+    """Open the source, pick the recipe, apply ``overrides`` and plan the conversion; nothing is
+    written. ``force`` accepts a recipe whose ``match`` does not fit the source; ``in_artifact``
+    marks a source that lives inside the output folder (the demo's)."""
+    ckpt = Checkpoint.open(source, revision=revision)
+    ckpt.require_clean()
+    if ckpt.hybrid_info:
+        raise SourceError(f"{source}: already a hybrid-build artifact (config.json has a hybrid_build block)")
+    recipe, note = resolve_recipe(ckpt, recipe_arg, force, recipe_how)
+    recipe = (overrides or RecipeOverrides()).apply(recipe)
+    check_output_folder(Path(out), ckpt.root)
+    plan = plan_conversion(ckpt, recipe)
+    if not plan.conversions:
+        raise SourceError(f"{source}: recipe {recipe.name} finds nothing to convert (no BF16 shared experts or lm_head)")
+    return BuildContext(ckpt, recipe, note, Path(out), plan, progress, in_artifact)
+
+
+def planned_write_bytes(ctx: BuildContext) -> dict[str, int]:
+    """Bytes a full build writes: the output checkpoint and the intermediate stage files."""
+    source_bytes = sum(t.nbytes for t in ctx.source.tensors.values())
+    head = sum(c.out_bytes for c in ctx.plan.of_kind("int8")) if ctx.recipe.lm_head.storage != "bf16" else 0
+    return {"output": source_bytes - ctx.plan.bytes_before + ctx.plan.bytes_after,
+            "intermediate": sum(c.out_bytes for c in ctx.plan.of_kind("fp8")) + head}
+
+
+def check_free_space(ctx: BuildContext, stages: list[str]) -> None:
+    """Refuse, before writing anything, a build that the output's filesystem cannot hold."""
+    planned = planned_write_bytes(ctx)
+    need = (planned["output"] if "assemble" in stages else 0) + planned["intermediate"]
+    # files this build replaces give their space back (shards are renamed over them)
+    need -= sum(p.stat().st_size for p in ctx.out.glob("*.safetensors"))
+    need -= sum(p.stat().st_size for p in ctx.work.glob("*/*.safetensors"))
+    free = shutil.disk_usage(ctx.out).free
+    if need > free:
+        raise StorageError(f"{ctx.out}: {human_bytes(free)} free on its filesystem, this build writes about "
+                           f"{human_bytes(need)} (output ~{human_bytes(planned['output'])}, stage files "
+                           f"~{human_bytes(planned['intermediate'])}); free some space or choose another folder")
+
+
+def dry_run(ctx: BuildContext, stages: list[str]) -> dict:
+    """What a build of ``stages`` would do: the recipe, the conversions, sizes, which stages are up
+    to date and, once calibrate and quantize-head are, the output shards. Writes nothing."""
+    from .runner import stage_status, upstream_outputs
+    from .stages.assemble import plan_output
+
+    status = stage_status(ctx)
+    planned = planned_write_bytes(ctx)
+    data = {"recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note, "output": str(ctx.out),
+            "format": ctx.recipe.output.format, "stages": {s: status[s] for s in stages},
+            "conversion": ctx.plan.to_json(), "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values()),
+            "output_bytes_estimate": planned["output"], "intermediate_bytes_estimate": planned["intermediate"]}
+    if status["calibrate"] == status["quantize-head"] == "up to date":
+        shards = plan_output(ctx, upstream_outputs(ctx, ("calibrate", "quantize-head")))
+        data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
+    return data

@@ -1,0 +1,65 @@
+"""``BuildContext``: everything a stage may read about the build it is part of.
+
+The source checkpoint (headers only), the resolved recipe, the conversion plan, the output folder
+and its work folder, a progress factory, and the source's identity by content. Stages take it
+and never change it; the runner (``pipeline.runner``) owns what changes while a build runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybrid_build.recipes.schema import Recipe
+
+from . import __version__
+from .checkpoint import Checkpoint
+from .conversion import ConversionPlan
+from .manifest import sha256_json
+from .progress import ProgressFactory, null_progress
+from .source_identity import DIGEST_CACHE, SourceDigests, SourceRecord, record_for
+from .stages import WORK_DIR
+
+
+@dataclass
+class BuildContext:
+    source: Checkpoint
+    recipe: Recipe
+    recipe_note: str  # how the recipe was chosen, for the user
+    out: Path
+    plan: ConversionPlan
+    progress: ProgressFactory = null_progress
+    in_artifact: str | None = None  # the demo source: its place inside the output folder
+    _digests: SourceDigests | None = field(default=None, repr=False)
+
+    @property
+    def work(self) -> Path:
+        return self.out / WORK_DIR
+
+    def stage_dir(self, stage: str) -> Path:
+        d = self.work / stage
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @property
+    def digests(self) -> SourceDigests:
+        """sha256 of every source file, from the work folder's cache or computed (``source_identity``)."""
+        if self._digests is None:
+            self._digests = SourceDigests(self.source.root, self.work / DIGEST_CACHE)
+        return self._digests
+
+    def fingerprint(self) -> str:
+        """The source's identity by content: every stage key and the provenance use it. Waits for
+        the digests if they are still being computed."""
+        return self.digests.fingerprint(self.progress)
+
+    def source_record(self) -> SourceRecord:
+        return record_for(self.source.root, self.source.source_id, self.source.revision,
+                          self.digests.result(self.progress), self.in_artifact)
+
+    def assemble_marker(self) -> str:
+        """Identifies an assemble in progress, so a resumed one keeps only its own complete shards.
+        It uses the source files' size, mtime and inode rather than their digests, which a fresh
+        build is still computing when assemble starts; the digest cache trusts the same fields."""
+        stats = {f: self.digests.stat(f) for f in self.digests.files}
+        return sha256_json({"tool": __version__, "source": stats,
+                            "recipe": self.recipe.model_dump(mode="json", by_alias=True)})

@@ -1,0 +1,40 @@
+"""The ``validate`` stage: check the assembled artifact against its source (``hybrid_build.validate``).
+
+The report lands in ``OUT/hybrid_build/validation.{json,md,png}``; a failed check fails the stage
+(``StageFailed``, exit 1) with the first failures in its message.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..context import BuildContext
+from ..errors import ArtifactError, StageFailed
+from .base import Stage, StageIO
+
+
+def inputs(ctx: BuildContext) -> dict:
+    return {"validate": ctx.recipe.validate_.model_dump(mode="json")}
+
+
+def check(ctx: BuildContext) -> None:
+    try:
+        import hybrid_build.validate.report  # noqa: F401
+    except ImportError as e:
+        raise ArtifactError(f"the validate stage is not available in this installation ({e})")
+
+
+def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
+    from hybrid_build.validate.report import validate_artifact
+
+    report = validate_artifact(ctx.out, ctx.source.root, recipe=ctx.recipe, progress=ctx.progress)
+    files = sorted((ctx.out / "hybrid_build").glob("validation.*"))
+    details = {"passed": report.passed, "failures": list(report.failures)}
+    if not report.passed:
+        failures = report.failures
+        more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
+        raise StageFailed(f"validation failed: {'; '.join(failures[:3])}{more}; report in "
+                          f"{ctx.out / 'hybrid_build' / 'validation.md'}", details)
+    return files, details
+
+
+STAGE = Stage("validate", run, inputs=inputs, reads=("assemble",), check=check)
