@@ -9,7 +9,7 @@ import time
 
 MAKE = r"""
 import sys
-from hybrid_build.pipeline.synthetic import qwen35_122b_config, write_synthetic_checkpoint
+from hybrid_build.pipeline.generators.synthetic import qwen35_122b_config, write_synthetic_checkpoint
 cfg = qwen35_122b_config(compact_extra_config=True)
 cfg["text_config"]["mtp_num_hidden_layers"] = 0
 write_synthetic_checkpoint(sys.argv[1], cfg, layers=range(int(sys.argv[2])), sparse=False)

@@ -1,8 +1,8 @@
 """A build as a library call: source + recipe (+ overrides) -> a planned ``BuildContext``.
 
 ``prepare`` opens the source (headers only), chooses the recipe, applies command-line overrides
-and plans the conversion; ``dry_run`` describes what a build would write; ``runner.run_build``
-runs it. Nothing here parses arguments or prints: ``commands/run.py`` does that, and a notebook
+and plans the conversion; ``runner.dry_run`` describes what a build would write and
+``runner.run_build`` runs it. Nothing here parses arguments or prints: ``commands/run.py`` does that, and a notebook
 or another tool can call these directly::
 
     ctx = prepare("./int4", Path("hybrid"), overrides=RecipeOverrides(format="compressed-tensors"))
@@ -111,21 +111,3 @@ def check_free_space(ctx: BuildContext, stages: list[str]) -> None:
         raise StorageError(f"{ctx.out}: {human_bytes(free)} free on its filesystem, this build writes about "
                            f"{human_bytes(need)} (output ~{human_bytes(planned['output'])}, stage files "
                            f"~{human_bytes(planned['intermediate'])}); free some space or choose another folder")
-
-
-def dry_run(ctx: BuildContext, stages: list[str]) -> dict:
-    """What a build of ``stages`` would do: the recipe, the conversions, sizes, which stages are up
-    to date and, once calibrate and quantize-head are, the output shards. Writes nothing."""
-    from .runner import stage_status, upstream_outputs
-    from .stages.assemble import plan_output
-
-    status = stage_status(ctx)
-    planned = planned_write_bytes(ctx)
-    data = {"recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note, "output": str(ctx.out),
-            "format": ctx.recipe.output.format, "stages": {s: status[s] for s in stages},
-            "conversion": ctx.plan.to_json(), "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values()),
-            "output_bytes_estimate": planned["output"], "intermediate_bytes_estimate": planned["intermediate"]}
-    if status["calibrate"] == status["quantize-head"] == "up to date":
-        shards = plan_output(ctx, upstream_outputs(ctx, ("calibrate", "quantize-head")))
-        data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
-    return data

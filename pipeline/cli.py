@@ -1,6 +1,8 @@
 """The ``hybrid-build`` command line: one parser, subcommands registered from their packages.
 
-Each subcommand lives beside the code it drives and exposes ``register(subparsers, common)``,
+Each subcommand is a module (``pipeline/commands/``, or ``command.py`` beside the package it
+drives) that only parses arguments, calls library code and prints; it exposes
+``register(subparsers, common)``,
 where ``common`` is the parent parser holding ``-v/--quiet``. The handler it sets returns an exit
 code. Every error funnels through ``main``: a ``UserError`` prints one line and exits 2, any
 other ``HybridBuildError`` one line and exits 1; tracebacks appear only with ``-vv``.
@@ -9,21 +11,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import sys
-from typing import Any
 
 from . import __version__
+from .cli_support import ExampleFormatter, describe_os_error
 from .errors import HybridBuildError
 
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {
-    "inspect": "hybrid_build.pipeline.inspection",
+    "inspect": "hybrid_build.pipeline.commands.inspect",
     "demo-checkpoint": "hybrid_build.pipeline.demo_command",
-    "run": "hybrid_build.pipeline.run_command",
+    "run": "hybrid_build.pipeline.commands.run",
     "validate": "hybrid_build.validate.command",
-    "plan": "hybrid_build.pipeline.plan_command",
+    "plan": "hybrid_build.pipeline.commands.plan",
     "publish": "hybrid_build.pipeline.publish_command",
     "serve": "hybrid_build.serve.command",
     "bench": "hybrid_build.serve.bench_command",
@@ -36,19 +37,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
-
-
-class ExampleFormatter(argparse.RawDescriptionHelpFormatter):
-    pass
-
-
-def add_json_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
-
-
-def emit_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -120,20 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted: run the same command again to resume\n")
         return 130
-
-
-def describe_os_error(e: OSError) -> str:
-    """One line for a filesystem failure: the path, then the cause in words."""
-    cause = e.strerror or str(e)
-    path = e.filename if e.filename is not None else getattr(e, "path", None)
-    return f"{path}: {cause}" if path else cause
-
-
-def progress(quiet: bool, **kw):
-    """A tqdm bar the CLI owns; disabled with --quiet or when stderr is not a terminal."""
-    from tqdm import tqdm
-
-    return tqdm(disable=quiet or None, **kw)
 
 
 if __name__ == "__main__":

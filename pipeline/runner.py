@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import __version__
-from .build import check_free_space
+from .build import check_free_space, planned_write_bytes
 from .context import BuildContext
 from .errors import HybridBuildError, StageFailed, UserError
 from .manifest import StageManifest, describe_outputs, sha256_json
@@ -86,6 +86,23 @@ def upstream_outputs(ctx: BuildContext, names: tuple[str, ...]) -> dict[str, Sta
             raise UserError(f"no current {name} result; run without --only/--from, or --from {name}")
         out[name] = _finished(ctx, m)
     return out
+
+
+def dry_run(ctx: BuildContext, stages: list[str]) -> dict:
+    """What a build of ``stages`` would do: the recipe, the conversions, sizes, which stages are up
+    to date and, once calibrate and quantize-head are, the output shards. Writes nothing."""
+    from .stages.assemble import plan_output
+
+    status = stage_status(ctx)
+    planned = planned_write_bytes(ctx)
+    data = {"recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note, "output": str(ctx.out),
+            "format": ctx.recipe.output.format, "stages": {s: status[s] for s in stages},
+            "conversion": ctx.plan.to_json(), "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values()),
+            "output_bytes_estimate": planned["output"], "intermediate_bytes_estimate": planned["intermediate"]}
+    if status["calibrate"] == status["quantize-head"] == "up to date":
+        shards = plan_output(ctx, upstream_outputs(ctx, ("calibrate", "quantize-head")))
+        data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
+    return data
 
 
 def run_build(ctx: BuildContext, stages: list[str] | None = None, force: bool | list[str] = False,

@@ -318,7 +318,7 @@ def build_synthetic(work: Path, out: Path, layers: int, tokenizer_from: Path) ->
     t0 = now()
     res: dict = {"layers": layers}
     try:
-        from hybrid_build.pipeline import synthetic as syn
+        from hybrid_build.pipeline.generators import synthetic as syn
 
         cfg = syn.qwen35_122b_config()
         cfg["text_config"]["mtp_num_hidden_layers"] = 0  # MTP is not used for the no-speculation timing

@@ -1,53 +1,47 @@
-"""``hybrid-build plan``: predict single-stream decode speed per profile before building anything.
+"""What ``hybrid-build plan`` predicts: single-stream decode speed per serve profile, from headers.
 
-Reads headers only (a folder, a Hub id, or ``synthetic:qwen3.5-122b-a10b``, the real 122B's
-layout written as sparse files), sizes the four profiles with the same recipe and conversion
-plan ``inspect`` and ``run`` use, and applies the bandwidth model of ``bandwidth``. The JSON
-schema and the model's assumptions are in docs/plan.md.
+``build_plan(ckpt, PlanOptions)`` sizes the four profiles with the same recipe and conversion plan
+``inspect`` and ``run`` use and applies the bandwidth model of ``bandwidth``; ``render_text`` and
+``write_plot`` show it. The JSON schema and the model's assumptions are in docs/plan.md; the
+command (``pipeline/commands/plan.py``) maps arguments to ``PlanOptions`` and prints.
 """
 from __future__ import annotations
 
-import argparse
 import logging
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid_build.pipeline.checkpoint import Checkpoint
+from hybrid_build.pipeline.errors import UserError
+from hybrid_build.pipeline.inspection import build_report, bytes_per_token
+
 from . import bandwidth as bw
-from .checkpoint import Checkpoint
-from .errors import UserError
-from .inspection import build_report, bytes_per_token
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_ACCEPT = (2.0, 4.0, 6.0, 8.0, 10.0)
 KV_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1}
 STATE_DTYPES = {"auto": None, "bf16": 2, "fp32": 4}
 
 
-def _synthetic_models() -> dict:
-    from .synthetic import qwen35_122b_config
+@dataclass
+class PlanOptions:
+    """The workload and hardware a prediction is for (see ``hybrid-build plan --help``)."""
 
-    # compact extra_config: same meaning, and reading 112k headers takes seconds instead of ~30 s
-    return {"qwen3.5-122b-a10b": lambda: qwen35_122b_config(compact_extra_config=True)}
-
-
-def open_checkpoint(source: str, revision: str | None, workdir: Path) -> Checkpoint:
-    """A checkpoint from a folder or Hub id; ``synthetic:NAME`` writes NAME's sparse headers first."""
-    if source.startswith(SYNTHETIC_PREFIX):
-        from .synthetic import write_synthetic_checkpoint
-
-        name = source[len(SYNTHETIC_PREFIX):]
-        models = _synthetic_models()
-        if name not in models:
-            raise UserError(f"{source}: unknown synthetic model (known: {', '.join(SYNTHETIC_PREFIX + m for m in models)})")
-        folder = write_synthetic_checkpoint(workdir / name, models[name](), sparse=True)
-        ckpt = Checkpoint.read_folder(folder, source_id=source)
-    else:
-        ckpt = Checkpoint.open(source, revision=revision)
-    ckpt.require_clean()
-    return ckpt
+    hardware: str = "gb10"
+    bandwidth: float | None = None
+    efficiency: float | None = None
+    calibrate: float | None = None
+    context: int = bw.DEFAULT_CONTEXT
+    kv_dtype: str = "bf16"
+    state_dtype: str = "auto"
+    accept: list[float] | None = None
+    drafter: str = "dflash"
+    drafter_gb: float | None = None
+    verify_block: int | None = None
+    published: bool = False
+    recipe: str | None = None
 
 
 def _is_hybrid(ckpt: Checkpoint) -> bool:
@@ -56,7 +50,7 @@ def _is_hybrid(ckpt: Checkpoint) -> bool:
         for t in ckpt.tensors.values())
 
 
-def _hardware(args: argparse.Namespace) -> bw.Hardware:
+def _hardware(args: PlanOptions) -> bw.Hardware:
     preset = bw.HARDWARE[args.hardware]
     if args.bandwidth is not None:
         if not args.bandwidth > 0:
@@ -70,7 +64,7 @@ def _hardware(args: argparse.Namespace) -> bw.Hardware:
     return preset
 
 
-def _drafter(args: argparse.Namespace) -> bw.Drafter:
+def drafter_of(args: PlanOptions) -> bw.Drafter:
     if args.drafter == "none":
         return bw.NO_DRAFTER
     d = bw.DFLASH_122B
@@ -82,7 +76,7 @@ def _drafter(args: argparse.Namespace) -> bw.Drafter:
     return d
 
 
-def build_plan(ckpt: Checkpoint, args: argparse.Namespace) -> dict:
+def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
     """Everything ``plan`` prints, as the JSON document of docs/plan.md."""
     accepts = list(args.accept) if args.accept else list(DEFAULT_ACCEPT)
     for a in accepts:
@@ -95,7 +89,7 @@ def build_plan(ckpt: Checkpoint, args: argparse.Namespace) -> dict:
     if args.verify_block is not None and args.verify_block < 1:
         raise UserError(f"--verify-block must be >= 1, got {args.verify_block}")
     hw = _hardware(args)
-    drafter = _drafter(args)
+    drafter = drafter_of(args)
     hybrid = _is_hybrid(ckpt)
     if hybrid:
         plan, recipe_note = None, "none (input is already a hybrid)"
@@ -234,69 +228,3 @@ def write_plot(data: dict, path: Path, reads_args: dict) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def _handle(args: argparse.Namespace) -> int:
-    from .cli import emit_json
-
-    if args.plot and not Path(args.plot).parent.exists():
-        raise UserError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist")
-    with tempfile.TemporaryDirectory(prefix="hybrid-build-plan-") as tmp:
-        ckpt = open_checkpoint(args.source, args.revision, Path(tmp))
-        data = build_plan(ckpt, args)
-    if args.plot:
-        write_plot(data, Path(args.plot), dict(
-            experts=data["experts"], top_k=data["top_k"], bandwidth_gbps=data["bandwidth_gbps"],
-            efficiency=data["efficiency"], drafter=_drafter(args), context=data["context"],
-            verify_positions=args.verify_block))
-        data["plot"] = str(args.plot)
-    if args.json:
-        emit_json(data)
-    else:
-        print(render_text(data))
-        if args.plot:
-            print(f"plot written to {args.plot}")
-    return 0
-
-
-def register(sub, common) -> None:
-    from .cli import ExampleFormatter, add_json_flag
-
-    p = sub.add_parser(
-        "plan", parents=[common], formatter_class=ExampleFormatter,
-        help="predict decode tok/s per profile from the checkpoint's headers (bandwidth model)",
-        description="Count the bytes a decoded token reads, by part, for the source (base), FP8 shared experts, "
-                    "int8 lm-head and both (dense), and predict single-stream tok/s as bandwidth x efficiency / "
-                    "bytes, with and without speculative decoding. Headers only: nothing is downloaded but "
-                    "headers, nothing is built. A hybrid artifact is read as the dense profile.",
-        epilog="examples:\n"
-               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware gb10 --published\n"
-               "  hybrid-build plan ./Qwen3.5-122B-A10B-int4-AutoRound --accept 3 6.5 8.3 --plot plan.png\n"
-               "  hybrid-build plan ./ckpt --bandwidth 1000 --calibrate 45 --json > plan.json")
-    p.add_argument("source", metavar="SRC_OR_ARTIFACT",
-                   help="checkpoint folder, Hub id, hybrid artifact, or synthetic:qwen3.5-122b-a10b")
-    p.add_argument("--revision", help="Hub revision (branch, tag or commit)")
-    p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from config.json)")
-    g = p.add_argument_group("hardware")
-    g.add_argument("--hardware", choices=sorted(bw.HARDWARE), default="gb10", help="preset (default: gb10)")
-    g.add_argument("--bandwidth", type=float, metavar="GBPS", help="peak memory bandwidth in GB/s (overrides the preset)")
-    g.add_argument("--efficiency", type=float, help="fraction of the bandwidth decode achieves (overrides the preset)")
-    g.add_argument("--calibrate", type=float, metavar="TOK_S",
-                   help="set the efficiency so that the base profile decodes at this measured tok/s")
-    g = p.add_argument_group("workload")
-    g.add_argument("--context", type=int, default=bw.DEFAULT_CONTEXT, help="context length in tokens (default: %(default)s)")
-    g.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16", help="KV-cache dtype (default: bf16)")
-    g.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="auto",
-                   help="DeltaNet state dtype (default: the config's mamba_ssm_dtype, else bf16)")
-    g.add_argument("--accept", type=float, nargs="+", metavar="L",
-                   help="acceptance lengths (tokens per verify step, bonus token included; "
-                        f"default: {' '.join(f'{a:g}' for a in DEFAULT_ACCEPT)})")
-    g.add_argument("--drafter", choices=["dflash", "none"], default="dflash",
-                   help="drafter read per step: DFlash (1.6 GB + the target lm-head) or none (default: dflash)")
-    g.add_argument("--drafter-gb", type=float, help="drafter weight bytes in GB (default: 1.6)")
-    g.add_argument("--verify-block", type=int, metavar="N",
-                   help="count experts over N verified positions (drafted + 1) instead of the accepted ones")
-    g.add_argument("--published", action="store_true", help="compare with the published GB10 figures of the 122B")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG of tok/s against acceptance length")
-    add_json_flag(p)
-    p.set_defaults(handler=_handle)

@@ -6,7 +6,7 @@ import logging
 import time
 from pathlib import Path
 
-from .inspection import human_bytes
+from ..inspection import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -17,8 +17,8 @@ def _split_stages(text: str | None) -> list[str] | None:
 
 def _demo_source(args) -> Path:
     """No SOURCE: build (once) the tiny demo checkpoint next to the output folder's work dir."""
-    from .demo import build_demo_checkpoint
-    from .stages import WORK_DIR
+    from ..demo import build_demo_checkpoint
+    from ..stages import WORK_DIR
 
     path = args.out / WORK_DIR / "demo-source"
     if not (path / "model.safetensors.index.json").exists():
@@ -33,10 +33,10 @@ def _demo_source(args) -> Path:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from .build import RecipeOverrides, check_output_folder, prepare
-    from .cli import emit_json, progress
-    from .runner import run_build, select_stages
-    from .stages import WORK_DIR
+    from ..build import RecipeOverrides, check_output_folder, prepare
+    from ..cli_support import emit_json, progress
+    from ..runner import run_build, select_stages
+    from ..stages import WORK_DIR
 
     stages = select_stages(_split_stages(args.only), getattr(args, "from"))
     demo = args.source is None
@@ -110,8 +110,8 @@ def _stage_json(r) -> dict:
 
 
 def _dry_run(args, ctx, source, stages: list[str]) -> int:
-    from .build import dry_run
-    from .cli import emit_json
+    from ..cli_support import emit_json
+    from ..runner import dry_run
 
     data = {"source": str(source), **dry_run(ctx, stages)}
     if args.json:
@@ -131,8 +131,8 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
 
 
 def register(sub, common) -> None:
-    from .cli import ExampleFormatter, add_json_flag
-    from .stages import STAGES
+    from ..cli_support import ExampleFormatter, add_json_flag
+    from ..stages import STAGES
 
     p = sub.add_parser(
         "run", parents=[common], formatter_class=ExampleFormatter,

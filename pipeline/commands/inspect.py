@@ -1,0 +1,42 @@
+"""``hybrid-build inspect``: what a checkpoint holds and what a decoded token reads."""
+from __future__ import annotations
+
+import argparse
+
+from ..checkpoint import Checkpoint
+from ..cli_support import ExampleFormatter, add_json_flag, emit_json
+from ..errors import SourceError
+from ..inspection import build_report, render_text
+
+
+def _handle(args: argparse.Namespace) -> int:
+    ckpt = Checkpoint.open(args.source, revision=args.revision)
+    report = build_report(ckpt, args.recipe)
+    data = report.to_json()
+    if args.json:
+        emit_json(data)
+    else:
+        print(render_text(data))
+    errors = ckpt.errors()
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise SourceError(errors[0].message + more)
+    return 0
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser(
+        "inspect", parents=[common], formatter_class=ExampleFormatter,
+        help="show what a checkpoint holds and what a decoded token reads (headers only)",
+        description="Classify every tensor of a checkpoint (folder or Hub id) from its safetensors headers, "
+                    "count bytes per class and per decoded token, show the conversion the recipe would make, "
+                    "and flag problems (missing shards, duplicate tensors, bad packing, truncated headers).",
+        epilog="examples:\n"
+               "  hybrid-build inspect ./Qwen3.5-122B-A10B-int4-AutoRound\n"
+               "  hybrid-build inspect Intel/Qwen3.5-122B-A10B-int4-AutoRound --json > inspect.json\n"
+               "  hybrid-build inspect ./ckpt --recipe tiny")
+    p.add_argument("source", help="checkpoint folder or Hub id")
+    p.add_argument("--revision", help="Hub revision (branch, tag or commit)")
+    p.add_argument("--recipe", help="recipe name or YAML file for the conversion preview (default: chosen from config)")
+    add_json_flag(p)
+    p.set_defaults(handler=_handle)

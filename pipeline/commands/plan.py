@@ -1,0 +1,83 @@
+"""``hybrid-build plan``: predict single-stream decode speed per profile before building anything.
+
+Reads headers only (a folder, a Hub id, or ``synthetic:qwen3.5-122b-a10b``); the prediction is
+``serve.speed_plan.build_plan``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from hybrid_build.serve import bandwidth as bw
+from hybrid_build.serve.speed_plan import (
+    DEFAULT_ACCEPT, KV_DTYPES, STATE_DTYPES, PlanOptions, build_plan, drafter_of, render_text, write_plot,
+)
+
+from ..cli_support import ExampleFormatter, add_json_flag, emit_json
+from ..errors import UserError
+from ..generators.sources import open_source
+
+
+def _handle(args: argparse.Namespace) -> int:
+    options = PlanOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions)})
+    if args.plot and not Path(args.plot).parent.exists():
+        raise UserError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist")
+    with tempfile.TemporaryDirectory(prefix="hybrid-build-plan-") as tmp:
+        ckpt = open_source(args.source, args.revision, Path(tmp))
+        data = build_plan(ckpt, options)
+    if args.plot:
+        write_plot(data, Path(args.plot), dict(
+            experts=data["experts"], top_k=data["top_k"], bandwidth_gbps=data["bandwidth_gbps"],
+            efficiency=data["efficiency"], drafter=drafter_of(options), context=data["context"],
+            verify_positions=args.verify_block))
+        data["plot"] = str(args.plot)
+    if args.json:
+        emit_json(data)
+    else:
+        print(render_text(data))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser(
+        "plan", parents=[common], formatter_class=ExampleFormatter,
+        help="predict decode tok/s per profile from the checkpoint's headers (bandwidth model)",
+        description="Count the bytes a decoded token reads, by part, for the source (base), FP8 shared experts, "
+                    "int8 lm-head and both (dense), and predict single-stream tok/s as bandwidth x efficiency / "
+                    "bytes, with and without speculative decoding. Headers only: nothing is downloaded but "
+                    "headers, nothing is built. A hybrid artifact is read as the dense profile.",
+        epilog="examples:\n"
+               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware gb10 --published\n"
+               "  hybrid-build plan ./Qwen3.5-122B-A10B-int4-AutoRound --accept 3 6.5 8.3 --plot plan.png\n"
+               "  hybrid-build plan ./ckpt --bandwidth 1000 --calibrate 45 --json > plan.json")
+    p.add_argument("source", metavar="SRC_OR_ARTIFACT",
+                   help="checkpoint folder, Hub id, hybrid artifact, or synthetic:qwen3.5-122b-a10b")
+    p.add_argument("--revision", help="Hub revision (branch, tag or commit)")
+    p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from config.json)")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--hardware", choices=sorted(bw.HARDWARE), default="gb10", help="preset (default: gb10)")
+    g.add_argument("--bandwidth", type=float, metavar="GBPS", help="peak memory bandwidth in GB/s (overrides the preset)")
+    g.add_argument("--efficiency", type=float, help="fraction of the bandwidth decode achieves (overrides the preset)")
+    g.add_argument("--calibrate", type=float, metavar="TOK_S",
+                   help="set the efficiency so that the base profile decodes at this measured tok/s")
+    g = p.add_argument_group("workload")
+    g.add_argument("--context", type=int, default=bw.DEFAULT_CONTEXT, help="context length in tokens (default: %(default)s)")
+    g.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16", help="KV-cache dtype (default: bf16)")
+    g.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="auto",
+                   help="DeltaNet state dtype (default: the config's mamba_ssm_dtype, else bf16)")
+    g.add_argument("--accept", type=float, nargs="+", metavar="L",
+                   help="acceptance lengths (tokens per verify step, bonus token included; "
+                        f"default: {' '.join(f'{a:g}' for a in DEFAULT_ACCEPT)})")
+    g.add_argument("--drafter", choices=["dflash", "none"], default="dflash",
+                   help="drafter read per step: DFlash (1.6 GB + the target lm-head) or none (default: dflash)")
+    g.add_argument("--drafter-gb", type=float, help="drafter weight bytes in GB (default: 1.6)")
+    g.add_argument("--verify-block", type=int, metavar="N",
+                   help="count experts over N verified positions (drafted + 1) instead of the accepted ones")
+    g.add_argument("--published", action="store_true", help="compare with the published GB10 figures of the 122B")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of tok/s against acceptance length")
+    add_json_flag(p)
+    p.set_defaults(handler=_handle)

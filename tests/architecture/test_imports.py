@@ -1,0 +1,144 @@
+"""The shape of the house: every module imports, no import cycles, arrows that point one way.
+
+The graph counts every ``import`` statement among ``hybrid_build`` modules, at module level or
+inside a function: a lazy import still makes the two modules depend on each other. The arrows:
+commands (``pipeline/commands``, ``*command.py``, ``cli``) -> the library (build, runner) ->
+stages -> shared machinery -> pure transforms in ``calibration``. Only commands, and modules run
+as their own process, parse arguments.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OPTIONAL = {"vllm"}  # imported by the vLLM plugin inside vLLM's process only
+
+
+def _modules() -> dict[str, Path]:
+    """Installed module name -> file, from pyproject's package-dir mapping."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    out = {}
+    for pkg, folder in dirs.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            out[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The hybrid_build modules ``name`` imports (a package import counts as its __init__)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in MODULES and t != name)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def test_every_module_imports():
+    failed = {}
+    for name in MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            if (e.name or "").split(".")[0] not in OPTIONAL:
+                failed[name] = repr(e)
+    assert not failed
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert _cycles() == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle(monkeypatch):
+    """The check above can fail: two modules that import each other are reported."""
+    a, b = "hybrid_build.pipeline.build", "hybrid_build.pipeline.runner"
+    monkeypatch.setitem(GRAPH, a, GRAPH[a] | {b})
+    monkeypatch.setitem(GRAPH, b, GRAPH[b] | {a})
+    assert [a, b] in _cycles()
+
+
+def _is_command(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return ".commands." in name or leaf in ("cli", "cli_support") or leaf.endswith("command")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_arrows_point_one_way(name):
+    deps = GRAPH[name]
+    if name.startswith("hybrid_build.calibration"):
+        assert not {d for d in deps if not d.startswith("hybrid_build.calibration")}, "calibration is pure transforms"
+    if ".pipeline.stages." in name:
+        assert not {d for d in deps if d.endswith((".runner", ".build")) or _is_command(d)}, \
+            "a stage never imports the runner, the build entry or a command"
+    if not _is_command(name):
+        assert not {d for d in deps if _is_command(d)}, "library code does not import commands"
+        if not _is_entry_point(MODULES[name]):
+            assert "argparse" not in _stdlib_imports(MODULES[name]), "only commands parse arguments"
+
+
+def _is_entry_point(path: Path) -> bool:
+    """A module run as its own process (``python -m ...``: the end-to-end child, the patch applier
+    in the container) parses its own arguments."""
+    return 'if __name__ == "__main__":' in path.read_text()
+
+
+def _stdlib_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
