@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -22,16 +23,26 @@ def _handle(args: argparse.Namespace) -> int:
     e2e = False if args.no_e2e else (True if args.e2e else None)
     report = validate_artifact(args.artifact, args.source, recipe=recipe, progress=bar,
                                activations=args.activations, e2e=e2e)
+    where = Path(args.artifact) / "hybrid_build" / "validation.md"
     if args.json:
         emit_json(report.to_json())
-    elif not args.quiet:
+    elif args.quiet:
+        if not report.passed:  # -q keeps the one line a script or a person needs: the first failure
+            print(f"validation FAILED: {_first_failure(report, where)}", file=sys.stderr)
+    else:
         for c in report.checks:
             print(f"  {c.name:<12} {'pass' if c.passed else 'FAIL'}  {c.detail}")
         for line in report.failures:
             print(f"FAIL {line}")
-        where = Path(args.artifact) / "hybrid_build" / "validation.md"
         print(f"validation {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s); report in {where}")
     return 0 if report.passed else 1
+
+
+def _first_failure(report, where: Path) -> str:
+    """The first failure line, and how many more there are and where they are listed."""
+    lines = report.failures or [f"{c.name}: {c.detail}" for c in report.checks if not c.passed]
+    more = f" (+{len(lines) - 1} more in {where})" if len(lines) > 1 else ""
+    return (lines[0] if lines else "no failure line recorded") + more
 
 
 def register(sub, common) -> None:

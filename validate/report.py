@@ -197,7 +197,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
 
 
 def _end_to_end(inp: ValidationInputs, f: Findings) -> dict:
-    from .e2e import run_end_to_end
+    from .e2e import run_end_to_end, strip_ansi
 
     spec = inp.spec
     modules = [c.module for c in inp.plan.conversions if c.kind == "fp8" or inp.head_quantized()]
@@ -209,6 +209,8 @@ def _end_to_end(inp: ValidationInputs, f: Findings) -> dict:
     result = run_end_to_end(inp.artifact.root, inp.source.root, modules)
     checks._close(bar)
     if "error" in result:
+        # one sentence, as the child explained it; a terminal's colour codes never reach the report
+        result["error"] = " ".join(strip_ansi(result["error"]).split())
         f.fail("end_to_end", result["error"])
         return result
     reasons = []
@@ -251,11 +253,16 @@ def _fmt(v, spec: str = ".4g") -> str:
     return str(v)
 
 
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell: one line, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def render_markdown(r: ValidationReport) -> str:
     lines = [f"## Validation: {'passed' if r.passed else 'FAILED'}", "",
              f"Recipe `{r.recipe}`, format `{r.format}`, checked against source `{r.source}`.", "",
              "| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.detail} |" for c in r.checks]
+    lines += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {_cell(c.detail)} |" for c in r.checks]
     if r.failures:
         lines += ["", "### Failures", ""] + [f"- {line}" for line in r.failures[:50]]
         if len(r.failures) > 50:
@@ -284,7 +291,7 @@ def render_markdown(r: ValidationReport) -> str:
     if e.get("skipped"):
         lines.append(f"Skipped: {e.get('reason')}.")
     elif "error" in e:
-        lines.append(f"Could not run: {e['error']}.")
+        lines.append(f"Could not run: {e['error'].rstrip('.')}.")
     else:
         lines += [f"{e['tokens']} tokens: KL(source || hybrid) {_fmt(e['kl'])}, top-1 agreement "
                   f"{_fmt(e['top1_agreement'])}, perplexity {_fmt(e['ppl_source'])} -> {_fmt(e['ppl_hybrid'])} "
@@ -298,42 +305,256 @@ def render_markdown(r: ValidationReport) -> str:
 
 
 def plot_report(r: ValidationReport, path: Path) -> Path | None:
-    """Error per layer: FP8 weight relative error per projection, worst block, and MLP output error."""
+    """Write ``render_figure(r)`` as a PNG; ``None`` (and a warning) when matplotlib is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        fig = render_figure(r)
     except ImportError:
         log.warning("matplotlib is not installed: no validation.png (pip install 'hybrid-build[plot]')")
         return None
-    fp8 = [e for e in r.weights if e["kind"] == "fp8" and e.get("layer") is not None]
-    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
-    for proj, marker in (("gate_proj", "o"), ("up_proj", "s"), ("down_proj", "^")):
-        pts = sorted((e["layer"], e["rel_error"]) for e in fp8 if e["module"].endswith(proj))
-        if pts:
-            ax.plot([p[0] for p in pts], [_plottable(p[1]) for p in pts], marker=marker, lw=1, label=f"{proj} weight")
-    pts = sorted((e["layer"], e["max_block_rel_error"]) for e in fp8)
-    if pts:
-        ax.scatter([p[0] for p in pts], [_plottable(p[1]) for p in pts], marker="x", color="grey", label="worst block")
-    acts = sorted((e["layer"], e["rel_error"]) for e in r.activations if e.get("layer") is not None)
-    if acts:
-        ax.plot([p[0] for p in acts], [_plottable(p[1]) for p in acts], color="black", lw=2, label="MLP output")
-    t = r.thresholds
-    ax.axhline(t["fp8_max_rel_error"], color="red", ls="--", lw=1, label="fp8_max_rel_error")
-    ax.axhline(t["mlp_max_rel_error"], color="purple", ls=":", lw=1, label="mlp_max_rel_error")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("relative error")
-    ax.set_yscale("log")
-    ax.set_title(f"{r.recipe}: FP8 shared experts vs BF16 ({'passed' if r.passed else 'FAILED'})")
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
     tmp = path.with_name(path.name + ".partial.png")
     fig.savefig(tmp)
-    plt.close(fig)
     tmp.replace(path)
     return path
 
 
-def _plottable(v: float) -> float:
-    return v if isinstance(v, float) and math.isfinite(v) and v > 0 else float("nan")
+# A panel's title says PASS or FAIL in these colours; failing points get a red ring.
+PASS_COLOR, FAIL_COLOR, NONE_COLOR = "#1a7f37", "#cf222e", "#6e7781"
+# red and green mean FAIL and PASS: the series take other colours, thresholds are dashed
+PROJ_STYLE = {"gate_proj": ("o", "#0969da"), "up_proj": ("s", "#bc4c00"), "down_proj": ("^", "#8250df")}
+METRIC_COLORS = ("#0969da", "#8250df", "#bc4c00")
+
+
+def render_figure(r: ValidationReport):
+    """The validation picture as a matplotlib ``Figure`` (nothing written; ``plot_report`` saves it).
+
+    One row per part of the check, one panel per metric, each drawn against its own threshold
+    from the recipe (a dashed line whose ``gid`` is ``threshold:<name>``): the FP8 shared experts
+    per layer (weight relative error, worst 128x128 block, MLP output), the int8 lm-head (weight
+    error, top-1 and top-5 agreement, logit KL) and the end-to-end forward (top-1, KL, perplexity
+    change, per text and over all tokens). A part with nothing to draw (skipped, could not run,
+    not converted) is one panel across its row saying why. Each panel's title says PASS or FAIL for
+    what it draws, failing points are ringed in red, and the figure's title is the whole report's
+    verdict. Uses ``matplotlib.figure.Figure`` directly: no pyplot state, no backend switch.
+    Raises ImportError without matplotlib."""
+    from matplotlib.figure import Figure
+
+    t = r.thresholds
+    fig = Figure(figsize=(14, 11), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(3, 3)
+    verdict = "passed" if r.passed else f"FAILED ({len(r.failures)} failure(s): see validation.md)"
+    fig.suptitle(f"{r.recipe} ({r.format}): validation {verdict}", fontsize=14, fontweight="bold",
+                 color=PASS_COLOR if r.passed else FAIL_COLOR)
+
+    def row(i: int, title: str, drawable: bool, why: str, color: str = NONE_COLOR, status: str = "no data"):
+        if drawable:
+            return [fig.add_subplot(grid[i, col]) for col in range(3)]
+        _note_panel(fig.add_subplot(grid[i, :]), title, why, color, status, width=110)
+        return None
+
+    fp8 = [e for e in r.weights if e["kind"] == "fp8" and e.get("layer") is not None]
+    acts = sorted((e["layer"], e["rel_error"]) for e in r.activations if e.get("layer") is not None)
+    axes = row(0, "FP8 shared experts", bool(fp8 or acts), "no FP8 shared experts in this artifact")
+    if axes:
+        by_proj = {proj: sorted(((e["layer"], e) for e in fp8 if e["module"].endswith(proj)), key=lambda p: p[0])
+                   for proj in PROJ_STYLE}
+        _layer_panel(axes[0], "FP8 shared-expert weights: relative error",
+                     {proj: [(layer, e["rel_error"]) for layer, e in pts] for proj, pts in by_proj.items()},
+                     "fp8_max_rel_error", t)
+        _layer_panel(axes[1], "FP8 weights: worst 128x128 block",
+                     {proj: [(layer, e["max_block_rel_error"]) for layer, e in pts] for proj, pts in by_proj.items()},
+                     "fp8_max_block_rel_error", t)
+        _layer_panel(axes[2], "shared-expert MLP output: relative error", {"MLP output": acts},
+                     "mlp_max_rel_error", t)
+
+    head = next((e for e in r.weights if e["kind"] == "int8"), None) or {}
+    h = r.lm_head
+    axes = row(1, "lm-head", bool(head or h), "the lm-head is not converted to int8 (or its tensors are missing)")
+    if axes:
+        _metric_panel(axes[0], "lm-head int8 weight: relative error",
+                      [("tensor", head.get("rel_error"), "int8_max_rel_error"),
+                       ("worst row", head.get("max_row_rel_error"), "int8_max_row_rel_error")], t, log_scale=True)
+        _metric_panel(axes[1], "lm-head logits: agreement with BF16",
+                      [("top-1", h.get("top1_agreement"), "head_min_top1"),
+                       ("top-5 overlap", h.get("top5_overlap"), "head_min_top5_overlap")], t, lower_bound=True)
+        _metric_panel(axes[2], "lm-head logits: KL(BF16 || int8)", [("mean", h.get("kl"), "head_max_kl")], t,
+                      log_scale=True)
+
+    e = r.end_to_end
+    failed = "error" in e
+    axes = row(2, "end to end (teacher-forced forward, transformers)", not (e.get("skipped") or failed),
+               f"could not run: {e.get('error')}" if failed else f"skipped: {e.get('reason')}",
+               FAIL_COLOR if failed else NONE_COLOR, "FAIL" if failed else "skipped")
+    if axes:
+        texts = e.get("texts", {})
+        _text_panel(axes[0], "end to end: top-1 agreement",
+                    [(n, x["top1_agreement"]) for n, x in texts.items()], e["top1_agreement"], "e2e_min_top1", t,
+                    lower_bound=True)
+        _text_panel(axes[1], "end to end: KL(source || hybrid)",
+                    [(n, x["kl"]) for n, x in texts.items()], e["kl"], "e2e_max_kl", t, log_scale=True)
+        _text_panel(axes[2], "end to end: perplexity change",
+                    [(n, x["ppl_hybrid"] / x["ppl_source"] - 1.0) for n, x in texts.items()], e["ppl_change"],
+                    "e2e_max_ppl_change", t, symmetric=True)
+    return fig
+
+
+def _fails(value, limit: float, lower_bound: bool = False, symmetric: bool = False) -> bool:
+    """The checks' own NaN-safe comparisons: a NaN fails."""
+    if symmetric:
+        value = abs(value)
+    return checks.below(value, limit) if lower_bound else exceeds(value, limit)
+
+
+def _title(ax, title: str, status: str, color: str) -> None:
+    ax.set_title(f"{title}\n{status}", fontsize=10, color=color, fontweight="bold")
+
+
+def _threshold(ax, name: str, value: float, color: str = "black", xmin: float = 0.0, xmax: float = 1.0):
+    """A dashed horizontal line at ``value``, labelled and tagged ``threshold:<name>``."""
+    line = ax.axhline(value, xmin=xmin, xmax=xmax, color=color, ls="--", lw=1.3, label=f"{name} = {value:g}")
+    line.set_gid(f"threshold:{name}")
+    return line
+
+
+def _mark_failures(ax, xs: list, ys: list) -> None:
+    """Red rings around failing points; a non-finite one sits on the top edge as a red triangle."""
+    from matplotlib.transforms import blended_transform_factory
+
+    finite = [(x, y) for x, y in zip(xs, ys) if _finite(y)]
+    if finite:
+        ax.scatter([p[0] for p in finite], [p[1] for p in finite], s=180, facecolors="none",
+                   edgecolors=FAIL_COLOR, linewidths=2, zorder=5, gid="failed", label="over the threshold")
+    bad = [x for x, y in zip(xs, ys) if not _finite(y)]
+    if bad:
+        ax.scatter(bad, [1.0] * len(bad), marker="v", s=90, color=FAIL_COLOR, clip_on=False, zorder=5, gid="failed",
+                   transform=blended_transform_factory(ax.transData, ax.transAxes), label="NaN / Inf")
+
+
+def _finish_scale(ax, values: list, limits: list[float], log_scale: bool) -> None:
+    vals = [v for v in values if _finite(v)] + list(limits)
+    if log_scale and vals and min(vals) > 0 and max(vals) / min(vals) > 30:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=min(0.0, *vals) * 1.1 if vals else 0.0)
+
+
+def _layer_panel(ax, title: str, series: dict[str, list[tuple[int, float]]], name: str, t: dict) -> None:
+    """Per-layer lines (integer layer ticks), one threshold, failing layers ringed."""
+    from matplotlib.ticker import MaxNLocator
+
+    series = {label: pts for label, pts in series.items() if pts}
+    if not series:
+        _note_panel(ax, title, "no FP8 shared experts in this artifact", NONE_COLOR, "no data")
+        return
+    limit = t[name]
+    fail_x, fail_y, values = [], [], []
+    for label, pts in series.items():
+        marker, color = PROJ_STYLE.get(label, ("o", "black"))
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        ax.plot(xs, [_plottable(y) for y in ys], marker=marker, color=color, lw=1.2, label=label)
+        values += ys
+        for x, y in pts:
+            if _fails(y, limit):
+                fail_x.append(x)
+                fail_y.append(y)
+    _threshold(ax, name, limit)
+    _mark_failures(ax, fail_x, fail_y)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    _finish_scale(ax, values, [limit], log_scale=True)
+    _title(ax, title, f"FAIL: {len(set(fail_x))} layer(s) over {name}" if fail_x else f"PASS (<= {limit:g})",
+           FAIL_COLOR if fail_x else PASS_COLOR)
+    _legend_below(ax, below_label=True)
+
+
+def _metric_panel(ax, title: str, metrics: list[tuple[str, float | None, str]], t: dict, *,
+                  lower_bound: bool = False, log_scale: bool = False) -> None:
+    """One point per metric, each with its own threshold as a short dashed segment of its colour."""
+    metrics = [m for m in metrics if m[1] is not None]
+    if not metrics:
+        _note_panel(ax, title, "not measured", NONE_COLOR, "no data")
+        return
+    failed = []
+    for i, (label, value, name) in enumerate(metrics):
+        color = METRIC_COLORS[i % len(METRIC_COLORS)]
+        ax.plot([i], [_plottable(value, lower_bound)], "o", ms=10, color=color, label=f"{label}: {value:.4g}")
+        span = 1.0 / len(metrics)
+        _threshold(ax, name, t[name], color=color, xmin=i * span + 0.1 * span, xmax=(i + 1) * span - 0.1 * span)
+        if _fails(value, t[name], lower_bound):
+            failed.append(label)
+            _mark_failures(ax, [i], [value])
+    ax.set_xlim(-0.5, len(metrics) - 0.5)
+    ax.set_xticks(range(len(metrics)), [m[0] for m in metrics])
+    _finish_scale(ax, [m[1] for m in metrics], [t[m[2]] for m in metrics], log_scale)
+    if lower_bound:
+        _zoom_to_bounds(ax, [m[1] for m in metrics], [t[m[2]] for m in metrics])
+    bound = "<" if lower_bound else ">"
+    _title(ax, title, f"FAIL: {', '.join(failed)} {bound} threshold" if failed else "PASS",
+           FAIL_COLOR if failed else PASS_COLOR)
+    _legend_below(ax)
+
+
+def _text_panel(ax, title: str, per_text: list[tuple[str, float]], overall: float, name: str, t: dict, *,
+                lower_bound: bool = False, log_scale: bool = False, symmetric: bool = False) -> None:
+    """The end-to-end figure per bundled text (grey, for reading only) and over all tokens (the
+    value the check compares), against the threshold."""
+    limit = t[name]
+    labels = [n for n, _ in per_text] + ["all"]
+    xs = list(range(len(labels)))
+    ax.plot(xs[:-1], [_plottable(v, lower_bound or symmetric) for _, v in per_text], "o", ms=7, color=NONE_COLOR,
+            label="per text")
+    failed = _fails(overall, limit, lower_bound, symmetric)
+    ax.plot([xs[-1]], [_plottable(overall, lower_bound or symmetric)], "D", ms=10,
+            color=FAIL_COLOR if failed else PASS_COLOR, label=f"all tokens: {overall:.4g}")
+    _threshold(ax, name, limit, color="black")
+    if symmetric:
+        _threshold(ax, name, -limit, color="black").set_label(f"-{name}")
+        ax.axhline(0.0, color=NONE_COLOR, lw=0.6)
+    if failed:
+        _mark_failures(ax, [xs[-1]], [overall])
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_xticks(xs, labels)
+    values = [v for _, v in per_text] + [overall]
+    if symmetric:
+        top = max([abs(v) for v in values if _finite(v)] + [limit]) * 1.2
+        ax.set_ylim(-top, top)
+    else:
+        _finish_scale(ax, values, [limit], log_scale)
+    if lower_bound:
+        _zoom_to_bounds(ax, values, [limit])
+    _title(ax, title, f"FAIL: {overall:.4g} vs {name} {limit:g}" if failed else "PASS",
+           FAIL_COLOR if failed else PASS_COLOR)
+    _legend_below(ax)
+
+
+def _zoom_to_bounds(ax, values: list, limits: list[float]) -> None:
+    """Agreement figures live near 1: show from a little under the lowest value or bound up to 1."""
+    vals = [v for v in values if _finite(v)] + list(limits)
+    low = min(vals)
+    ax.set_ylim(max(0.0, low - 0.1 * (1.0 - low + 0.05)), 1.0 + 0.02 * (1.0 - low + 0.05))
+
+
+def _note_panel(ax, title: str, text: str, color: str, status: str, width: int = 48) -> None:
+    """A panel with nothing to draw: the reason, wrapped, in place of axes."""
+    import textwrap
+
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, textwrap.fill(text, width), ha="center", va="center", transform=ax.transAxes, fontsize=10,
+            color=color)
+    _title(ax, title, status, color)
+
+
+def _legend_below(ax, below_label: bool = False) -> None:
+    """The legend goes under the axes (and under the x label), never over the lines."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2 if below_label else -0.12), ncol=2, fontsize=7,
+              frameon=False)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _plottable(v, allow_nonpositive: bool = False) -> float:
+    """NaN (not drawn) for what a log axis cannot show; the checks still count a NaN as failed."""
+    if not _finite(v):
+        return float("nan")
+    return float(v) if allow_nonpositive or v > 0 else float("nan")

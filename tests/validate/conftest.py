@@ -33,12 +33,27 @@ def test_recipe(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def built_artifact(tiny_checkpoint, test_recipe, tmp_path_factory) -> Path:
     """A clean artifact (read-only: use ``artifact_copy`` to damage one)."""
-    from hybrid_build.pipeline.run import prepare, run_build
+    from hybrid_build.pipeline.build import prepare
+    from hybrid_build.pipeline.runner import run_build
 
     out = tmp_path_factory.mktemp("built") / "hybrid"
     ctx = prepare(tiny_checkpoint, out, str(test_recipe))
     run_build(ctx, stages=BUILD_STAGES)
     return out
+
+
+@pytest.fixture
+def build_from(test_recipe):
+    """``build_from(source, out) -> out``: an artifact built like ``built_artifact``, from another
+    source (e.g. a damaged ``tiny_copy``)."""
+    from hybrid_build.pipeline.build import prepare
+    from hybrid_build.pipeline.runner import run_build
+
+    def build(source: Path, out: Path) -> Path:
+        run_build(prepare(source, out, str(test_recipe)), stages=BUILD_STAGES)
+        return out
+
+    return build
 
 
 @pytest.fixture
