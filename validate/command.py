@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from hybrid_build.pipeline.cli import emit_json, progress
+    from hybrid_build.pipeline.cli_support import emit_json, progress
     from hybrid_build.pipeline.errors import UserError
     from hybrid_build.recipes.schema import load_recipe
 
@@ -46,7 +46,7 @@ def _first_failure(report, where: Path) -> str:
 
 
 def register(sub, common) -> None:
-    from hybrid_build.pipeline.cli import ExampleFormatter, add_json_flag
+    from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag
 
     p = sub.add_parser(
         "validate", parents=[common], formatter_class=ExampleFormatter,
