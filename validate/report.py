@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.pipeline.checkpoint import HUB_ID, Checkpoint
+from hybrid_build.pipeline.checkpoint import Checkpoint
 from hybrid_build.pipeline.conversion import plan_conversion
 from hybrid_build.pipeline.errors import ArtifactError, SourceError, UserError
+from hybrid_build.pipeline.source_identity import open_recorded_source
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
 from . import checks
@@ -97,40 +98,12 @@ def _load_artifact(artifact: Path) -> Checkpoint:
         raise ArtifactError(f"artifact unreadable: {e}") from None
 
 
-def _resolve_source(source: Path | str | None, provenance: dict | None,
-                    artifact_root: Path | None = None) -> Checkpoint:
-    if source is not None:
-        return Checkpoint.open(source)
-    src = (provenance or {}).get("source") or {}
-    ident, rev = src.get("id"), src.get("revision")
-    if not ident:
-        raise UserError("the artifact's provenance names no source: pass --source")
-    if artifact_root is not None and not Path(ident).is_absolute() and (artifact_root / ident).is_dir():
-        return Checkpoint.open(artifact_root / ident)  # the demo source lives inside the artifact
-    if Path(ident).expanduser().exists() or HUB_ID.match(str(ident)):
-        return Checkpoint.open(ident, revision=rev)
-    raise UserError(f"the artifact was built from {ident!r}, which is neither a folder here nor a Hub id: "
-                    f"pass --source")
-
-
 def _resolve_recipe(artifact: Checkpoint, source: Checkpoint, f: Findings) -> Recipe:
     path = artifact.root / META_DIR / "recipe.yaml"
     if path.exists():
         return load_recipe(path)
     f.fail("provenance", f"{META_DIR}/recipe.yaml is missing; using the shipped recipe that matches the source")
     return select_recipe(source.text_config, source.model_type)
-
-
-def _check_source_identity(inp: ValidationInputs, f: Findings) -> None:
-    """The source must be the one the artifact was built from (file sizes, as recorded)."""
-    recorded = ((inp.provenance or {}).get("source") or {}).get("files") or {}
-    for name, info in sorted(recorded.items()):
-        path = inp.source.root / name
-        if not path.exists():
-            f.fail("provenance", f"source file {name} (recorded in provenance.json) is not in the source given")
-        elif info.get("bytes") is not None and path.stat().st_size != info["bytes"]:
-            f.fail("provenance", f"source file {name} has {path.stat().st_size} bytes, provenance.json recorded "
-                                 f"{info['bytes']}: is this the source the artifact was built from?")
 
 
 # ------------------------------------------------------------------------------------- main
@@ -147,7 +120,9 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     progress = progress or checks.null_progress
     art = _load_artifact(Path(artifact))
     provenance = checks.read_provenance(art.root)
-    src = _resolve_source(source, provenance, art.root)
+    # a source that is not, by content, the one the artifact was built from is an error before
+    # any check runs: no report is written, and a passing one is never overwritten
+    src = open_recorded_source(art.root, provenance, source, progress)
     f = Findings()
     recipe = recipe or _resolve_recipe(art, src, f)
     plan = plan_conversion(src, recipe)
@@ -157,7 +132,6 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
                               format=recipe.output.format, thresholds=spec.model_dump(mode="json"))
 
     checks.check_index(inp, f)
-    _check_source_identity(inp, f)
     checks.check_provenance(inp, f)
     checks.check_tensors(inp, f)
     checks.check_config(inp, f)
