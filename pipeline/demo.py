@@ -6,6 +6,12 @@ experts, untied lm-head, hidden 256 so that 128-wide groups apply), auto-round e
 RTN as ``auto_round:auto_gptq`` keeping the shared experts BF16 (as Intel's checkpoint does), and
 then the layout of Intel's upload is reproduced: the weights re-sharded into several files, and
 the MTP tensors in ``model_extra_tensors.safetensors``, which the index does not list.
+
+Beside it (``<folder>-dflash``) goes a tiny DFlash drafter shaped like z-lab's: a real random
+transformers Qwen3 (``model_type`` qwen3, ``architectures`` DFlashDraftModel, a ``dflash_config``
+naming the mask token and the target layers it reads) with the target's hidden size and no
+embeddings or head of its own, so that the serve profiles that speculate with DFlash have a
+drafter to name. It drafts nothing useful: its weights are random, like the target's.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MTP_FILE = "model_extra_tensors.safetensors"
 DEMO_NAME = "tiny-qwen3.5-moe-int4-autoround"
+DRAFTER_SUFFIX = "-dflash"  # the drafter's folder: the demo folder's name plus this
 
 TEXT_CONFIG = dict(
     vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -35,6 +42,22 @@ TEXT_CONFIG = dict(
 )
 VISION_CONFIG = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256)
+# z-lab's DFlash drafters are small Qwen3 stacks (the 122B one: 6 layers, 5 sliding + 1 full);
+# this one keeps that mix in 2 layers and reads 4 hidden states of the target (z-lab's reads 8)
+DRAFTER_CONFIG = dict(
+    hidden_size=TEXT_CONFIG["hidden_size"], vocab_size=TEXT_CONFIG["vocab_size"], intermediate_size=512,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=512,
+    max_window_layers=1, max_position_embeddings=TEXT_CONFIG["max_position_embeddings"], rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+DFLASH_CONFIG = {
+    "block_size": 16,
+    # an id of the embedding table that the demo tokenizer (454 tokens) never produces, standing in
+    # for the reserved token Qwen's tokenizer keeps for it (248077 in Qwen3.5)
+    "mask_token_id": TEXT_CONFIG["vocab_size"] - 1,
+    "target_layer_ids": [0, 1, 2, 3],
+}
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 # what the tokenizer learns from: enough English, code and tool-call JSON to tokenise the bundled texts
@@ -89,8 +112,16 @@ def _mtp_tensors(config, seed: int) -> dict:
     return out
 
 
-def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int = 3) -> Path:
-    """Build the tiny checkpoint into ``out_dir`` (created; must not exist or be empty) and return it."""
+def demo_drafter_path(source: str | os.PathLike) -> Path:
+    """Where the demo's DFlash drafter lives: beside the demo source, ``<name>-dflash``."""
+    source = Path(source)
+    return source.with_name(source.name + DRAFTER_SUFFIX)
+
+
+def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int = 3, drafter: bool = True) -> Path:
+    """Build the tiny checkpoint into ``out_dir`` (created; must not exist or be empty) and return it.
+    With ``drafter``, its DFlash drafter goes to ``demo_drafter_path(out_dir)`` first, so that a
+    complete demo source always has one."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
@@ -115,6 +146,8 @@ def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int
         cfg = json.loads((final / "config.json").read_text())
         cfg["text_config"]["mtp_num_hidden_layers"] = 1
         (final / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if drafter:
+            build_demo_drafter(demo_drafter_path(out_dir), seed=seed)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(final, out_dir)
@@ -122,6 +155,57 @@ def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int
         shutil.rmtree(work, ignore_errors=True)
     log.info("demo checkpoint at %s", out_dir)
     return out_dir
+
+
+def build_demo_drafter(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the demo's DFlash drafter into ``out_dir`` (replaced if it holds an earlier one).
+
+    Weight names are those of z-lab's checkpoints as vLLM's ``DFlashDraftModel`` loads them: the
+    Qwen3 decoder ``layers.*`` and final ``norm``, plus ``fc`` (the target's hidden states at
+    ``target_layer_ids``, concatenated, down to the hidden size) and ``hidden_norm``; no
+    ``embed_tokens`` or ``lm_head``: a DFlash drafter uses the target's."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3Model
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not _is_dflash_drafter(out_dir):
+        raise FileExistsError(f"{out_dir} exists and does not hold a DFlash drafter")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        config = Qwen3Config(**DRAFTER_CONFIG)
+        torch.manual_seed(seed + 3)
+        state = {k: v.contiguous() for k, v in Qwen3Model(config).to(torch.bfloat16).state_dict().items()
+                 if not k.startswith("embed_tokens.")}
+        h = config.hidden_size
+        gen = torch.Generator().manual_seed(seed + 4)
+        n_in = h * len(DFLASH_CONFIG["target_layer_ids"])  # the target's hidden size is the drafter's
+        state["fc.weight"] = (torch.randn(h, n_in, generator=gen) * n_in ** -0.5).to(torch.bfloat16)
+        state["hidden_norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        with _quiet_libraries("saving the drafter config"):
+            config.save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.update(architectures=["DFlashDraftModel"], dflash_config=dict(DFLASH_CONFIG),
+                   block_size=DFLASH_CONFIG["block_size"], num_target_layers=TEXT_CONFIG["num_hidden_layers"],
+                   dtype="bfloat16")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.debug("demo DFlash drafter at %s", out_dir)
+    return out_dir
+
+
+def _is_dflash_drafter(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "config.json").read_text()).get("architectures") == ["DFlashDraftModel"]
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @contextlib.contextmanager
@@ -153,6 +237,7 @@ def _quiet_libraries(what: str):
 def _export_autoround(model, tokenizer, export_dir: Path) -> Path:
     from auto_round import AutoRound
 
+    log.debug("auto-round RTN export (W4A16, group 128, shared experts kept BF16) into %s", export_dir)
     with _quiet_libraries("auto-round export"):
         # RTN (iters=0) needs no data; the optimised RTN crashes on the full-attention layer's mask
         ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", iters=0, disable_opt_rtn=True,

@@ -117,6 +117,49 @@ def converted_sizes(artifact: Path, provenance: dict) -> dict[str, dict[str, int
     return out
 
 
+# ------------------------------------------------------------------------------------ the source
+
+
+@dataclass
+class SourceView:
+    """The provenance's ``source`` block as the card names it. Read defensively: provenance written
+    before content fingerprints has no ``kind`` and a fingerprint of headers, not of bytes."""
+
+    kind: str  # "hub" | "local"
+    name: str  # Hub repo id, or the local folder's name (never a machine's path)
+    revision: str | None
+    fingerprint: str | None
+    content: bool  # the fingerprint covers the files' bytes (every file has a sha256)
+
+    @classmethod
+    def of(cls, provenance: dict) -> "SourceView":
+        src = provenance.get("source") or {}
+        ident = str(src.get("id") or "")
+        kind = src.get("kind")
+        if kind not in ("hub", "local"):
+            kind = "hub" if HUB_ID.match(ident) else "local"
+        name = ident if kind == "hub" else (Path(ident).name or Path(str(src.get("path") or "")).name or "?")
+        files = src.get("files") or {}
+        content = bool(files) and all(isinstance(f, dict) and f.get("sha256") for f in files.values())
+        fp = src.get("fingerprint")
+        return cls(kind, name or "?", src.get("revision"), fp if isinstance(fp, str) and fp else None, content)
+
+    @property
+    def hub(self) -> bool:
+        return self.kind == "hub" and bool(HUB_ID.match(self.name))
+
+    def link(self) -> str:
+        """Markdown naming the source: the Hub repo (at its revision), or the local folder by name and
+        content hash."""
+        if self.hub:
+            url = f"https://huggingface.co/{self.name}" + (f"/tree/{self.revision}" if self.revision else "")
+            return f"[{self.name}]({url})" + (f" (revision `{self.revision}`)" if self.revision else "")
+        what = f"`{self.name}`"
+        if self.fingerprint and self.content:
+            what += f", content sha256 `{self.fingerprint[:16]}`"
+        return f"a local checkpoint ({what})"
+
+
 # ------------------------------------------------------------------------------------ rendering
 
 
@@ -142,7 +185,7 @@ def human_bytes(n: int) -> str:
 
 def card_data(inp: CardInputs) -> ModelCardData:
     prov = inp.provenance
-    src = (prov.get("source") or {}).get("id") or ""
+    source = SourceView.of(prov)
     kinds = {c.get("kind") for c in prov.get("converted", [])}
     fmt = prov.get("format", "inc-hybrid")
     tags = ["hybrid-build", "hybrid", "int4", "auto-round"]
@@ -154,10 +197,10 @@ def card_data(inp: CardInputs) -> ModelCardData:
         tags.append("compressed-tensors")
     tags.append("vllm")
     extra = {}
-    if HUB_ID.match(src):
+    if source.hub:
         extra["base_model_relation"] = "quantized"
     return ModelCardData(
-        base_model=src if HUB_ID.match(src) else None,
+        base_model=source.name if source.hub else None,
         license=inp.license.license,
         library_name="transformers",
         pipeline_tag=inp.pipeline_tag,
@@ -230,8 +273,9 @@ def _serve_section(inp: CardInputs) -> list[str]:
     repo = inp.repo_id
     fmt = inp.provenance.get("format", "inc-hybrid")
     lines = ["## How to serve", "",
-             "With hybrid-build (picks the engine settings measured for this model):", "", "```bash",
-             "pip install hybrid-build", f"hybrid-build serve {repo} --profile dense", "```", ""]
+             "With hybrid-build, which picks the engine settings measured for this model (it is not on PyPI: "
+             "install it from its source, `pip install -e .` in a clone of the project):", "", "```bash",
+             f"hybrid-build serve {repo} --profile dense", "```", ""]
     if dense.get("description"):
         lines += [f"The `dense` profile: {dense['description']}.", ""]
     others = [p for p in profiles if p != "dense"]
@@ -247,7 +291,12 @@ def _serve_section(inp: CardInputs) -> list[str]:
     if dense.get("enable_prefix_caching") is False:
         args.append("--no-enable-prefix-caching")
     spec = dense.get("speculative") or {}
-    if spec.get("method") == "dflash" and spec.get("model"):
+    drafter_note = None
+    if spec.get("method") == "dflash" and spec.get("model") and not HUB_ID.match(str(spec["model"])):
+        # a folder on the build machine (the demo's `{source}-dflash`): nothing a reader can load
+        drafter_note = (f"The `dense` profile drafts with a local DFlash drafter (`{spec['model']}`), which is not "
+                        "published; add `--speculative-config` with a DFlash drafter of your own.")
+    elif spec.get("method") == "dflash" and spec.get("model"):
         cfg = {"method": "dflash", "model": spec["model"],
                "num_speculative_tokens": spec.get("num_speculative_tokens", 12)}
         if spec.get("attention_backend"):
@@ -272,17 +321,19 @@ def _serve_section(inp: CardInputs) -> list[str]:
                   + (" and the int8 lm-head." if any(c.get("kind") == "int8" for c in inp.provenance.get("converted", []))
                      else "."), ""]
     lines += ["```bash", " ".join(shlex.quote(a) for a in args), "```", ""]
+    if drafter_note:
+        lines += [drafter_note, ""]
     return lines
 
 
 def render_body(inp: CardInputs) -> str:
     prov = inp.provenance
     src = prov.get("source") or {}
-    src_id = src.get("id") or "?"
+    source = SourceView.of(prov)
     recipe = prov.get("recipe") or {}
     fmt = prov.get("format", "?")
     name = inp.repo_id.split("/")[-1]
-    src_link = f"[{src_id}](https://huggingface.co/{src_id})" if HUB_ID.match(src_id) else f"`{src_id}` (a local checkpoint)"
+    src_link = source.link()
     conv = inp.converted_bytes
     parts = []
     if "fp8" in conv:
@@ -290,7 +341,7 @@ def render_body(inp: CardInputs) -> str:
     if "int8" in conv:
         parts.append("the lm-head to int8 with one scale per output row")
     lines = [f"# {name}", ""] + _banner(inp)
-    lines += [f"A hybrid of {src_link}" + (f" (revision `{src['revision']}`)" if src.get("revision") else "")
+    lines += [f"A hybrid of {src_link}"
               + f", built by hybrid-build {((prov.get('tool') or {}).get('version')) or ''} with recipe "
               f"`{recipe.get('name', '?')}`, format `{fmt}`. The source's INT4 AutoRound tensors are kept byte for "
               "byte; " + (" and ".join(parts) if parts else "nothing else") + " were converted from BF16, which "
@@ -370,12 +421,19 @@ def _validation_section(inp: CardInputs) -> list[str]:
 
 def _provenance_section(inp: CardInputs) -> list[str]:
     prov = inp.provenance
-    src = prov.get("source") or {}
+    source = SourceView.of(prov)
     tool = prov.get("tool") or {}
+    if source.hub:
+        src_line = f"- source: {source.link()}"
+    else:
+        src_line = f"- source: a local checkpoint, folder `{source.name}`"
+        if source.fingerprint:
+            src_line += (f", content sha256 `{source.fingerprint}` (over every file's sha256, in the manifest)"
+                         if source.content else f", fingerprint `{source.fingerprint}` (of its headers and sizes)")
     lines = ["## Provenance", "",
              f"- tool: {tool.get('name', 'hybrid-build')} {tool.get('version', '?')}",
              *([f"- built: {prov['created']}"] if prov.get("created") else []),
-             f"- source: `{src.get('id', '?')}`" + (f" at revision `{src['revision']}`" if src.get("revision") else ""),
+             src_line,
              f"- recipe: `{(prov.get('recipe') or {}).get('name', '?')}` (resolved copy: `hybrid_build/recipe.yaml`)",
              f"- format: `{prov.get('format', '?')}`",
              "- manifest: `hybrid_build/provenance.json` (sha256 of every file below, every converted module and "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import ExampleFormatter, add_json_flag, emit_json
+from .cli_support import ExampleFormatter, add_json_flag, emit_json
 from .errors import UserError
 
 EPILOG = """examples:

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybrid_build.pipeline.cli import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
 
 from .profiles import DOCKER_IMAGE, PROFILE_NAMES
 
@@ -31,8 +31,8 @@ def register(sub, common) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
     p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
-    p.add_argument("--source", help="source checkpoint for the dflash/base/mtp profiles (default: the one the "
-                                    "artifact records)")
+    p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
+                                    "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder beside it")
     p.add_argument("--image", default=DOCKER_IMAGE, help="docker image (docker engine)")
     p.add_argument("--ready-timeout", type=float, default=1800, help="seconds to wait for READY (default 1800)")
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")

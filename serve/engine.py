@@ -15,10 +15,11 @@ from pathlib import Path
 from hybrid_build.pipeline.errors import UserError
 from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
 
-from .profiles import DOCKER_IMAGE, ServeProfile
+from .profiles import DOCKER_IMAGE, SOURCE_PLACEHOLDER, ServeProfile
 
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
+CONTAINER_DRAFTER = "/drafter"
 CONTAINER_SERVE = "/opt/hybrid-build/serve"  # serve/ is mounted: patches/ plus int8_gemv.py
 PLUGIN_ENV = {"VLLM_PLUGINS": "hybrid_build"}
 
@@ -77,6 +78,7 @@ def resolve_recipe(artifact: str, recipe_arg: str | None) -> tuple[Recipe, dict 
 
 
 def _speculative(profile: ServeProfile, drafter: str | None) -> dict | None:
+    """The ``--speculative-config``; ``drafter`` replaces the profile's DFlash model (and its revision)."""
     spec = profile.speculative
     if spec is None:
         return None
@@ -91,6 +93,56 @@ def _speculative(profile: ServeProfile, drafter: str | None) -> dict | None:
     if spec.attention_backend:
         out["attention_backend"] = spec.attention_backend
     return out
+
+
+def _local_source(artifact: str, config: dict | None, source: str | None) -> Path | None:
+    """The local folder of the source checkpoint: ``--source``, else the one the artifact records
+    (the demo's inside the artifact, else its recorded absolute path), else the artifact itself when
+    it is a source folder. None for a Hub source or when no folder is known here."""
+    if source is not None:
+        given = Path(source).expanduser()
+        return given.resolve() if given.is_dir() else None
+    hybrid = (config or {}).get("hybrid_build")
+    if config is not None and not hybrid:
+        return Path(artifact).expanduser().resolve()  # serving a source folder directly
+    if not hybrid:
+        return None
+    from hybrid_build.pipeline.source_identity import read_record
+
+    prov_path = Path(artifact) / "hybrid_build" / "provenance.json"
+    provenance = _read_json(prov_path) if prov_path.exists() else {"source": hybrid.get("source")}
+    record = read_record(Path(artifact), provenance)
+    if record is None or record.kind == "hub":
+        return None
+    candidates = ([Path(artifact) / record.in_artifact] if record.in_artifact else []) + \
+                 ([Path(record.path)] if record.path else [])
+    return next((c.resolve() for c in candidates if (c / "config.json").is_file()), None)
+
+
+def resolve_drafter(name: str, profile: ServeProfile, drafter: str | None, artifact: str, config: dict | None,
+                    source: str | None) -> str | None:
+    """The DFlash drafter to load instead of the profile's literal one, or None to keep that:
+    ``--drafter``, or the profile's ``{source}``-relative folder made absolute (the demo recipe's
+    ``{source}-dflash`` is the drafter ``hybrid-build demo-checkpoint`` builds beside the source)."""
+    spec = profile.speculative
+    if spec is None or spec.method != "dflash":
+        return None
+    if drafter:
+        local = Path(drafter).expanduser()
+        return str(local.resolve()) if local.exists() else drafter
+    if not spec.model or SOURCE_PLACEHOLDER not in spec.model:
+        return None
+    folder = _local_source(artifact, config, source)
+    if folder is None:
+        raise UserError(f"the {name!r} profile's DFlash drafter is {spec.model!r}, a folder beside a local source "
+                        "checkpoint, and no local source folder is known for this artifact: pass --drafter "
+                        "HUB_ID_OR_FOLDER (or --source FOLDER)")
+    path = Path(spec.model.replace(SOURCE_PLACEHOLDER, str(folder)))
+    if not (path / "config.json").is_file():
+        raise UserError(f"the {name!r} profile's DFlash drafter {path} does not exist (`hybrid-build run` without "
+                        "SOURCE and `hybrid-build demo-checkpoint` build it beside the demo source): pass --drafter "
+                        "HUB_ID_OR_FOLDER")
+    return str(path)
 
 
 def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: str | None) -> list[str]:
@@ -149,6 +201,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         raise UserError(f"recipe {rec.name!r} has no serve profile {name!r} (has: {', '.join(profiles) or 'none'})")
     profile = profiles[name]
     model, revision = _served_model(artifact, config, profile, source)
+    drafter = resolve_drafter(name, profile, drafter, artifact, config, source)
     pin = ["--revision", revision] if revision else []
     env = dict(profile.extra_env)
     hybrid = (config or {}).get("hybrid_build") or {}
@@ -173,8 +226,12 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if Path(model).expanduser().exists():
         mounts += ["-v", f"{Path(model).expanduser().resolve()}:{CONTAINER_MODEL}:ro"]
         model_in = CONTAINER_MODEL
+    drafter_in = drafter
+    if drafter and Path(drafter).exists():  # a local drafter folder is mounted like the model
+        mounts += ["-v", f"{drafter}:{CONTAINER_DRAFTER}:ro"]
+        drafter_in = CONTAINER_DRAFTER
     mounts += ["-v", f"{sdir}:{CONTAINER_SERVE}:ro"]
-    inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter) + pin
+    inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter_in) + pin
     site = "$(python3 -c 'import importlib.util,os;print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')"
     script = (f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\" && "
               f"exec vllm {shlex.join(inner)}")

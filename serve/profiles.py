@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# in a drafter's ``model``: the source checkpoint's folder (the demo's drafter is ``{source}-dflash``)
+SOURCE_PLACEHOLDER = "{source}"
 
 
 class DrafterSpec(BaseModel):
@@ -16,11 +19,19 @@ class DrafterSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: Literal["dflash", "mtp"]
-    model: str | None = Field(None, description="drafter Hub id or folder (dflash only)")
+    model: str | None = Field(None, description="drafter Hub id or folder (dflash only); `{source}` stands for "
+                                                "the local source checkpoint's folder, e.g. `{source}-dflash`")
     revision: str | None = None
     num_speculative_tokens: int = Field(12, ge=1, le=64)
     attention_backend: str | None = Field(
         "FLASH_ATTN", description="the DFlash drafter is non-causal: its backend must support that")
+
+    @field_validator("model")
+    @classmethod
+    def _only_the_source_placeholder(cls, v: str | None) -> str | None:
+        if v and ("{" in v.replace(SOURCE_PLACEHOLDER, "") or "}" in v.replace(SOURCE_PLACEHOLDER, "")):
+            raise ValueError(f"{v!r}: the only placeholder a drafter model may hold is {SOURCE_PLACEHOLDER}")
+        return v
 
 
 class ServeProfile(BaseModel):

@@ -114,8 +114,7 @@ def test_hub_source_becomes_base_model_and_its_card_license_is_carried(artifact)
     (artifact / "README.md").write_text(source_card)
 
     def change(prov):
-        prov["source"]["id"] = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
-        prov["source"]["revision"] = "0123abcd"
+        prov["source"].update(kind="hub", id="Intel/Qwen3.5-122B-A10B-int4-AutoRound", revision="0123abcd")
         prov["files"]["README.md"] = {"bytes": len(source_card.encode()),
                                       "sha256": hashlib.sha256(source_card.encode()).hexdigest()}
 
@@ -126,7 +125,9 @@ def test_hub_source_becomes_base_model_and_its_card_license_is_carried(artifact)
     assert meta["base_model_relation"] == "quantized"
     assert meta["license"] == "apache-2.0"
     assert "`apache-2.0`, carried over from the source model card" in body
-    assert "revision `0123abcd`" in body
+    # linked at the revision it was built from
+    assert "[Intel/Qwen3.5-122B-A10B-int4-AutoRound](https://huggingface.co/Intel/Qwen3.5-122B-A10B-int4-AutoRound" \
+           "/tree/0123abcd) (revision `0123abcd`)" in body
     # the source's README is not sent: the generated card takes its place
     assert [f.path for f in plan.files].count("README.md") == 1
     assert any("replaced by the generated card" in n for n in plan.notes)
@@ -163,3 +164,50 @@ def test_forced_card_says_validation_did_not_pass(artifact, state):
     else:
         assert "published without being validated" in body
         assert not any(f.path.startswith("hybrid_build/validation.") for f in plan.files)
+
+
+def test_local_source_is_named_by_folder_and_content_never_by_path(artifact, tiny_checkpoint):
+    plan = plan_publish(artifact, REPO)
+    _, body = split_card(plan.card_text)
+    prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
+    src = prov["source"]
+    assert src["kind"] == "local" and src["id"] == tiny_checkpoint.name
+    fingerprint = src["fingerprint"]
+    assert re.fullmatch(r"[0-9a-f]{64}", fingerprint)
+    assert f"A hybrid of a local checkpoint (`{tiny_checkpoint.name}`, content sha256 `{fingerprint[:16]}`)" in body
+    assert f"- source: a local checkpoint, folder `{tiny_checkpoint.name}`, content sha256 `{fingerprint}`" in body
+    # the build machine's folders stay on the build machine
+    assert str(tiny_checkpoint.parent) not in plan.card_text and str(artifact) not in plan.card_text
+    assert "`src`" not in body and "`?`" not in body
+
+
+def test_card_does_not_tell_readers_to_pip_install_hybrid_build(artifact):
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    assert "pip install hybrid-build" not in body
+    assert "not on PyPI" in body and f"hybrid-build serve {REPO} --profile dense" in body
+
+
+def test_a_local_drafter_is_not_put_into_the_plain_vllm_command(artifact):
+    # the tiny recipe's drafter is `{source}-dflash`, a folder on the build machine
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    vllm_line = next(line for line in body.splitlines() if line.startswith("vllm serve"))
+    assert "--speculative-config" not in vllm_line and "{source}" not in vllm_line
+    assert "drafts with a local DFlash drafter (`{source}-dflash`), which is not published" in body
+
+
+@pytest.mark.parametrize("old_id", [".hybrid-build/demo-source", "/home/someone/models/tiny-int4"])
+def test_provenance_without_kind_or_content_hashes(artifact, old_id):
+    """Provenance written before content fingerprints: no kind, sizes only, and an id that may be a
+    path; the card names the folder, not the path, and claims no content hash."""
+    def change(prov):
+        src = prov["source"]
+        prov["source"] = {"id": old_id, "revision": None, "fingerprint": "ab" * 32,
+                          "files": {f: {"bytes": i["bytes"]} for f, i in src["files"].items()}}
+
+    edit_provenance(artifact, change)
+    meta, body = split_card(plan_publish(artifact, REPO).card_text)
+    name = old_id.rsplit("/", 1)[-1]
+    assert "base_model" not in meta
+    assert f"A hybrid of a local checkpoint (`{name}`), built" in body
+    assert f"folder `{name}`, fingerprint `{'ab' * 32}` (of its headers and sizes)" in body
+    assert old_id not in body and "content sha256" not in body

@@ -78,11 +78,28 @@ def test_dense_refuses_a_non_hybrid_folder(tiny_checkpoint):
         plan_launch(str(tiny_checkpoint), "dense", drafter="x/y")
 
 
-def test_real_artifact_uses_its_own_recipe(tiny_artifact):
+def _drafter(plan) -> str | None:
+    spec = json.loads(plan.argv[plan.argv.index("--speculative-config") + 1])
+    return spec.get("model")
+
+
+def test_real_artifact_uses_its_own_recipe(tiny_artifact, tiny_checkpoint, tmp_path):
+    from hybrid_build.pipeline.demo import demo_drafter_path
+
     plan = plan_launch(str(tiny_artifact), "dense", drafter="z-lab/tiny-drafter")
     assert "--max-model-len" in plan.argv and plan.argv[plan.argv.index("--max-model-len") + 1] == "2048"
-    with pytest.raises(UserError, match="--drafter"):
-        plan_launch(str(tiny_artifact), "dense")
+    assert _drafter(plan) == "z-lab/tiny-drafter"
+    # the tiny recipe's drafter is `{source}-dflash`: the one the demo builder put beside the source
+    drafter = demo_drafter_path(tiny_checkpoint).resolve()
+    assert _drafter(plan_launch(str(tiny_artifact), "dense")) == str(drafter)
+    assert _drafter(plan_launch(str(tiny_artifact), "dflash")) == str(drafter)
+    docker = plan_launch(str(tiny_artifact), "dense", engine="docker")
+    assert f"{drafter}:/drafter:ro" in docker.argv and '"model":"/drafter"' in docker.argv[-1]
+    # a source with no drafter beside it: one line naming the way out
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_checkpoint, bare)
+    with pytest.raises(UserError, match=f"DFlash drafter {bare}-dflash does not exist.*--drafter"):
+        plan_launch(str(tiny_artifact), "dense", source=str(bare))
 
 
 
