@@ -275,7 +275,7 @@ def _serve_section(inp: CardInputs) -> list[str]:
     lines = ["## How to serve", "",
              "With hybrid-build, which picks the engine settings measured for this model (it is not on PyPI: "
              "install it from its source, `pip install -e .` in a clone of the project):", "", "```bash",
-             f"hybrid-build serve {repo} --profile dense", "```", ""]
+             *_hybrid_build_serve(repo, recipe), "```", ""]
     if dense.get("description"):
         lines += [f"The `dense` profile: {dense['description']}.", ""]
     others = [p for p in profiles if p != "dense"]
@@ -324,6 +324,25 @@ def _serve_section(inp: CardInputs) -> list[str]:
     if drafter_note:
         lines += [drafter_note, ""]
     return lines
+
+
+def _hybrid_build_serve(repo: str, recipe: dict) -> list[str]:
+    """The ``hybrid-build serve`` lines for this repo. Serving a Hub id needs the recipe named: a
+    shipped one by name, else the copy in this repo; a drafter that was a folder on the build
+    machine (``{source}-...``) has to be replaced by the reader's."""
+    from hybrid_build.recipes.schema import list_recipes
+
+    name = recipe.get("name")
+    lines = []
+    if name in list_recipes():
+        args = ["hybrid-build", "serve", repo, "--recipe", name, "--profile", "dense"]
+    else:
+        lines.append(f"hf download {repo} hybrid_build/recipe.yaml --local-dir .")
+        args = ["hybrid-build", "serve", repo, "--recipe", "hybrid_build/recipe.yaml", "--profile", "dense"]
+    spec = ((((recipe.get("serve") or {}).get("profiles") or {}).get("dense") or {}).get("speculative") or {})
+    if spec.get("method") == "dflash" and not HUB_ID.match(str(spec.get("model") or "")):
+        args += ["--drafter", "YOUR_DFLASH_DRAFTER"]
+    return lines + [" ".join(shlex.quote(a) for a in args)]
 
 
 def render_body(inp: CardInputs) -> str:

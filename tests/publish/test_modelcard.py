@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shlex
 import time
 
 import pytest
@@ -135,7 +136,7 @@ def test_hub_source_becomes_base_model_and_its_card_license_is_carried(artifact)
 
 def test_serving_section_uses_the_recipe_profile(artifact):
     _, body = split_card(plan_publish(artifact, REPO).card_text)
-    assert f"hybrid-build serve {REPO} --profile dense" in body
+    assert f"hybrid-build serve {REPO} --recipe tiny --profile dense" in body
     prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
     dense = prov["recipe"]["serve"]["profiles"]["dense"]
     vllm_line = next(line for line in body.splitlines() if line.startswith("vllm serve"))
@@ -184,7 +185,29 @@ def test_local_source_is_named_by_folder_and_content_never_by_path(artifact, tin
 def test_card_does_not_tell_readers_to_pip_install_hybrid_build(artifact):
     _, body = split_card(plan_publish(artifact, REPO).card_text)
     assert "pip install hybrid-build" not in body
-    assert "not on PyPI" in body and f"hybrid-build serve {REPO} --profile dense" in body
+    assert "not on PyPI" in body
+
+
+def test_the_cards_hybrid_build_command_runs(artifact, capsys):
+    """The card's `hybrid-build serve` line, pasted (with --dry-run: no GPU here), plans a launch;
+    the tiny recipe's drafter was a folder on the build machine, so the reader names theirs."""
+    from hybrid_build.pipeline.cli import main
+
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    line = next(ln for ln in body.splitlines() if ln.startswith("hybrid-build serve"))
+    assert line == f"hybrid-build serve {REPO} --recipe tiny --profile dense --drafter YOUR_DFLASH_DRAFTER"
+    args = shlex.split(line.replace("YOUR_DFLASH_DRAFTER", "z-lab/some-drafter"))[1:]
+    assert main(args + ["--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == REPO and '"model":"z-lab/some-drafter"' in " ".join(plan["argv"])
+    # a recipe that is not shipped: the card fetches the repo's own copy first
+    def change(prov):
+        prov["recipe"]["name"] = "my-own"
+
+    edit_provenance(artifact, change)
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    assert f"hf download {REPO} hybrid_build/recipe.yaml --local-dir .\nhybrid-build serve {REPO} --recipe " \
+           "hybrid_build/recipe.yaml --profile dense" in body
 
 
 def test_a_local_drafter_is_not_put_into_the_plain_vllm_command(artifact):
