@@ -129,6 +129,7 @@ def hub_message(failure: HubFailure, subject: str, *, upload: bool = False, repo
     token = _has_token() if has_token is None else has_token
     c, status = failure.cause, failure.status
     http = f"HTTP {status}" if status else ""
+    paren = f" ({http})" if http else ""
     if c == "offline":
         if upload:
             return "HF_HUB_OFFLINE is set: publishing needs the network (unset it, or use --dry-run)"
@@ -139,30 +140,30 @@ def hub_message(failure: HubFailure, subject: str, *, upload: bool = False, repo
         return f"{subject}: cannot reach the Hub ({failure.detail}){where}: check the network connection or HF_ENDPOINT"
     if c == "not-found":
         why = "the token cannot see it" if token else f"no token was sent ({LOGIN})"
-        return f"{subject}: not found on the Hub ({http or 'no such repository'}): no such repository, or it is private and {why}"
+        return f"{subject}: not found on the Hub{paren}: no such repository, or it is private and {why}"
     if c == "gated":
         step = "with the account of your token" if token else f"then {LOGIN}"
-        return (f"{subject}: a gated repository ({http or 'gated'}): accept its conditions at "
+        return (f"{subject}: a gated repository{paren}: accept its conditions at "
                 f"https://huggingface.co/{repo} {step}")
     if c == "unauthorized":
         what = "the token was refused (invalid or expired)" if token else "the request needs a token"
-        return f"{subject}: unauthorized ({http}): {what}: {LOGIN}"
+        return f"{subject}: unauthorized{paren}: {what}: {LOGIN}"
     if c == "forbidden":
         need = "write access to that namespace" if upload else f"read access to {repo}"
-        return f"{subject}: the Hub refused access to {repo} ({http}): the token needs {need}"
+        return f"{subject}: the Hub refused access to {repo}{paren}: the token needs {need}"
     if c == "revision-not-found":
         rev = f"revision {revision!r}" if revision else "the revision"
-        return f"{subject}: {rev} not found on the Hub ({http}): give a branch, tag or commit of {repo}"
+        return f"{subject}: {rev} not found on the Hub{paren}: give a branch, tag or commit of {repo}"
     if c == "file-not-found":
         return f"{subject}: a file is missing from the repository ({failure.detail})"
     if c == "disabled":
-        return f"{subject}: the repository is disabled on the Hub ({http})"
+        return f"{subject}: the repository is disabled on the Hub{paren}"
     if c == "invalid-id":
         return f"{subject}: not a valid Hub repo id ({failure.detail})"
     if c == "rate-limited":
-        return f"{subject}: the Hub is rate-limiting requests ({http}): wait a few minutes and run the same command again"
+        return f"{subject}: the Hub is rate-limiting requests{paren}: wait a few minutes and run the same command again"
     if c == "server-error":
-        return f"{subject}: the Hub failed ({http}: {failure.detail}): try again later"
+        return f"{subject}: the Hub failed ({http or 'server error'}: {failure.detail}): try again later"
     return f"{subject}: the Hub request failed ({type(failure.exc).__name__}: {failure.detail})"
 
 
