@@ -21,11 +21,11 @@ from .errors import HybridBuildError
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {
     "inspect": "hybrid_build.pipeline.commands.inspect",
-    "demo-checkpoint": "hybrid_build.pipeline.demo_command",
+    "demo-checkpoint": "hybrid_build.pipeline.commands.demo",
     "run": "hybrid_build.pipeline.commands.run",
     "validate": "hybrid_build.validate.command",
     "plan": "hybrid_build.pipeline.commands.plan",
-    "publish": "hybrid_build.pipeline.publish_command",
+    "publish": "hybrid_build.pipeline.commands.publish",
     "serve": "hybrid_build.serve.command",
     "bench": "hybrid_build.serve.bench_command",
 }

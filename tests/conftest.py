@@ -1,6 +1,6 @@
 """Shared fixtures: an isolated, offline Hub cache, and the tiny real checkpoint built once.
 
-The tiny checkpoint is built by ``hybrid_build.pipeline.demo`` (transformers + auto-round) once
+The tiny checkpoint is built by ``hybrid_build.pipeline.generators.demo`` (transformers + auto-round) once
 per machine and cached under ``$HYBRID_BUILD_TEST_CACHE`` (default ``~/.cache/hybrid-build/tests``)
 keyed by the builder's source hash, so a changed builder rebuilds it. Tests must not modify it:
 copy it (``tiny_copy``) to plant defects.
@@ -31,7 +31,7 @@ def _isolated_hub(tmp_path_factory, monkeypatch):
 
 
 def _builder_key() -> str:
-    from hybrid_build.pipeline import demo
+    from hybrid_build.pipeline.generators import demo
 
     return hashlib.sha256(Path(demo.__file__).read_bytes()).hexdigest()[:12]
 
@@ -43,7 +43,7 @@ def _cache_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint() -> Path:
     """The tiny INT4 AutoRound Qwen3.5-MoE checkpoint (read-only: copy before changing)."""
-    from hybrid_build.pipeline.demo import build_demo_checkpoint
+    from hybrid_build.pipeline.generators.demo import build_demo_checkpoint
 
     target = _cache_root() / f"tiny-{_builder_key()}"
     if not (target / "model.safetensors.index.json").exists():

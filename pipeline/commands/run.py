@@ -17,7 +17,7 @@ def _split_stages(text: str | None) -> list[str] | None:
 
 def _demo_source(args) -> Path:
     """No SOURCE: build (once) the tiny demo checkpoint next to the output folder's work dir."""
-    from ..demo import build_demo_checkpoint
+    from ..generators.demo import build_demo_checkpoint
     from ..stages import WORK_DIR
 
     path = args.out / WORK_DIR / "demo-source"

@@ -16,7 +16,7 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import hf_raise_for_status
 
 from conftest import FAKE_TOKEN
-from hybrid_build.pipeline import publish_command
+from hybrid_build.pipeline.commands import publish as publish_command
 from hybrid_build.pipeline.checkpoint import resolve_source
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.errors import ExternalToolError, UserError

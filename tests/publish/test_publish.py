@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FAKE_TOKEN, StandInHub, http_error
 
-from hybrid_build.pipeline import publish_command
+from hybrid_build.pipeline.commands import publish as publish_command
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.errors import ArtifactError, UserError
 from hybrid_build.pipeline.publish import Publisher, RetryPolicy, plan_publish, verify_remote

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from hybrid_build.pipeline.demo import build_demo_drafter, demo_drafter_path
+from hybrid_build.pipeline.generators.demo import build_demo_drafter, demo_drafter_path
 from hybrid_build.serve.profiles import DrafterSpec
 
 

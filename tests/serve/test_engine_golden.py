@@ -84,7 +84,7 @@ def _drafter(plan) -> str | None:
 
 
 def test_real_artifact_uses_its_own_recipe(tiny_artifact, tiny_checkpoint, tmp_path):
-    from hybrid_build.pipeline.demo import demo_drafter_path
+    from hybrid_build.pipeline.generators.demo import demo_drafter_path
 
     plan = plan_launch(str(tiny_artifact), "dense", drafter="z-lab/tiny-drafter")
     assert "--max-model-len" in plan.argv and plan.argv[plan.argv.index("--max-model-len") + 1] == "2048"

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_support import ExampleFormatter, add_json_flag, emit_json
-from .errors import UserError
+from ..cli_support import ExampleFormatter, add_json_flag, emit_json
+from ..errors import UserError
 
 EPILOG = """examples:
   hybrid-build publish out/ --repo-id my-org/Qwen3.5-122B-A10B-hybrid --dry-run
@@ -45,13 +45,13 @@ def make_api():
 
 def make_retry():
     """The retry policy for Hub calls; tests replace it with one that does not sleep."""
-    from .publish import RetryPolicy
+    from ..publish import RetryPolicy
 
     return RetryPolicy()
 
 
 def _part_line(part: int, parts: int, todo, already: int) -> None:
-    from .modelcard import human_bytes
+    from ..modelcard import human_bytes
 
     sent = sum(f.bytes for f in todo)
     if not todo:
@@ -63,7 +63,7 @@ def _part_line(part: int, parts: int, todo, already: int) -> None:
 
 
 def _print_plan(plan, revision: str) -> None:
-    from .modelcard import human_bytes
+    from ..modelcard import human_bytes
 
     out = sys.stdout
     out.write(f"dry run: would publish {len(plan.files)} files, {plan.total_bytes:,} bytes "
@@ -81,7 +81,7 @@ def _print_plan(plan, revision: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .publish import Publisher, plan_publish
+    from ..publish import Publisher, plan_publish
 
     if args.revision and args.revision.startswith("refs/"):
         raise UserError("--revision takes a branch name; use --create-pr for a pull request")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from .demo import build_demo_checkpoint, demo_drafter_path
+    from ..generators.demo import build_demo_checkpoint, demo_drafter_path
 
     if args.out.exists() and any(args.out.iterdir()):
         raise UserError(f"{args.out}: exists and is not empty")
@@ -28,7 +28,7 @@ def _handle(args: argparse.Namespace) -> int:
 def register(sub, common) -> None:
     from pathlib import Path
 
-    from .cli_support import ExampleFormatter
+    from ..cli_support import ExampleFormatter
 
     p = sub.add_parser(
         "demo-checkpoint", parents=[common], formatter_class=ExampleFormatter,
