@@ -1,5 +1,6 @@
-"""`hybrid-build run` on the tiny checkpoint: what the output holds, its numerics, both formats
-loading back, recipe errors, and resume after an interruption."""
+"""`hybrid-build run` through the runner and its stages on the tiny checkpoint: what the output
+holds, its numerics, both formats loading back, recipe errors, resume after an interruption, and
+the background head alongside assemble."""
 from __future__ import annotations
 
 import dataclasses
