@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import urllib.error
 
-from hybrid_build.pipeline.cli import ExampleFormatter, add_json_flag, emit_json
+from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, emit_json
 from hybrid_build.pipeline.errors import ExternalToolError, UserError
 
 from .bench import PROMPTS, bench, table
