@@ -1,7 +1,10 @@
 """The bandwidth model behind ``hybrid-build plan``: bytes read per decoded token, and tok/s.
 
-Single-stream decode of a MoE model is bound by memory reads, so a profile's speed is
-``bandwidth x efficiency / bytes per token``. Bytes per token come from the checkpoint's headers
+Single-stream decode of a MoE model is bound by memory reads where memory is slow, so a profile's
+step time is ``bytes per token / (bandwidth x efficiency)`` plus a floor that does not scale with
+bytes (``StepFloor``: launching and running the many small kernels of a step, per decoder layer of
+each kind and a fixed part). On a DGX Spark (273 GB/s) the bytes dominate and the dense levers pay;
+on an H200 the floor is ~80% of a step and they cannot show. Bytes per token come from the checkpoint's headers
 (``inspection.bytes_per_token``, the same classes ``inspect`` shows) plus the context reads (KV
 cache of full-attention layers, recurrent state of DeltaNet layers). The four profiles differ only
 in how the shared experts (BF16 or FP8 block-128) and the lm-head (BF16 or int8 per row) are
@@ -40,8 +43,28 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 
 
 @dataclass(frozen=True)
+class StepFloor:
+    """Time per decode step that does not scale with the bytes read: a fixed part, plus a part per
+    decoder layer of each kind (``linear_attention``, ``full_attention``). ``source`` says where the
+    numbers come from; ``measured`` is False where they are carried over from other hardware."""
+
+    fixed_ms: float = 0.0
+    per_layer_ms: tuple[tuple[str, float], ...] = ()
+    source: str = "none: decode is taken as bound by bytes alone"
+    measured: bool = True
+
+    def ms(self, layer_types: list[str]) -> float:
+        per = dict(self.per_layer_ms)
+        return self.fixed_ms + sum(per.get(t, 0.0) for t in layer_types)
+
+
+NO_FLOOR = StepFloor()
+
+
+@dataclass(frozen=True)
 class Hardware:
-    """A memory system: peak read bandwidth and the fraction single-stream decode achieves."""
+    """A memory system: peak read bandwidth, the fraction single-stream decode achieves, and the
+    per-step time that is not bytes."""
 
     name: str
     label: str
@@ -49,6 +72,7 @@ class Hardware:
     efficiency: float
     calibration: str
     calibrated: bool
+    floor: StepFloor = NO_FLOOR
 
 
 # Efficiency on GB10, calibrated on ONE published number: Intel's INT4 Qwen3.5-122B-A10B decodes
@@ -59,16 +83,35 @@ class Hardware:
 GB10_BASE_TOK_S = 28.2
 GB10_EFFICIENCY = 0.7198
 DEFAULT_CONTEXT = 4096
+# GB10 has no floor: the published base -> dense gain (+27.7%) is larger than the byte ratio
+# (6.968 / 5.76 GB = +21%), so the published figures leave no room for time that is not bytes.
+GB10_FLOOR = StepFloor(source="none: the published GB10 lever gains exceed the byte ratio, which leaves no "
+                              "room for a floor")
+
+# H200, measured here (docs/gpu.md, "Full-depth speed"): read ceiling 4,426 GB/s of 4,800 from a
+# 4 GiB fp32 sum (efficiency 0.922); vLLM 0.25.1, real 122B widths, 48 layers (36 DeltaNet + 12
+# full attention), dummy weights, full CUDA graphs, single stream: base 109.4-109.6 tok/s, a 9.13 ms
+# step of which the 6.97 GB read take 1.57 ms. The rest, 7.56 ms, is the floor.
+H200_EFFICIENCY = 4426 / 4800
+H200_BASE_TOK_S = 109.5
+H200_FLOOR = StepFloor(
+    fixed_ms=0.0, per_layer_ms=(("linear_attention", 0.1575), ("full_attention", 0.1575)),
+    source="H200 measured: 48-layer base step 9.13 ms (109.5 tok/s) minus its bytes at 4,426 GB/s, spread "
+           "evenly over the layers (split by kind not measured yet)")
+_FLOOR_CARRIED = "not measured on this GPU: the H200's floor, carried over"
+_NOT_CALIBRATED = "not calibrated: GB10's factor (no published single-stream number for this model)"
 
 HARDWARE: dict[str, Hardware] = {
     "gb10": Hardware("gb10", "NVIDIA DGX Spark (GB10, LPDDR5X)", 273.0, GB10_EFFICIENCY,
-                     "calibrated: Qwen3.5-122B-A10B INT4 base decode 28.2 tok/s (vLLM, c=1)", True),
-    "h200": Hardware("h200", "NVIDIA H200 (HBM3e)", 4800.0, GB10_EFFICIENCY,
-                     "not calibrated: GB10's factor (no published single-stream number for this model)", False),
-    "h100": Hardware("h100", "NVIDIA H100 SXM (HBM3)", 3350.0, GB10_EFFICIENCY,
-                     "not calibrated: GB10's factor (no published single-stream number for this model)", False),
+                     "calibrated: Qwen3.5-122B-A10B INT4 base decode 28.2 tok/s (vLLM, c=1)", True, GB10_FLOOR),
+    "h200": Hardware("h200", "NVIDIA H200 (HBM3e)", 4800.0, H200_EFFICIENCY,
+                     "measured: read ceiling 4,426 GB/s (4 GiB fp32 sum on the H200)", True, H200_FLOOR),
+    "h100": Hardware("h100", "NVIDIA H100 SXM (HBM3)", 3350.0, H200_EFFICIENCY, _NOT_CALIBRATED.replace(
+        "GB10's factor", "the H200's read efficiency"), False, StepFloor(
+        H200_FLOOR.fixed_ms, H200_FLOOR.per_layer_ms, _FLOOR_CARRIED + " (same Hopper architecture)", False)),
     "rtx-pro-6000": Hardware("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (GDDR7)", 1792.0, GB10_EFFICIENCY,
-                             "not calibrated: GB10's factor (no published single-stream number for this model)", False),
+                             _NOT_CALIBRATED, False, StepFloor(
+        H200_FLOOR.fixed_ms, H200_FLOOR.per_layer_ms, _FLOOR_CARRIED + " (another architecture: a guess)", False)),
 }
 
 # Published GB10 figures (single stream, vLLM, temperature 0) that docs/plan.md compares with.
@@ -85,13 +128,26 @@ PUBLISHED_GB10: tuple[dict, ...] = (
 )
 
 
-def calibrate_efficiency(tok_s: float, bytes_per_token: float, bandwidth_gbps: float) -> float:
-    """The efficiency that makes ``bytes_per_token`` decode at ``tok_s`` on ``bandwidth_gbps``."""
-    return tok_s * bytes_per_token / (bandwidth_gbps * 1e9)
+def calibrate_efficiency(tok_s: float, bytes_per_token: float, bandwidth_gbps: float, floor_ms: float = 0.0) -> float:
+    """The efficiency that makes ``bytes_per_token`` decode at ``tok_s`` on ``bandwidth_gbps``,
+    the per-step ``floor_ms`` taken out of the step first."""
+    byte_s = 1.0 / tok_s - floor_ms / 1e3
+    if byte_s <= 0:
+        raise ValueError(f"{tok_s:g} tok/s is faster than the floor of {floor_ms:g} ms per step allows")
+    return bytes_per_token / (bandwidth_gbps * 1e9 * byte_s)
 
 
-def decode_tok_s(bytes_per_token: float, bandwidth_gbps: float, efficiency: float) -> float:
-    return bandwidth_gbps * 1e9 * efficiency / bytes_per_token
+def step_seconds(bytes_per_step: float, bandwidth_gbps: float, efficiency: float, floor_ms: float = 0.0) -> float:
+    return bytes_per_step / (bandwidth_gbps * 1e9 * efficiency) + floor_ms / 1e3
+
+
+def decode_tok_s(bytes_per_token: float, bandwidth_gbps: float, efficiency: float, floor_ms: float = 0.0) -> float:
+    return 1.0 / step_seconds(bytes_per_token, bandwidth_gbps, efficiency, floor_ms)
+
+
+def layer_types(tc: dict) -> list[str]:
+    """The kind of every decoder layer, from ``layer_types`` or ``full_attention_interval``."""
+    return _layer_types(tc)
 
 
 # ----------------------------------------------------------------------------- context reads
@@ -300,20 +356,30 @@ def step_reads(parts: dict[str, int], experts: int, top_k: int, positions: float
 
 def speculative_tok_s(parts: dict[str, int], experts: int, top_k: int, accept: float, bandwidth_gbps: float,
                       efficiency: float, drafter: Drafter = DFLASH_122B, context: int = DEFAULT_CONTEXT,
-                      verify_positions: float | None = None) -> tuple[float, float]:
+                      verify_positions: float | None = None, floor_ms: float = 0.0) -> tuple[float, float]:
     """(tok/s, bytes per step) for ``accept`` tokens emitted per step. The verify step's experts
-    are the union over ``verify_positions`` tokens (default: the ``accept`` accepted ones)."""
+    are the union over ``verify_positions`` tokens (default: the ``accept`` accepted ones).
+    ``floor_ms`` is the step's time that is not bytes (target and drafter: ``spec_floor_ms``)."""
     positions = accept if verify_positions is None else verify_positions
     step = sum(step_reads(parts, experts, top_k, positions, drafter, context).values())
-    return accept * bandwidth_gbps * 1e9 * efficiency / step, step
+    return accept / step_seconds(step, bandwidth_gbps, efficiency, floor_ms), step
+
+
+def spec_floor_ms(floor: StepFloor, target_layers: list[str], drafter: Drafter) -> float:
+    """The floor of one speculative step: the target's verify pass (its kernels do not multiply
+    with the positions verified) plus one draft pass, each drafter layer counted as a target
+    full-attention layer (an assumption: the drafter's kernels are not measured on their own)."""
+    draft_layers = drafter.full_layers + drafter.sliding_layers
+    draft = floor.ms(["full_attention"] * draft_layers) if draft_layers else 0.0  # its own fixed part too
+    return floor.ms(target_layers) + draft
 
 
 def lever_uplift(reads: ProfileReads, accept: float, bandwidth_gbps: float, efficiency: float,
                  drafter: Drafter = DFLASH_122B, context: int = DEFAULT_CONTEXT,
-                 verify_positions: float | None = None) -> float:
+                 verify_positions: float | None = None, floor_ms: float = 0.0) -> float:
     """Speed of ``dense`` over ``base`` at one acceptance length (1.0 = no gain)."""
     speeds = [speculative_tok_s(reads.parts[p], reads.experts, reads.top_k, accept, bandwidth_gbps, efficiency,
-                                drafter, context, verify_positions)[0] for p in ("dense", "base")]
+                                drafter, context, verify_positions, floor_ms)[0] for p in ("dense", "base")]
     return speeds[0] / speeds[1]
 
 

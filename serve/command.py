@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
 
+from .engine import GPU_PRESETS
 from .profiles import DOCKER_IMAGE, PROFILE_NAMES
 
 
@@ -34,6 +35,9 @@ def register(sub, common) -> None:
     p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
                                     "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder beside it")
     p.add_argument("--image", default=DOCKER_IMAGE, help="docker image (docker engine)")
+    p.add_argument("--hardware", choices=sorted(dict(GPU_PRESETS).values()),
+                   help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
+                        "levers are predicted to gain little there")
     p.add_argument("--ready-timeout", type=float, default=1800, help="seconds to wait for READY (default 1800)")
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
@@ -47,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from .launcher import check_prerequisites, smoke_test, start, wait_ready
 
     plan = plan_launch(args.artifact, args.profile, engine=args.engine, port=args.port, host=args.host,
+                       hardware=args.hardware,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image)
     if args.dry_run:
         if args.json:

@@ -188,10 +188,44 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
     return str(ckpt.root.resolve()), None
 
 
+GPU_PRESETS = (("GB10", "gb10"), ("H200", "h200"), ("H100", "h100"), ("RTX PRO 6000", "rtx-pro-6000"))
+
+
+def detect_hardware() -> str | None:
+    """The ``plan`` preset of this machine's first GPU, from ``nvidia-smi``; None if unknown."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    return next((preset for key, preset in GPU_PRESETS if key in name), None)
+
+
+def _lever_note(artifact: Path, hardware: str | None) -> str | None:
+    if hardware is None:
+        return None
+    from hybrid_build.pipeline.checkpoint import Checkpoint
+    from hybrid_build.pipeline.errors import HybridBuildError
+
+    from .speed_plan import lever_gain_note
+
+    try:
+        return lever_gain_note(Checkpoint.read_folder(artifact), hardware)
+    except HybridBuildError:  # headers the byte model cannot read: say nothing rather than guess
+        return None
+
+
 def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,
                 host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
                 source: str | None = None, image: str = DOCKER_IMAGE,
-                patches_dir: Path | None = None) -> LaunchPlan:
+                patches_dir: Path | None = None, hardware: str | None = None) -> LaunchPlan:
+    """``hardware`` (a ``plan`` preset; default: the GPU ``nvidia-smi`` names, if it is one) is
+    only used to say when the profile's levers are predicted to gain little there."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
     rec, config = resolve_recipe(artifact, recipe)
@@ -210,6 +244,10 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     notes = []
     if profile.artifact == "hybrid" and not profile.int8_lm_head and hybrid.get("lm_head") == "gptq-int8":
         notes.append("the artifact stores an int8 lm-head; it is served as stored")
+    if profile.artifact == "hybrid" and hybrid and (Path(artifact) / "config.json").is_file():
+        gain = _lever_note(Path(artifact), hardware or detect_hardware())
+        if gain:
+            notes.append(gain)
     if engine == "local":
         env.update(PLUGIN_ENV)
         local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model

@@ -7,6 +7,7 @@ command (``pipeline/commands/plan.py``) maps arguments to ``PlanOptions`` and pr
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class PlanOptions:
     accept: list[float] | None = None
     drafter: str = "dflash"
     drafter_gb: float | None = None
+    floor_ms: float | None = None
     verify_block: int | None = None
     published: bool = False
     recipe: str | None = None
@@ -56,11 +58,19 @@ def _hardware(args: PlanOptions) -> bw.Hardware:
         if not args.bandwidth > 0:
             raise UserError(f"--bandwidth must be positive, got {args.bandwidth}")
         preset = bw.Hardware("custom", f"custom ({args.bandwidth:g} GB/s)", args.bandwidth, preset.efficiency,
-                             f"{preset.name}'s efficiency ({preset.calibration})", False)
+                             f"{preset.name}'s efficiency ({preset.calibration})", False,
+                             dataclasses.replace(preset.floor, source=f"{preset.name}'s floor ({preset.floor.source})",
+                                                 measured=False))
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
             raise UserError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-        preset = bw.Hardware(preset.name, preset.label, preset.bandwidth_gbps, args.efficiency, "given (--efficiency)", False)
+        preset = bw.Hardware(preset.name, preset.label, preset.bandwidth_gbps, args.efficiency, "given (--efficiency)",
+                             False, preset.floor)
+    if args.floor_ms is not None:
+        if args.floor_ms < 0:
+            raise UserError(f"--floor-ms must be >= 0, got {args.floor_ms}")
+        preset = bw.Hardware(preset.name, preset.label, preset.bandwidth_gbps, preset.efficiency, preset.calibration,
+                             preset.calibrated, bw.StepFloor(args.floor_ms, (), "given (--floor-ms)", True))
     return preset
 
 
@@ -98,17 +108,23 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         plan, recipe_note = report.plan, report.recipe_note
     reads = bw.profile_reads(ckpt, bytes_per_token(ckpt), plan, context=args.context,
                              kv_bytes=KV_DTYPES[args.kv_dtype], state_bytes=STATE_DTYPES[args.state_dtype])
+    types = bw.layer_types(ckpt.text_config)
+    floor_ms = hw.floor.ms(types)
+    spec_floor = bw.spec_floor_ms(hw.floor, types, drafter)
     if args.calibrate is not None:
         if not args.calibrate > 0:
             raise UserError(f"--calibrate must be a positive tok/s, got {args.calibrate}")
-        eff = bw.calibrate_efficiency(args.calibrate, reads.total("base"), hw.bandwidth_gbps)
+        try:
+            eff = bw.calibrate_efficiency(args.calibrate, reads.total("base"), hw.bandwidth_gbps, floor_ms)
+        except ValueError as e:
+            raise UserError(f"--calibrate: {e}; lower the floor with --floor-ms")
         hw = bw.Hardware(hw.name, hw.label, hw.bandwidth_gbps, eff,
-                         f"calibrated here: base decodes at {args.calibrate:g} tok/s (--calibrate)", True)
+                         f"calibrated here: base decodes at {args.calibrate:g} tok/s (--calibrate)", True, hw.floor)
 
-    base_tok_s = bw.decode_tok_s(reads.total("base"), hw.bandwidth_gbps, hw.efficiency)
+    base_tok_s = bw.decode_tok_s(reads.total("base"), hw.bandwidth_gbps, hw.efficiency, floor_ms)
     profiles = {}
     for p in bw.PROFILES:
-        tok_s = bw.decode_tok_s(reads.total(p), hw.bandwidth_gbps, hw.efficiency)
+        tok_s = bw.decode_tok_s(reads.total(p), hw.bandwidth_gbps, hw.efficiency, floor_ms)
         profiles[p] = {"label": bw.PROFILE_LABELS[p], "bytes_per_token": reads.total(p), "tok_s": tok_s,
                        "speedup": tok_s / base_tok_s}
     spec = []
@@ -116,7 +132,7 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         base_spec = None
         for p in bw.PROFILES:
             tok_s, step = bw.speculative_tok_s(reads.parts[p], reads.experts, reads.top_k, a, hw.bandwidth_gbps,
-                                               hw.efficiency, drafter, args.context, args.verify_block)
+                                               hw.efficiency, drafter, args.context, args.verify_block, spec_floor)
             base_spec = base_spec or tok_s
             positions = a if args.verify_block is None else args.verify_block
             spec.append({"profile": p, "accept": a, "tok_s": tok_s, "bytes_per_step": step,
@@ -129,7 +145,10 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         "input_state": reads.input_state,
         "recipe": recipe_note,
         "hardware": {"name": hw.name, "label": hw.label, "bandwidth_gbps": hw.bandwidth_gbps,
-                     "efficiency": hw.efficiency, "calibration": hw.calibration, "calibrated": hw.calibrated},
+                     "efficiency": hw.efficiency, "calibration": hw.calibration, "calibrated": hw.calibrated,
+                     "floor_source": hw.floor.source, "floor_measured": hw.floor.measured},
+        "step_floor_ms": floor_ms,
+        "spec_step_floor_ms": spec_floor,
         "bandwidth_gbps": hw.bandwidth_gbps,
         "efficiency": hw.efficiency,
         "context": args.context,
@@ -143,13 +162,46 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         "bytes_per_token": reads.parts,
         "profiles": profiles,
         "speculative": spec,
-        "notes": reads.notes,
+        "notes": reads.notes + lever_notes(profiles, hw, floor_ms, reads.total("base")),
     }
     if args.published:
         data["published_gb10"] = bw.published_comparison(reads, hw, drafter, args.context)
         if hw.name != "gb10" or hw.bandwidth_gbps != bw.HARDWARE["gb10"].bandwidth_gbps:
             data["notes"].append("--published compares with GB10 measurements, but the hardware here is not GB10")
     return data
+
+
+LEVER_GAIN_FLOOR = 0.05  # under this, plan says in words that a lever will barely show
+
+
+def lever_notes(profiles: dict, hw: bw.Hardware, floor_ms: float, base_bytes: float) -> list[str]:
+    """Sentences for levers predicted to gain under 5% here, and for a floor that is not measured."""
+    notes = []
+    small = [p for p in ("fp8", "int8_head", "dense") if profiles[p]["speedup"] - 1 < LEVER_GAIN_FLOOR]
+    if small:
+        step_ms = 1e3 * bw.step_seconds(base_bytes, hw.bandwidth_gbps, hw.efficiency, floor_ms)
+        gains = ", ".join(f"{p} {profiles[p]['speedup'] - 1:+.1%}" for p in small)
+        notes.append(f"on {hw.label} these levers gain under {LEVER_GAIN_FLOOR:.0%} without speculation: {gains}. "
+                     f"{floor_ms:.1f} ms of the {step_ms:.1f} ms base step is not bytes (the many small kernels of "
+                     f"a step), so reading fewer bytes barely shows; the levers pay where memory is slow "
+                     f"(DGX Spark: see --hardware gb10)")
+    if not hw.floor.measured:
+        notes.append(f"the per-step floor on {hw.label} is {hw.floor.source}: its predictions are not backed by a "
+                     f"measurement on this hardware; pass --calibrate with a measured base tok/s, or --floor-ms")
+    return notes
+
+
+def lever_gain_note(ckpt: Checkpoint, hardware: str, profile: str = "dense") -> str | None:
+    """One sentence for ``serve``: the lever the profile uses is predicted to gain under 5% on
+    ``hardware`` (a preset name), or None."""
+    data = build_plan(ckpt, PlanOptions(hardware=hardware, accept=[1.0]))
+    key = "dense" if profile == "dense" else None
+    if key is None or data["profiles"][key]["speedup"] - 1 >= LEVER_GAIN_FLOOR:
+        return None
+    gain = data["profiles"][key]["speedup"] - 1
+    return (f"plan predicts the {profile} profile's levers gain {gain:+.1%} over base on "
+            f"{data['hardware']['label']}: decode there is bound by the per-step floor "
+            f"({data['step_floor_ms']:.1f} ms), not by bytes")
 
 
 def _gb(n: float) -> str:
@@ -161,6 +213,7 @@ def render_text(data: dict) -> str:
     lines = [f"{data['source']}: {data['model_type']} ({data['input_state']}); recipe: {data['recipe']}",
              f"{hw['label']}: {hw['bandwidth_gbps']:g} GB/s x efficiency {hw['efficiency']:.3f} "
              f"= {hw['bandwidth_gbps'] * hw['efficiency']:.0f} GB/s effective ({hw['calibration']})",
+             f"per-step floor {data['step_floor_ms']:.2f} ms ({hw['floor_source']})",
              f"context {data['context']} tokens; single stream", "",
              "GB read per decoded token (no speculation)"]
     profiles = list(data["profiles"])

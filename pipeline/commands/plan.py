@@ -47,8 +47,9 @@ def register(sub, common) -> None:
         "plan", parents=[common], formatter_class=ExampleFormatter,
         help="predict decode tok/s per profile from the checkpoint's headers (bandwidth model)",
         description="Count the bytes a decoded token reads, by part, for the source (base), FP8 shared experts, "
-                    "int8 lm-head and both (dense), and predict single-stream tok/s as bandwidth x efficiency / "
-                    "bytes, with and without speculative decoding. Headers only: nothing is downloaded but "
+                    "int8 lm-head and both (dense), and predict single-stream tok/s from a step time of bytes / "
+                    "(bandwidth x efficiency) plus the hardware's per-step floor (time that is not bytes), with and "
+                    "without speculative decoding. Headers only: nothing is downloaded but "
                     "headers, nothing is built. A hybrid artifact is read as the dense profile.",
         epilog="examples:\n"
                "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware gb10 --published\n"
@@ -62,6 +63,9 @@ def register(sub, common) -> None:
     g.add_argument("--hardware", choices=sorted(bw.HARDWARE), default="gb10", help="preset (default: gb10)")
     g.add_argument("--bandwidth", type=float, metavar="GBPS", help="peak memory bandwidth in GB/s (overrides the preset)")
     g.add_argument("--efficiency", type=float, help="fraction of the bandwidth decode achieves (overrides the preset)")
+    g.add_argument("--floor-ms", type=float, metavar="MS",
+                   help="time per decode step that is not bytes, in ms (overrides the preset's measured floor; "
+                        "0: bound by bytes alone)")
     g.add_argument("--calibrate", type=float, metavar="TOK_S",
                    help="set the efficiency so that the base profile decodes at this measured tok/s")
     g = p.add_argument_group("workload")

@@ -122,3 +122,11 @@ def test_dry_run_cli(artifact, capsys):
     assert json.loads(capsys.readouterr().out)["argv"][:2] == ["docker", "run"]
     assert main(["serve", "nowhere/at-all", "--dry-run"]) == 2
     assert "needs --recipe" in capsys.readouterr().err
+
+
+def test_dense_profile_says_when_its_levers_gain_little(tiny_artifact):
+    """On an H200 the per-step floor hides the dense levers: serve says so; on a DGX Spark it does not."""
+    h200 = plan_launch(str(tiny_artifact), "dense", drafter="z-lab/tiny-drafter", hardware="h200")
+    assert any("bound by the per-step floor" in n for n in h200.notes)
+    gb10 = plan_launch(str(tiny_artifact), "dense", drafter="z-lab/tiny-drafter", hardware="gb10")
+    assert not any("per-step floor" in n for n in gb10.notes)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hybrid_build.serve import bandwidth as bw
+from hybrid_build.serve.speed_plan import PlanOptions, build_plan
 from hybrid_build.pipeline.checkpoint import Checkpoint
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.inspection import build_report, bytes_per_token
@@ -208,6 +209,49 @@ def test_predictions_against_published_gb10(reads_122b):
     published = e2e["dense"]["tok_s"] / e2e["base"]["tok_s"]
     predicted = bw.lever_uplift(reads_122b, 6.4, 273, bw.GB10_EFFICIENCY)
     assert abs(predicted - published) < 0.03
+
+
+# ----------------------------------------------------------------------------- the per-step floor
+
+H200_MEASURED = {"base": 109.5, "dense_over_base": 1.006}  # docs/gpu.md: 48 layers, dummy weights, graphs
+
+
+def test_h200_prediction_matches_full_depth_measurement(real_122b):
+    data = build_plan(real_122b, PlanOptions(hardware="h200", accept=[1.0]))
+    assert len(bw.layer_types(real_122b.text_config)) == 48
+    base = data["profiles"]["base"]["tok_s"]
+    assert abs(base / H200_MEASURED["base"] - 1) <= 0.15
+    assert abs(data["profiles"]["dense"]["speedup"] - H200_MEASURED["dense_over_base"]) <= 0.05
+    # without the floor the same bytes promise the 1.2x the H200 does not deliver
+    bare = build_plan(real_122b, PlanOptions(hardware="h200", accept=[1.0], floor_ms=0))
+    assert bare["profiles"]["dense"]["speedup"] > 1.15
+    assert any("gain under 5%" in n and "not bytes" in n for n in data["notes"])
+
+
+def test_gb10_published_table_still_holds_with_floors(real_122b):
+    data = build_plan(real_122b, PlanOptions(hardware="gb10", accept=[1.0], published=True))
+    published = {r["profile"]: r["tok_s"] for r in bw.PUBLISHED_GB10 if r["accept"] is None}
+    for p, tok_s in published.items():
+        assert abs(data["profiles"][p]["tok_s"] / tok_s - 1) <= 0.15, p
+    assert not any("gain under 5%" in n for n in data["notes"])
+
+
+def test_floor_adds_per_layer_of_each_kind_and_once_fixed():
+    floor = bw.StepFloor(1.0, (("linear_attention", 0.1), ("full_attention", 0.3)), "test")
+    assert floor.ms(["linear_attention"] * 3 + ["full_attention"]) == pytest.approx(1.0 + 0.3 + 0.3)
+    # a step of B bytes: B / (bandwidth x efficiency) + floor
+    assert bw.decode_tok_s(1e9, 1000, 0.5, 2.0) == pytest.approx(1 / (1e9 / 5e11 + 2e-3))
+    # calibrating on a measured speed takes the floor out first; round trip
+    eff = bw.calibrate_efficiency(100.0, 1e9, 1000, 2.0)
+    assert bw.decode_tok_s(1e9, 1000, eff, 2.0) == pytest.approx(100.0)
+    with pytest.raises(ValueError):
+        bw.calibrate_efficiency(1000.0, 1e9, 1000, 2.0)  # a 1 ms step cannot hold a 2 ms floor
+
+
+def test_unmeasured_floor_is_said_so(real_122b):
+    data = build_plan(real_122b, PlanOptions(hardware="h100", accept=[1.0]))
+    assert data["hardware"]["floor_measured"] is False
+    assert any("not backed by a measurement" in n for n in data["notes"])
 
 
 # ----------------------------------------------------------------------------- hybrid input
