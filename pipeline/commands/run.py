@@ -16,8 +16,9 @@ def _split_stages(text: str | None) -> list[str] | None:
 
 
 def _demo_source(args) -> Path:
-    """No SOURCE: build (once) the tiny demo checkpoint next to the output folder's work dir."""
-    from ..generators.demo import build_demo_checkpoint
+    """No SOURCE: build (once) the tiny demo checkpoint, and its drafter beside it, in the output
+    folder's work dir. A demo source built before the drafter existed gets one now."""
+    from ..generators.demo import build_demo_checkpoint, build_demo_drafter, demo_drafter_path
     from ..stages import WORK_DIR
 
     path = args.out / WORK_DIR / "demo-source"
@@ -29,6 +30,8 @@ def _demo_source(args) -> Path:
         shutil.rmtree(path, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         build_demo_checkpoint(path)
+    elif not (demo_drafter_path(path) / "config.json").exists():
+        build_demo_drafter(demo_drafter_path(path))
     return path
 
 
