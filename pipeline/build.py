@@ -10,7 +10,6 @@ or another tool can call these directly::
 """
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +18,7 @@ from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 from .checkpoint import Checkpoint
 from .context import BuildContext
 from .conversion import plan_conversion
-from .errors import RecipeError, SourceError, StorageError, UserError
-from .inspection import human_bytes
+from .errors import RecipeError, SourceError, UserError
 from .progress import ProgressFactory, null_progress
 from .stages import WORK_DIR
 
@@ -89,25 +87,3 @@ def prepare(source: str | Path, out: Path, recipe_arg: str | None = None,
     if not plan.conversions:
         raise SourceError(f"{source}: recipe {recipe.name} finds nothing to convert (no BF16 shared experts or lm_head)")
     return BuildContext(ckpt, recipe, note, Path(out), plan, progress, in_artifact)
-
-
-def planned_write_bytes(ctx: BuildContext) -> dict[str, int]:
-    """Bytes a full build writes: the output checkpoint and the intermediate stage files."""
-    source_bytes = sum(t.nbytes for t in ctx.source.tensors.values())
-    head = sum(c.out_bytes for c in ctx.plan.of_kind("int8")) if ctx.recipe.lm_head.storage != "bf16" else 0
-    return {"output": source_bytes - ctx.plan.bytes_before + ctx.plan.bytes_after,
-            "intermediate": sum(c.out_bytes for c in ctx.plan.of_kind("fp8")) + head}
-
-
-def check_free_space(ctx: BuildContext, stages: list[str]) -> None:
-    """Refuse, before writing anything, a build that the output's filesystem cannot hold."""
-    planned = planned_write_bytes(ctx)
-    need = (planned["output"] if "assemble" in stages else 0) + planned["intermediate"]
-    # files this build replaces give their space back (shards are renamed over them)
-    need -= sum(p.stat().st_size for p in ctx.out.glob("*.safetensors"))
-    need -= sum(p.stat().st_size for p in ctx.work.glob("*/*.safetensors"))
-    free = shutil.disk_usage(ctx.out).free
-    if need > free:
-        raise StorageError(f"{ctx.out}: {human_bytes(free)} free on its filesystem, this build writes about "
-                           f"{human_bytes(need)} (output ~{human_bytes(planned['output'])}, stage files "
-                           f"~{human_bytes(planned['intermediate'])}); free some space or choose another folder")

@@ -63,3 +63,8 @@ class BuildContext:
         stats = {f: self.digests.stat(f) for f in self.digests.files}
         return sha256_json({"tool": __version__, "source": stats,
                             "recipe": self.recipe.model_dump(mode="json", by_alias=True)})
+
+
+def output_bytes(ctx: BuildContext) -> int:
+    """Tensor bytes of the output checkpoint: the source's, with the planned conversions applied."""
+    return sum(t.nbytes for t in ctx.source.tensors.values()) - ctx.plan.bytes_before + ctx.plan.bytes_after

@@ -14,15 +14,16 @@ manifest is saved as soon as they are known, at the latest when the build ends.
 """
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import __version__
-from .build import check_free_space, planned_write_bytes
-from .context import BuildContext
-from .errors import HybridBuildError, StageFailed, UserError
+from .context import BuildContext, output_bytes
+from .errors import HybridBuildError, StageFailed, StorageError, UserError
+from .inspection import human_bytes
 from .manifest import StageManifest, describe_outputs, sha256_json
 from .stages import STAGES, load_stage
 from .stages.base import Finished, Handover, Pending, Stage, StageIO, StageOutput
@@ -88,20 +89,38 @@ def upstream_outputs(ctx: BuildContext, names: tuple[str, ...]) -> dict[str, Sta
     return out
 
 
+def planned_writes(ctx: BuildContext, names: list[str]) -> dict[str, int]:
+    """Bytes each of the stages would write, as they plan it from headers."""
+    return {n: stage.writes(ctx) for n in names if (stage := load_stage(n)).writes}
+
+
+def check_free_space(ctx: BuildContext, names: list[str]) -> None:
+    """Refuse, before writing anything, a build that the output's filesystem cannot hold."""
+    writes = planned_writes(ctx, names)
+    need = sum(writes.values())
+    # files this build replaces give their space back (shards are renamed over them)
+    need -= sum(p.stat().st_size for p in ctx.out.glob("*.safetensors"))
+    need -= sum(p.stat().st_size for p in ctx.work.glob("*/*.safetensors"))
+    free = shutil.disk_usage(ctx.out).free
+    if need > free:
+        parts = ", ".join(f"{n} ~{human_bytes(b)}" for n, b in writes.items() if b)
+        raise StorageError(f"{ctx.out}: {human_bytes(free)} free on its filesystem, this build writes about "
+                           f"{human_bytes(need)} ({parts}); free some space or choose another folder")
+
+
 def dry_run(ctx: BuildContext, stages: list[str]) -> dict:
     """What a build of ``stages`` would do: the recipe, the conversions, sizes, which stages are up
-    to date and, once calibrate and quantize-head are, the output shards. Writes nothing."""
-    from .stages.assemble import plan_output
-
+    to date, and what a stage can describe once the stages it reads are current (the output
+    shards). Writes nothing."""
     status = stage_status(ctx)
-    planned = planned_write_bytes(ctx)
     data = {"recipe": ctx.recipe.name, "recipe_choice": ctx.recipe_note, "output": str(ctx.out),
             "format": ctx.recipe.output.format, "stages": {s: status[s] for s in stages},
             "conversion": ctx.plan.to_json(), "source_bytes": sum(t.nbytes for t in ctx.source.tensors.values()),
-            "output_bytes_estimate": planned["output"], "intermediate_bytes_estimate": planned["intermediate"]}
-    if status["calibrate"] == status["quantize-head"] == "up to date":
-        shards = plan_output(ctx, upstream_outputs(ctx, ("calibrate", "quantize-head")))
-        data["shards"] = [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)} for s in shards]
+            "output_bytes_estimate": output_bytes(ctx), "planned_writes": planned_writes(ctx, list(STAGES))}
+    for name in stages:
+        stage = load_stage(name)
+        if stage.describe and all(status[up] == "up to date" for up in stage.reads):
+            data.update(stage.describe(ctx, upstream_outputs(ctx, stage.reads)))
     return data
 
 

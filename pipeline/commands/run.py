@@ -121,8 +121,9 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
         emit_json(data)
         return 0
     print(f"{ctx.recipe_note}; output format {data['format']}")
+    staged = sum(data["planned_writes"].values()) - data["output_bytes_estimate"]
     print(f"source {human_bytes(data['source_bytes'])} -> output ~{human_bytes(data['output_bytes_estimate'])} "
-          f"(+ ~{human_bytes(data['intermediate_bytes_estimate'])} of stage files while building)")
+          f"(+ ~{human_bytes(staged)} of stage files while building)")
     for c in ctx.plan.conversions:
         print(f"  {c.kind:<5} {c.module}  {c.shape[0]}x{c.shape[1]}  "
               f"{human_bytes(c.in_bytes)} -> {human_bytes(c.out_bytes)}")

@@ -24,7 +24,7 @@ from hybrid_build.calibration.gptq import zeros_are_symmetric
 
 from .. import __version__
 from ..checkpoint import TensorInfo
-from ..context import BuildContext
+from ..context import BuildContext, output_bytes
 from ..errors import ArtifactError
 from ..layout import split_module
 from ..manifest import sha256_file
@@ -317,4 +317,14 @@ def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, s
     }
 
 
-STAGE = Stage("assemble", run, inputs=inputs, reads=("calibrate", "quantize-head"), check=check)
+def writes(ctx: BuildContext) -> int:
+    return output_bytes(ctx)
+
+
+def describe(ctx: BuildContext, up: dict[str, StageOutput]) -> dict:
+    return {"shards": [{"file": s.filename, "bytes": s.total_bytes, "tensors": len(s.tensors)}
+                       for s in plan_output(ctx, up)]}
+
+
+STAGE = Stage("assemble", run, inputs=inputs, reads=("calibrate", "quantize-head"), check=check, writes=writes,
+              describe=describe)

@@ -31,7 +31,9 @@ StageRun = Callable[["BuildContext", "StageIO"], "tuple[list[Path], dict]"]
 @dataclass(frozen=True)
 class Stage:
     """One step of the build. ``layout``, for a background stage, plans the file it will write
-    before a byte of it is computed, so that a reader can plan its own output meanwhile."""
+    before a byte of it is computed, so that a reader can plan its own output meanwhile.
+    ``writes`` sizes what it writes (the runner checks free space against the sum); ``describe``
+    adds to ``--dry-run`` what only it can plan (the output shards) from its upstream results."""
 
     name: str
     run: StageRun
@@ -40,7 +42,8 @@ class Stage:
     background: bool = False
     check: Callable[[BuildContext], None] | None = None
     layout: Callable[[BuildContext], ShardPlan | None] | None = None
-
+    writes: Callable[[BuildContext], int] | None = None  # bytes it will write, planned from headers
+    describe: Callable[[BuildContext, dict], dict] | None = None  # for --dry-run, once its reads are current
 
 @dataclass
 class StageIO:

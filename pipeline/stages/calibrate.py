@@ -76,4 +76,8 @@ def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
 # ---------------------------------------------------------------------------- quantize-head
 
 
-STAGE = Stage("calibrate", run, inputs=inputs, check=check)
+def writes(ctx: BuildContext) -> int:
+    return sum(c.out_bytes for c in ctx.plan.of_kind("fp8"))
+
+
+STAGE = Stage("calibrate", run, inputs=inputs, check=check, writes=writes)

@@ -127,4 +127,8 @@ def layout(ctx: BuildContext) -> ShardPlan | None:
     return head_plan(ctx)[0]
 
 
-STAGE = Stage("quantize-head", run, inputs=inputs, background=True, layout=layout)
+def writes(ctx: BuildContext) -> int:
+    return 0 if ctx.recipe.lm_head.storage == "bf16" else sum(c.out_bytes for c in ctx.plan.of_kind("int8"))
+
+
+STAGE = Stage("quantize-head", run, inputs=inputs, background=True, layout=layout, writes=writes)

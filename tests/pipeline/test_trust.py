@@ -246,7 +246,7 @@ def test_disk_full_mid_write_is_one_line_and_nothing_looks_complete(tiny_checkpo
     fs = tmpfs("4m")
     out = fs / "out"
     real = shutil.disk_usage
-    monkeypatch.setattr(build.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))  # defeat the check
+    monkeypatch.setattr(runner.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))  # defeat the check
     assert main(["run", str(tiny_checkpoint), "-o", str(out), "--recipe", "tiny", "--json"]) == 1
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
