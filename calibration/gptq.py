@@ -16,7 +16,7 @@ def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [K*bits/32, N] -> unsigned codes int32 [K, N]."""
     per = 32 // bits
     mask = (1 << bits) - 1
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
     codes = (qweight.to(torch.int32).unsqueeze(1) >> shifts.view(1, per, 1)) & mask
     return codes.reshape(qweight.shape[0] * per, qweight.shape[1])
 

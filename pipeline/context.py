@@ -6,6 +6,7 @@ and never change it; the runner (``pipeline.runner``) owns what changes while a 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class BuildContext:
     plan: ConversionPlan
     progress: ProgressFactory = null_progress
     in_artifact: str | None = None  # the demo source: its place inside the output folder
+    announce: Callable[[str], None] | None = None  # a line the user should see before a long step
     _digests: SourceDigests | None = field(default=None, repr=False)
 
     @property

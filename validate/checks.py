@@ -84,6 +84,7 @@ class ValidationInputs:
     plan: ConversionPlan
     progress: ProgressFactory = null_progress
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
+    activation_labels: dict[str, str] = field(default_factory=dict)  # where an input came from, if not a file
 
     @property
     def spec(self) -> ValidateSpec:
@@ -598,7 +599,8 @@ def check_head(inp: ValidationInputs, f: Findings) -> tuple[list[dict], dict]:
 
     logits = logit_metrics(ref_logits, hyb_logits)
     head = {"module": module, "tokens": int(h.shape[0]),
-            "inputs": "calibration" if "lm_head" in inp.activations else "random (final-norm scale)", **logits}
+            "inputs": inp.activation_labels.get("lm_head", "calibration") if "lm_head" in inp.activations
+            else "random (final-norm scale)", **logits}
     lreasons = []
     if below(logits["top1_agreement"], spec.head_min_top1):
         lreasons.append(f"top-1 agreement {logits['top1_agreement']:.4f} < {spec.head_min_top1} (head_min_top1)")

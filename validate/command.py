@@ -21,8 +21,10 @@ def _handle(args: argparse.Namespace) -> int:
         return progress(args.quiet or args.json, leave=False, **kw)
 
     e2e = False if args.no_e2e else (True if args.e2e else None)
+    announce = None if args.quiet or args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     report = validate_artifact(args.artifact, args.source, recipe=recipe, progress=bar,
-                               activations=args.activations, e2e=e2e)
+                               activations=args.activations, e2e=e2e, engine=args.engine, texts=args.texts,
+                               announce=announce)
     where = Path(args.artifact) / "hybrid_build" / "validation.md"
     if args.json:
         emit_json(report.to_json())
@@ -55,14 +57,18 @@ def register(sub, common) -> None:
                     "files agree, sha256 against provenance.json, dtypes and shapes of the declared scheme, no "
                     "NaN/Inf or non-positive scales; each converted tensor against its BF16 source (relative "
                     "error, cosine, SQNR, worst block/row); each shared-expert MLP's output; the lm-head's logits "
-                    "(top-1, top-5, KL); and a teacher-forced forward of the whole model with transformers. "
+                    "(top-1, top-5, KL; on the forward's real hidden states when it runs); and a teacher-forced "
+                    "forward of the whole model, one decoder layer at a time (KL mean, median, p99, p99.9, "
+                    "same-top-1, RMS delta-p, perplexity, bootstrap intervals; per text). "
                     "Thresholds come from the recipe's `validate` section. Writes "
                     "ARTIFACT/hybrid_build/validation.{json,md,png}. Exit 0 when every check passes, 1 when one "
                     "fails, 2 on a usage error.",
         epilog="examples:\n"
                "  hybrid-build validate out/                      # source from out/hybrid_build/provenance.json\n"
                "  hybrid-build validate out/ --source ./int4 --json\n"
-               "  hybrid-build validate hybrid/ --no-e2e          # skip the whole-model forward (big models)")
+               "  hybrid-build validate out/ --texts my_prompts.jsonl  # your own texts (.txt, or .jsonl name/text)\n"
+               "  hybrid-build validate hybrid/ --engine vllm      # the same figures from vLLM (needs a GPU)\n"
+               "  hybrid-build validate hybrid/ --no-e2e           # skip the end-to-end forward")
     p.add_argument("artifact", type=Path, help="the artifact folder written by `hybrid-build run`")
     p.add_argument("--source", help="the INT4 source checkpoint (folder or Hub id; default: the one provenance.json names)")
     p.add_argument("--recipe", help="recipe name or YAML file for the thresholds (default: ARTIFACT/hybrid_build/recipe.yaml)")
@@ -72,5 +78,12 @@ def register(sub, common) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--no-e2e", action="store_true", help="skip the end-to-end forward even if the recipe asks for it")
     g.add_argument("--e2e", action="store_true", help="run the end-to-end forward even if the recipe turns it off")
+    p.add_argument("--engine", choices=("streamed", "vllm", "transformers"), default="streamed",
+                   help="how the end-to-end forward runs: streamed (default: one decoder layer in memory at a time, "
+                        "GPU if torch sees one, else CPU), vllm (both models served by vLLM, needs a GPU), "
+                        "transformers (the reference implementation; the model must fit in RAM)")
+    p.add_argument("--texts", type=Path, action="append", metavar="FILE",
+                   help="texts for the end-to-end forward instead of the bundled ones: a .txt file is one text, a "
+                        ".jsonl file one {\"name\", \"text\"} object per line (repeatable)")
     add_json_flag(p)
     p.set_defaults(handler=_handle)

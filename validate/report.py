@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hybrid_build.pipeline.checkpoint import Checkpoint
 from hybrid_build.pipeline.conversion import plan_conversion
-from hybrid_build.pipeline.errors import ArtifactError, SourceError, UserError
+from hybrid_build.pipeline.errors import ArtifactError, HybridBuildError, SourceError, UserError
 from hybrid_build.pipeline.source_identity import open_recorded_source
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
@@ -110,14 +110,21 @@ def _resolve_recipe(artifact: Checkpoint, source: Checkpoint, f: Findings) -> Re
 
 
 def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe | None = None, progress=None,
-                      *, activations: Path | None = None, e2e: bool | None = None,
-                      write: bool = True) -> ValidationReport:
+                      *, activations: Path | None = None, e2e: bool | None = None, engine: str = "streamed",
+                      texts: list[Path] | None = None, announce=None, write: bool = True) -> ValidationReport:
     """Check ``artifact`` against ``source`` (default: the one its provenance names) and write the
     report into ``artifact/hybrid_build/``. ``recipe`` defaults to the artifact's resolved recipe;
-    ``e2e`` overrides the recipe's ``validate.e2e``; ``activations`` is a safetensors file of
-    calibration inputs (see ``checks.load_activations``)."""
+    ``e2e`` overrides the recipe's ``validate.e2e`` and ``engine`` picks how the end-to-end forward
+    runs (``end_to_end.ENGINES``) on ``texts`` (default: the bundled ones); ``announce`` receives
+    one line saying how long the forward will take, before it starts; ``activations`` is a
+    safetensors file of calibration inputs (see ``checks.load_activations``)."""
+    from .end_to_end import ENGINES, load_texts
+
     t0 = time.perf_counter()
     progress = progress or checks.null_progress
+    if engine not in ENGINES:
+        raise UserError(f"unknown end-to-end engine {engine!r} (engines: {', '.join(ENGINES)})")
+    texts_by_name = load_texts(texts)
     art = _load_artifact(Path(artifact))
     provenance = checks.read_provenance(art.root)
     # a source that is not, by content, the one the artifact was built from is an error before
@@ -139,6 +146,15 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     weights, dequantized = checks.check_fp8_weights(inp, f)
     report.activations = checks.check_activations(inp, f, dequantized)
     del dequantized
+
+    # the end-to-end forward first: its final-norm hidden states are the lm-head check's inputs
+    run_e2e = spec.e2e if e2e is None else e2e
+    if run_e2e:
+        report.end_to_end = _end_to_end(inp, f, engine, texts_by_name, announce)
+    else:
+        report.end_to_end = {"skipped": True, "reason": "validate.e2e is false in the recipe" if e2e is None
+                             else "turned off for this run"}
+        f.note("end_to_end", "skipped")
     head_entries, report.lm_head = checks.check_head(inp, f)
     report.weights = weights + head_entries
     if report.weights:
@@ -146,14 +162,6 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
         summary = (f"{len(report.weights)} converted tensors; worst relative error {worst['rel_error']:.4g} "
                    f"({worst['module']})")
         f.details["weights"] = f.details.get("weights") or summary
-
-    run_e2e = spec.e2e if e2e is None else e2e
-    if run_e2e:
-        report.end_to_end = _end_to_end(inp, f)
-    else:
-        report.end_to_end = {"skipped": True, "reason": "validate.e2e is false in the recipe" if e2e is None
-                             else "turned off for this run"}
-        f.note("end_to_end", "skipped")
 
     for name in CHECK_ORDER:
         if name in f.details or name in f.failed:
@@ -170,7 +178,8 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     return report
 
 
-def _end_to_end(inp: ValidationInputs, f: Findings) -> dict:
+def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str, str], announce=None) -> dict:
+    from . import end_to_end
     from .e2e import run_end_to_end, strip_ansi
 
     spec = inp.spec
@@ -179,11 +188,29 @@ def _end_to_end(inp: ValidationInputs, f: Findings) -> dict:
     if missing:
         f.fail("end_to_end", f"not run: {missing[0]} has no tensors in the artifact")
         return {"skipped": True, "reason": "converted tensors missing"}
-    bar = inp.progress(total=1, desc="end-to-end forward", unit="run")
-    result = run_end_to_end(inp.artifact.root, inp.source.root, modules)
-    checks._close(bar)
+    try:
+        if engine == "transformers":
+            bar = inp.progress(total=1, desc="end-to-end forward", unit="run")
+            result = run_end_to_end(inp.artifact.root, inp.source.root, modules)
+            checks._close(bar)
+            result["engine"] = "transformers"
+        else:
+            ids = end_to_end.tokenize(inp.source, texts)
+            if announce and engine == "streamed":
+                seconds, basis = end_to_end.estimate_seconds(inp.source)
+                announce(f"end-to-end forward ({engine}, {inp.source.text_config.get('num_hidden_layers')} layers, "
+                         f"{sum(len(v) for v in ids.values())} tokens): about "
+                         f"{f'{seconds:.0f} s' if seconds < 120 else f'{seconds / 60:.1f} min'} ({basis})")
+            result, hidden = end_to_end.run(engine, inp.source, inp.artifact, ids, inp.progress)
+            if hidden is not None and "lm_head" not in inp.activations:
+                import torch
+
+                inp.activations["lm_head"] = torch.cat([h for h in hidden.values()])
+                inp.activation_labels["lm_head"] = "real (final-norm hidden states of the end-to-end forward)"
+    except HybridBuildError as e:  # no tokenizer, texts too short, engine unavailable: one sentence
+        result = {"error": str(e), "engine": engine}
     if "error" in result:
-        # one sentence, as the child explained it; a terminal's colour codes never reach the report
+        # one sentence, as the engine explained it; a terminal's colour codes never reach the report
         result["error"] = " ".join(strip_ansi(result["error"]).split())
         f.fail("end_to_end", result["error"])
         return result
@@ -261,7 +288,8 @@ def render_markdown(r: ValidationReport) -> str:
                   f"top-5 overlap {_fmt(h.get('top5_overlap'))}, KL {_fmt(h.get('kl'))}, "
                   f"max logit error {_fmt(h.get('max_logit_error'))}."]
     e = r.end_to_end
-    lines += ["", "### End to end (teacher-forced, transformers, bundled texts)", ""]
+    engine = e.get("engine", "streamed")
+    lines += ["", f"### End to end (teacher-forced, {engine} engine, KL(source || hybrid) per position)", ""]
     if e.get("skipped"):
         lines.append(f"Skipped: {e.get('reason')}.")
     elif "error" in e:
@@ -269,10 +297,21 @@ def render_markdown(r: ValidationReport) -> str:
     else:
         lines += [f"{e['tokens']} tokens: KL(source || hybrid) {_fmt(e['kl'])}, top-1 agreement "
                   f"{_fmt(e['top1_agreement'])}, perplexity {_fmt(e['ppl_source'])} -> {_fmt(e['ppl_hybrid'])} "
-                  f"({e['ppl_change']:+.3%}).", "",
-                  "| text | tokens | KL | top-1 | ppl source | ppl hybrid |", "|---|---|---|---|---|---|"]
-        lines += [f"| {name} | {t['tokens']} | {_fmt(t['kl'])} | {_fmt(t['top1_agreement'])} | "
-                  f"{_fmt(t['ppl_source'])} | {_fmt(t['ppl_hybrid'])} |" for name, t in e.get("texts", {}).items()]
+                  f"({e['ppl_change']:+.3%}).", ""]
+        full = "kl_p99" in e  # the streamed and vllm engines report the whole distribution
+        if full:
+            lines += ["| text | tokens | mean KL [95% CI] | median KL | p99 KL | p99.9 KL | same top-1 [95% CI] | "
+                      "RMS Δp | ppl source | ppl hybrid |", "|---|---|---|---|---|---|---|---|---|---|"]
+            rows = {**e.get("texts", {}), "all": e}
+            lines += [f"| {name} | {t['tokens']} | {_fmt(t['kl'])} [{_fmt(t['kl_ci95'][0])}, {_fmt(t['kl_ci95'][1])}] | "
+                      f"{_fmt(t['kl_median'])} | {_fmt(t['kl_p99'])} | {_fmt(t['kl_p999'])} | "
+                      f"{_fmt(t['top1_agreement'])} [{_fmt(t['top1_ci95'][0])}, {_fmt(t['top1_ci95'][1])}] | "
+                      f"{_fmt(t['rms_delta_p'])} | {_fmt(t['ppl_source'])} | {_fmt(t['ppl_hybrid'])} |"
+                      for name, t in rows.items()]
+        else:
+            lines += ["| text | tokens | KL | top-1 | ppl source | ppl hybrid |", "|---|---|---|---|---|---|"]
+            lines += [f"| {name} | {t['tokens']} | {_fmt(t['kl'])} | {_fmt(t['top1_agreement'])} | "
+                      f"{_fmt(t['ppl_source'])} | {_fmt(t['ppl_hybrid'])} |" for name, t in e.get("texts", {}).items()]
     t = r.thresholds
     lines += ["", "Thresholds: " + ", ".join(f"{k} {v}" for k, v in t.items()) + "."]
     return "\n".join(lines) + "\n"

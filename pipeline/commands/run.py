@@ -56,6 +56,8 @@ def _handle(args: argparse.Namespace) -> int:
     ctx = prepare(source, args.out, args.recipe or ("tiny" if demo else None), progress=bar, revision=args.revision,
                   overrides=overrides, force=args.force, in_artifact=f"{WORK_DIR}/demo-source" if demo else None,
                   recipe_how="given" if args.recipe else "the demo's")
+    if not args.quiet and not args.json:
+        ctx.announce = lambda line: print(f"  {line}", flush=True)
     if args.no_validate and "validate" in stages:
         stages.remove("validate")
 

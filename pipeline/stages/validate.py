@@ -26,7 +26,8 @@ def check(ctx: BuildContext) -> None:
 def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
     from hybrid_build.validate.report import validate_artifact
 
-    report = validate_artifact(ctx.out, ctx.source.root, recipe=ctx.recipe, progress=ctx.progress)
+    report = validate_artifact(ctx.out, ctx.source.root, recipe=ctx.recipe, progress=ctx.progress,
+                               announce=ctx.announce)
     files = sorted((ctx.out / "hybrid_build").glob("validation.*"))
     details = {"passed": report.passed, "failures": list(report.failures)}
     if not report.passed:
