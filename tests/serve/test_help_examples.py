@@ -63,6 +63,10 @@ def why_not(cmd: str, cwd: Path) -> str | None:
             return f"needs the checkpoint {a}"
     if "--recipe" in args and args[args.index("--recipe") + 1].startswith("qwen3.5-122b"):
         return "the 122B recipe refuses the 4-layer demo model"
+    if "--engine" in args and args[args.index("--engine") + 1] == "vllm" and verb == "validate":
+        return "runs both models in vLLM: needs a GPU"
+    if "--texts" in args and not (cwd / args[args.index("--texts") + 1]).exists():
+        return f"reads the user's texts file {args[args.index('--texts') + 1]}"
     return None
 
 
