@@ -11,10 +11,11 @@ SYNTHETIC_PREFIX = "synthetic:"
 
 
 def synthetic_models() -> dict:
-    from .synthetic import qwen35_122b_config
+    from .synthetic import qwen35_122b_config, qwen35_397b_config
 
     # compact extra_config: same meaning, and reading 112k headers takes seconds instead of ~30 s
-    return {"qwen3.5-122b-a10b": lambda: qwen35_122b_config(compact_extra_config=True)}
+    return {"qwen3.5-122b-a10b": lambda: qwen35_122b_config(compact_extra_config=True),
+            "qwen3.5-397b-a17b": lambda: qwen35_397b_config(compact_extra_config=True)}
 
 
 def open_source(source: str, revision: str | None, workdir: Path) -> Checkpoint:

@@ -92,6 +92,46 @@ def qwen35_122b_config(compact_extra_config: bool = False) -> dict:
     return cfg
 
 
+# Qwen3.5-397B-A17B's text config. Every width below was read from public copies of the real
+# config.json / model definition, not guessed:
+# - hidden 4096, 60 layers, 32 q / 2 kv heads of 256 with the output gate, 512 routed experts,
+#   top-10, moe_intermediate 1024, one shared expert of 1024 with its sigmoid gate, vocab 248,320,
+#   untied head, partial rotary 0.25, rope theta 1e7: THUDM/slime scripts/models/qwen3.5-397B-A17B.sh
+#   (its Megatron arguments for this model), and the same numbers in two independent model-metadata
+#   tables of other projects;
+# - full attention every 4th layer, top-10 of 512 plus one shared expert, MTP: SGLang's
+#   Qwen3.5-397B-A17B deployment docs;
+# - Gated DeltaNet 16 key / 64 value heads of 128, conv kernel 4: a gated-delta-rule walkthrough that
+#   quotes huggingface.co/Qwen/Qwen3.5-397B-A17B/blob/main/config.json, and the same in two
+#   converters' hard-coded configs for this model;
+# - one MTP layer: a public MTP-extraction script counts 1553 MTP tensors in the BF16 release, which
+#   is exactly one full-attention layer with 512 experts (512 x 3 + 3 shared + gate + shared gate +
+#   4 attention + 2 q/k norms + 2 layer norms) plus mtp.fc and its 3 norms.
+# The rest is the 122B's (same family, same model_type), marked assumed where no byte count
+# depends on it.
+QWEN35_397B_TEXT_CONFIG: dict = dict(
+    copy.deepcopy(QWEN35_122B_TEXT_CONFIG),
+    hidden_size=4096,
+    num_hidden_layers=60,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(60)],
+    num_experts=512,
+    num_experts_per_tok=10,
+)
+
+
+def qwen35_397b_config(compact_extra_config: bool = True) -> dict:
+    """config.json of an Intel-style INT4 AutoRound Qwen3.5-397B-A17B (VL form), widths as
+    ``QWEN35_397B_TEXT_CONFIG`` says where they come from. The vision tower is the 122B's
+    (assumed: its widths are not read from the real file) projecting into 4096. ``compact``
+    defaults to True: the ~280k tensors of this model make the per-layer keys slow to match."""
+    cfg = qwen35_122b_config()
+    cfg.pop("quantization_config")
+    cfg["text_config"] = copy.deepcopy(QWEN35_397B_TEXT_CONFIG)
+    cfg["vision_config"]["out_hidden_size"] = QWEN35_397B_TEXT_CONFIG["hidden_size"]
+    cfg["quantization_config"] = autoround_quantization_config(cfg, compact_extra_config)
+    return cfg
+
+
 def autoround_quantization_config(config: dict, compact: bool = False) -> dict:
     """Intel-style auto-round config: INT4 g128 sym, with the 16-bit layers in ``extra_config``
     (router and shared experts as regex keys, in_proj_a/b and shared_expert_gate per layer).
