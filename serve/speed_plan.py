@@ -17,6 +17,7 @@ from hybrid_build.pipeline.errors import UserError
 from hybrid_build.pipeline.inspection import build_report, bytes_per_token
 
 from . import bandwidth as bw
+from . import multinode_plan as mnp
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class PlanOptions:
     verify_block: int | None = None
     published: bool = False
     recipe: str | None = None
+    nodes: int | None = None  # predict for N nodes too (TP=N, PP=N): serve/multinode_plan.py
+    link_gbps: float = mnp.LINK_GBPS
+    link_latency_us: float = mnp.LINK_LATENCY_US
 
 
 def _is_hybrid(ckpt: Checkpoint) -> bool:
@@ -164,11 +168,26 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         "speculative": spec,
         "notes": reads.notes + lever_notes(profiles, hw, floor_ms, reads.total("base")),
     }
+    if args.nodes is not None:
+        data["multinode"] = _multinode(ckpt, args, reads, hw, floor_ms, hybrid)
     if args.published:
         data["published_gb10"] = bw.published_comparison(reads, hw, drafter, args.context)
         if hw.name != "gb10" or hw.bandwidth_gbps != bw.HARDWARE["gb10"].bandwidth_gbps:
             data["notes"].append("--published compares with GB10 measurements, but the hardware here is not GB10")
     return data
+
+
+def _multinode(ckpt: Checkpoint, args: PlanOptions, reads: bw.ProfileReads, hw: bw.Hardware, floor_ms: float,
+               hybrid: bool) -> dict:
+    if args.nodes < 2:
+        raise UserError(f"--nodes must be 2 or more, got {args.nodes}")
+    if not args.link_gbps > 0 or args.link_latency_us < 0:
+        raise UserError("--link-gbps must be positive and --link-latency-us >= 0")
+    source = mnp.LINK_SOURCE if args.link_latency_us == mnp.LINK_LATENCY_US else "given (--link-latency-us)"
+    stored = sum(t.nbytes for t in ckpt.tensors.values() if t.klass != "mtp")  # vLLM skips MTP unless it drafts
+    return mnp.predict(reads.parts, ckpt.text_config, hw, floor_ms, args.nodes,
+                       mnp.Link(args.link_gbps, args.link_latency_us, source), stored,
+                       "dense" if hybrid else "base")
 
 
 LEVER_GAIN_FLOOR = 0.05  # under this, plan says in words that a lever will barely show
@@ -246,6 +265,8 @@ def render_text(data: dict) -> str:
             lines.append(f"{r['profile']:<11}{acc:>7}{r['tok_s']:>11.1f}{r['predicted']:>11.1f}{r['gap']:>+8.1%}  {r['note']}")
     for n in data["notes"]:
         lines.append(f"note: {n}")
+    if data.get("multinode"):
+        lines.append(mnp.render_text(data["multinode"]))
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from hybrid_build.serve import bandwidth as bw
+from hybrid_build.serve import multinode_plan as mnp
 from hybrid_build.serve.speed_plan import (
     DEFAULT_ACCEPT, KV_DTYPES, STATE_DTYPES, PlanOptions, build_plan, drafter_of, render_text, write_plot,
 )
@@ -54,9 +55,11 @@ def register(sub, common) -> None:
         epilog="examples:\n"
                "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware gb10 --published\n"
                "  hybrid-build plan ./Qwen3.5-122B-A10B-int4-AutoRound --accept 3 6.5 8.3 --plot plan.png\n"
-               "  hybrid-build plan ./ckpt --bandwidth 1000 --calibrate 45 --json > plan.json")
+               "  hybrid-build plan ./ckpt --bandwidth 1000 --calibrate 45 --json > plan.json\n"
+               "  hybrid-build plan synthetic:qwen3.5-397b-a17b --nodes 2 --accept 1   # two DGX Sparks, TP=2 / PP=2")
     p.add_argument("source", metavar="SRC_OR_ARTIFACT",
-                   help="checkpoint folder, Hub id, hybrid artifact, or synthetic:qwen3.5-122b-a10b")
+                   help="checkpoint folder, Hub id, hybrid artifact, or synthetic:qwen3.5-122b-a10b / "
+                        "synthetic:qwen3.5-397b-a17b")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit)")
     p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from config.json)")
     g = p.add_argument_group("hardware")
@@ -82,6 +85,15 @@ def register(sub, common) -> None:
     g.add_argument("--verify-block", type=int, metavar="N",
                    help="count experts over N verified positions (drafted + 1) instead of the accepted ones")
     g.add_argument("--published", action="store_true", help="compare with the published GB10 figures of the 122B")
+    g = p.add_argument_group("several nodes")
+    g.add_argument("--nodes", type=int, metavar="N",
+                   help="also predict N nodes over a link: bytes per node, the all-reduce traffic, tok/s for TP=N and "
+                        "PP=N (docs/multinode.md)")
+    g.add_argument("--link-gbps", type=float, default=mnp.LINK_GBPS,
+                   help="link bandwidth between nodes in Gb/s (default: %(default)g, a DGX Spark's ConnectX-7)")
+    g.add_argument("--link-latency-us", type=float, default=mnp.LINK_LATENCY_US,
+                   help="latency of a two-node all-reduce of a few KB in us (default: %(default)g, assumed; "
+                        "measure with nccl-tests)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of tok/s against acceptance length")
     add_json_flag(p)
     p.set_defaults(handler=_handle)
