@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import time
 from pathlib import Path
 
 from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.pipeline.errors import UserError
 
 from .engine import GPU_PRESETS
 from .profiles import DOCKER_IMAGE, PROFILE_NAMES
@@ -23,7 +25,9 @@ def register(sub, common) -> None:
         epilog="examples:\n"
                "  hybrid-build serve out/ --profile dense --dry-run\n"
                "  hybrid-build serve out/ --profile base --port 8001\n"
-               "  hybrid-build serve out/ --engine docker --profile dense   # DGX Spark image, patched vLLM 0.23")
+               "  hybrid-build serve out/ --engine docker --profile dense   # DGX Spark image, patched vLLM 0.23\n"
+               "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
+               "--dry-run")
     p.add_argument("artifact", help="artifact folder (or a Hub id, with --recipe)")
     p.add_argument("--profile", choices=PROFILE_NAMES, help="serve profile (default: the recipe's default)")
     p.add_argument("--engine", choices=("local", "docker"), default="local",
@@ -42,6 +46,28 @@ def register(sub, common) -> None:
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and environment, start nothing")
+    g = p.add_argument_group("several nodes (vLLM on a Ray cluster; docs/multinode.md)")
+    g.add_argument("--nodes", metavar="HOST1,HOST2", help="serve across these machines: [user@]host, each by its "
+                   "address on the link; the first is the Ray head and runs vLLM. One of them may be this machine; "
+                   "the others are reached over ssh")
+    g.add_argument("--nodes-file", type=Path, metavar="FILE", help="the hosts, one a line (# comments)")
+    g.add_argument("--ifname", metavar="IFACE", help="the link's network interface on every node (NCCL, Gloo and "
+                   "vLLM use it), e.g. the ConnectX-7 port ibdev2netdev names")
+    g.add_argument("--ib-hca", metavar="DEV[,DEV]", help="RDMA devices for NCCL (NCCL_IB_HCA), e.g. both RoCE "
+                   "devices of a Spark's 200G port")
+    g.add_argument("--parallel", choices=("tp", "pp"), default="tp",
+                   help="tp: tensor parallel over all GPUs (default); pp: one pipeline stage per node")
+    g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs on each node (default 1: a DGX Spark)")
+    g.add_argument("--ray-port", type=int, default=6379, help="the Ray head's port (default 6379)")
+    g.add_argument("--ray-temp-dir", metavar="DIR", help="Ray's temp folders, DIR/nodeN on each node "
+                   "(default: Ray's own)")
+    g.add_argument("--remote-venv", metavar="DIR", help="the environment hybrid-build, Ray and vLLM are installed "
+                   "in on the other nodes (default: their login PATH)")
+    g.add_argument("--node-env", action="append", default=[], metavar="[N:]KEY=VALUE",
+                   help="environment for node N (1 = the head), or for every node without N; repeatable "
+                        "(e.g. 1:CUDA_VISIBLE_DEVICES=0 2:CUDA_VISIBLE_DEVICES=1 for two nodes on one machine)")
+    g.add_argument("--join-timeout", type=float, default=600,
+                   help="seconds to wait for the head and for every node to join (default 600)")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -50,9 +76,13 @@ def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
     from .launcher import check_prerequisites, smoke_test, start, wait_ready
 
-    plan = plan_launch(args.artifact, args.profile, engine=args.engine, port=args.port, host=args.host,
+    several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
+    plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
+                       host=args.host,
                        hardware=args.hardware,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image)
+    if args.nodes or args.nodes_file:
+        return _run_nodes(args, plan)
     if args.dry_run:
         if args.json:
             emit_json(plan.to_json())
@@ -88,3 +118,60 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         server.stop()
+
+
+def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
+    """``--node-env [N:]KEY=VALUE`` values by node (None: every node)."""
+    out: dict[int | None, dict[str, str]] = {}
+    for item in items:
+        m = re.fullmatch(r"(?:(\d+):)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", item, re.S)
+        if not m:
+            raise UserError(f"--node-env {item!r}: write [N:]KEY=VALUE")
+        out.setdefault(int(m[1]) if m[1] else None, {})[m[2]] = m[3]
+    return out
+
+
+def _run_nodes(args: argparse.Namespace, plan) -> int:
+    """Several nodes: print the bring-up (--dry-run) or perform it, then hold until Ctrl-C."""
+    from .multinode import bring_up, check_tools, parse_nodes, plan_multinode
+
+    mplan = plan_multinode(plan, parse_nodes(args.nodes, args.nodes_file), args.artifact, args.ifname,
+                           parallel=args.parallel, gpus_per_node=args.gpus_per_node, ray_port=args.ray_port,
+                           ib_hca=args.ib_hca, remote_venv=args.remote_venv, ray_temp_dir=args.ray_temp_dir,
+                           image=args.image if args.engine == "docker" else None,
+                           node_env=_node_env(args.node_env))
+    if args.dry_run:
+        if args.json:
+            emit_json(mplan.to_json())
+        else:
+            print(mplan.render())
+        return 0
+    check_tools(mplan)
+    log_path = args.log or Path(f"hybrid-build-serve-{mplan.serve.profile}.log")
+    say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))
+    try:
+        cluster, info = bring_up(mplan, log_path.parent, log_path, join_timeout=args.join_timeout,
+                                 ready_timeout=args.ready_timeout, smoke=not args.no_smoke, on_event=say)
+    except KeyboardInterrupt:
+        return 130
+    try:
+        if args.json:
+            emit_json(info)
+        else:
+            print(f"READY in {info['ready_s']:.0f} s on {len(info['nodes'])} nodes (TP={mplan.tp} x PP={mplan.pp})   "
+                  f"base URL: {info['base_url']}   model: {info['model']}")
+            if info["smoke_answer"]:
+                print(f"smoke test: {info['smoke_answer'][:80]!r}")
+            print("Ctrl-C stops vLLM and the Ray nodes.")
+        sys.stdout.flush()
+        while True:
+            dead = cluster.dead()
+            if dead is not None:
+                print(f"error: {dead.what} exited with code {dead.process.returncode} (log: {dead.log_path})",
+                      file=sys.stderr)
+                return 1
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        cluster.stop()

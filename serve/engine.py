@@ -188,6 +188,12 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
     return str(ckpt.root.resolve()), None
 
 
+def apply_patches_command() -> str:
+    """The shell command that applies serve/patches (mounted at CONTAINER_SERVE) to the image's vLLM."""
+    site = "$(python3 -c 'import importlib.util,os;print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')"
+    return f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\""
+
+
 GPU_PRESETS = (("GB10", "gb10"), ("H200", "h200"), ("H100", "h100"), ("RTX PRO 6000", "rtx-pro-6000"))
 
 
@@ -270,9 +276,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         drafter_in = CONTAINER_DRAFTER
     mounts += ["-v", f"{sdir}:{CONTAINER_SERVE}:ro"]
     inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter_in) + pin
-    site = "$(python3 -c 'import importlib.util,os;print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')"
-    script = (f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\" && "
-              f"exec vllm {shlex.join(inner)}")
+    script = f"{apply_patches_command()} && exec vllm {shlex.join(inner)}"
     env_flags: list[str] = []
     for k, v in sorted(env.items()):
         env_flags += ["-e", f"{k}={v}"]

@@ -1,0 +1,693 @@
+"""Serve one artifact across several machines: vLLM's tensor or pipeline parallelism over a Ray
+cluster, the way two DGX Sparks linked by ConnectX-7 serve a model one of them cannot hold.
+
+``plan_multinode`` turns a single-node ``LaunchPlan`` (``engine.plan_launch``) and a list of hosts
+into a ``MultiNodePlan``: for every node the check it runs, the ``ray start --block`` it runs
+(head on the first host, workers on the others, with the link's NCCL/GLOO interface and address
+settings), the Ray API query that says who has joined, and on the head ``vllm serve`` with
+``--tensor-parallel-size``/``--pipeline-parallel-size`` and ``--distributed-executor-backend
+ray``. The docker engine does the same inside the image on every host (host networking, the
+runtime patches applied in each container before Ray starts). A host whose address is one of
+this machine's runs its commands here; any other is reached with ``ssh -o BatchMode=yes`` (``-tt``
+for the long-running ones, so that closing the connection ends them). Nothing runs in
+``plan_multinode``: ``--dry-run`` prints the plan, ``bring_up`` performs it.
+
+``bring_up`` checks every node first (same artifact by content, same vLLM, same Ray, same
+hybrid-build runtime patches), then starts the head, waits until it answers, starts the workers,
+waits until every node has joined with its GPUs, starts vLLM, waits for READY and runs the smoke
+test. Anything that fails, and Ctrl-C, stops what was started, last started first: vLLM, the
+workers, the head (``Cluster.stop``; a ``ray start --block`` that ends takes the Ray processes of
+its node with it).
+
+Run as ``python -m hybrid_build.serve.multinode probe JSON`` on a node, it prints that node's
+check as JSON (what ``bring_up`` compares).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybrid_build.pipeline.errors import ArtifactError, ExternalToolError, UserError
+
+from .engine import CONTAINER_DRAFTER, CONTAINER_MODEL, CONTAINER_SERVE, LaunchPlan, apply_patches_command
+
+log = logging.getLogger(__name__)
+
+RAY_PORT = 6379
+CONTAINER_PREFIX = "hybrid-build-ray"
+SSH = ["ssh", "-o", "BatchMode=yes"]
+PARALLEL = ("tp", "pp")
+# the hybrid-build code that changes vLLM at run time: every node must run the same
+RUNTIME_FILES = ("patches/*.py", "vllm_plugin.py", "vllm_fixes.py", "int8_gemv.py")
+# asked on the head: the nodes Ray knows, by address (the Ray API, as a driver that leaves at once)
+NODES_SCRIPT = ('import json,sys,ray;ray.init(address=sys.argv[1],logging_level="ERROR",log_to_driver=False);'
+                'print(json.dumps([{"ip":n["NodeManagerAddress"],"alive":n["Alive"],'
+                '"gpus":n["Resources"].get("GPU",0)} for n in ray.nodes()]))')
+
+
+# ----------------------------------------------------------------------------- nodes
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine: ``spec`` as given (``[user@]host``; what ssh is told), its address on the link,
+    and whether that address is this machine's."""
+
+    spec: str
+    ip: str
+    local: bool
+    index: int
+
+    @property
+    def role(self) -> str:
+        return "head" if self.index == 0 else "worker"
+
+    def describe(self) -> str:
+        where = "this machine" if self.local else f"ssh {self.spec}"
+        return f"node {self.index + 1} ({self.role}, {self.ip}, {where})"
+
+
+def parse_nodes(nodes: str | None, nodes_file: Path | None) -> list[str]:
+    """Host specs from ``--nodes A,B`` or a file (one a line, ``#`` comments); the first is the head."""
+    if nodes and nodes_file:
+        raise UserError("give --nodes or --nodes-file, not both")
+    if nodes_file is not None:
+        try:
+            text = Path(nodes_file).read_text()
+        except OSError as e:
+            raise UserError(f"--nodes-file {nodes_file}: cannot read ({e.strerror or e})")
+        specs = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    else:
+        specs = [s.strip() for s in (nodes or "").split(",")]
+    specs = [s for s in specs if s]
+    if len(specs) < 2:
+        raise UserError(f"several nodes need two hosts or more, got {len(specs)}: {', '.join(specs) or 'none'}")
+    seen = {}
+    for s in specs:
+        if any(c.isspace() for c in s) or s.startswith("-"):
+            raise UserError(f"{s!r}: not a host (write [user@]host, one per entry)")
+        if s in seen:
+            raise UserError(f"{s!r} is named twice")
+        seen[s] = True
+    return specs
+
+
+def is_local_address(ip: str) -> bool:
+    """True if ``ip`` is an address of this machine: only those can be bound."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def resolve_nodes(specs: list[str]) -> list[Node]:
+    nodes = []
+    for i, spec in enumerate(specs):
+        host = spec.rsplit("@", 1)[-1].strip("[]")
+        try:
+            ip = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        except socket.gaierror as e:
+            raise UserError(f"{spec}: cannot resolve {host!r} ({e.strerror}); give the node's address on the link")
+        nodes.append(Node(spec, ip, is_local_address(ip), i))
+    ips = [n.ip for n in nodes]
+    dup = next((ip for ip in ips if ips.count(ip) > 1), None)
+    if dup:
+        raise UserError(f"two nodes resolve to {dup}: each node needs its own address on the link")
+    return nodes
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Command:
+    """One command on one node: ``argv`` as that node runs it, ``env`` on top of its environment."""
+
+    node: Node
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    what: str = ""
+    tty: bool = False  # long-running: over ssh it gets a terminal, so closing the connection ends it
+
+    def local_argv(self, remote_venv: str | None = None) -> list[str]:
+        """What this machine executes: the command itself, or ssh with it."""
+        inner = (["env"] + [f"{k}={v}" for k, v in sorted(self.env.items())] if self.env else []) + self.argv
+        if self.node.local:
+            return inner
+        line = "exec " + shlex.join(inner)
+        if remote_venv:
+            line = f"PATH={shlex.quote(remote_venv.rstrip('/') + '/bin')}:\"$PATH\" {line}"
+        return SSH + (["-tt"] if self.tty else []) + [self.node.spec, line]
+
+
+@dataclass
+class MultiNodePlan:
+    nodes: list[Node]
+    engine: str
+    tp: int
+    pp: int
+    gpus_per_node: int
+    ray_address: str
+    probes: list[Command]  # one per node; local ones run in this process
+    ray: list[Command]  # head first
+    nodes_query: Command  # on the head: who has joined
+    vllm: Command  # on the head
+    stops: list[Command]  # docker: `docker stop` per node, head first
+    serve: LaunchPlan  # the single-node plan the vLLM command is built from (model name, base URL)
+    remote_venv: str | None = None
+    ray_temp_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+    probe_args: dict = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return self.serve.base_url
+
+    def steps(self) -> list[tuple[str, list[str] | None]]:
+        """(what, the exact command this machine runs) in order; None: done in this process."""
+        out: list[tuple[str, list[str] | None]] = []
+        for p in self.probes:
+            out.append((p.what, None if p.node.local else p.local_argv(self.remote_venv)))
+        out.append((self.ray[0].what, self.ray[0].local_argv(self.remote_venv)))
+        out.append(("wait until the head answers: " + self.nodes_query.what,
+                    self.nodes_query.local_argv(self.remote_venv)))
+        for c in self.ray[1:]:
+            out.append((c.what, c.local_argv(self.remote_venv)))
+        out.append((f"wait until all {len(self.nodes)} nodes have joined with {self.gpus_per_node} GPU(s) each "
+                    "(the same query, repeated)", None))
+        out.append((self.vllm.what, self.vllm.local_argv(self.remote_venv)))
+        out.append((f"wait for GET {self.base_url}/models, then the smoke test", None))
+        return out
+
+    def teardown(self) -> list[tuple[str, list[str] | None]]:
+        if self.stops:  # the head's container holds vLLM too: it goes last
+            return [("stop the `docker exec` of vLLM (vLLM itself ends with the head's container)", None)] + \
+                   [(s.what, s.local_argv(self.remote_venv)) for s in reversed(self.stops)]
+        return [("stop vLLM (SIGTERM; over ssh, closing its connection)", None)] + \
+               [(f"stop {c.what.split(':')[0]} (SIGTERM to its `ray start --block`, which stops that node's Ray)", None)
+                for c in reversed(self.ray)]
+
+    def to_json(self) -> dict:
+        return {"nodes": [{"spec": n.spec, "ip": n.ip, "local": n.local, "role": n.role} for n in self.nodes],
+                "engine": self.engine, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                "gpus_per_node": self.gpus_per_node, "ray_address": self.ray_address,
+                "model_name": self.serve.model_name, "base_url": self.base_url, "model": self.serve.model,
+                "profile": self.serve.profile,
+                "steps": [{"what": w, "argv": a} for w, a in self.steps()],
+                "teardown": [{"what": w, "argv": a} for w, a in self.teardown()],
+                "notes": self.notes}
+
+    def render(self) -> str:
+        lines = [f"# {len(self.nodes)} nodes, {self.engine} engine: vLLM with TP={self.tp} x PP={self.pp} over Ray "
+                 f"at {self.ray_address}"]
+        for what, argv in self.steps():
+            lines.append(f"# {what}")
+            if argv is not None:
+                lines.append(shlex.join(argv))
+        lines.append("# on failure or Ctrl-C, in this order:")
+        for what, argv in self.teardown():
+            lines.append(f"# {what}")
+            if argv is not None:
+                lines.append(shlex.join(argv))
+        lines += [f"# {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def link_env(node: Node, ifname: str, ib_hca: str | None) -> dict[str, str]:
+    """What NCCL, Gloo, torch and vLLM need to use the link (not the management network) and to
+    advertise this node's address on it."""
+    env = {"NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname, "TP_SOCKET_IFNAME": ifname,
+           "UCX_NET_DEVICES": ifname, "VLLM_HOST_IP": node.ip}
+    if ib_hca:
+        env["NCCL_IB_HCA"] = ib_hca  # a Spark's 200G port is two RoCE devices: name both for full speed
+    return env
+
+
+def _ray_argv(node: Node, head: Node, port: int, gpus: int, temp_dir: str | None) -> list[str]:
+    argv = ["ray", "start", "--block"]
+    argv += ["--head", "--port", str(port)] if node is head else ["--address", f"{head.ip}:{port}"]
+    argv += ["--node-ip-address", node.ip, "--num-gpus", str(gpus), "--disable-usage-stats"]
+    if temp_dir:
+        argv += ["--temp-dir", f"{temp_dir.rstrip('/')}/node{node.index + 1}"]
+    return argv
+
+
+def _parallel_args(tp: int, pp: int) -> list[str]:
+    return ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+            "--distributed-executor-backend", "ray"]
+
+
+def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: str | None, *,
+                   parallel: str = "tp", gpus_per_node: int = 1, ray_port: int = RAY_PORT,
+                   ib_hca: str | None = None, remote_venv: str | None = None, ray_temp_dir: str | None = None,
+                   image: str | None = None, nodes: list[Node] | None = None,
+                   node_env: dict[int | None, dict[str, str]] | None = None) -> MultiNodePlan:
+    """The multi-node bring-up of ``serve`` (the single-node plan of the same profile, built for the
+    local engine: its argv is ``vllm serve ...``); ``image`` selects the docker engine. ``node_env``
+    adds environment to every node (key None) or to node N (1-based): e.g. one GPU each with
+    ``CUDA_VISIBLE_DEVICES`` when two nodes share a machine."""
+    if not ifname:
+        raise UserError("several nodes need --ifname: the network interface of the link (e.g. the ConnectX-7 port "
+                        "`ibdev2netdev` shows); without it NCCL may pick the management network")
+    if parallel not in PARALLEL:
+        raise UserError(f"--parallel must be one of {', '.join(PARALLEL)}")
+    if gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    nodes = nodes or resolve_nodes(specs)
+    head = nodes[0]
+    n = len(nodes)
+    node_env = node_env or {}
+    bad = [k for k in node_env if k is not None and not 1 <= k <= n]
+    if bad:
+        raise UserError(f"--node-env names node {bad[0]}, but there are {n} nodes (1..{n})")
+
+    def extra(node: Node) -> dict[str, str]:
+        return dict(node_env.get(None, {}), **node_env.get(node.index + 1, {}))
+    tp, pp = (n * gpus_per_node, 1) if parallel == "tp" else (gpus_per_node, n)
+    address = f"{head.ip}:{ray_port}"
+    notes = list(serve.notes)
+    host = serve.host
+    if not head.local and host in ("127.0.0.1", "localhost"):
+        host = head.ip  # the smoke test reaches the head from here
+        notes.append(f"the head is another machine: vLLM listens on its link address {head.ip}")
+    url_plan = LaunchPlan(serve.argv, serve.env, serve.model_name, serve.port, host, serve.profile, serve.engine,
+                          serve.model, notes)
+    vllm_tail = serve.argv[1:]  # serve MODEL ... (with --host rewritten below)
+    if "--host" in vllm_tail:
+        vllm_tail[vllm_tail.index("--host") + 1] = host
+    model_local = Path(serve.model).expanduser()
+    drafter = _drafter_of(serve.argv)
+    probe_args = {"artifact": str(Path(artifact).expanduser().resolve()) if Path(artifact).expanduser().exists()
+                  else artifact, "model": serve.model if model_local.is_dir() else None,
+                  "engine": serve.engine if image is None else "docker", "image": image}
+
+    probes = [Command(node, [sys_python(), "-m", "hybrid_build.serve.multinode", "probe",
+                             json.dumps(probe_args, separators=(",", ":"))],
+                      what=f"check {node.describe()}: artifact content, vLLM, Ray and runtime patches"
+                           + (" (in this process)" if node.local else ""))
+              for node in nodes]
+    serve_env = {k: v for k, v in serve.env.items() if not (image and k == "VLLM_PLUGINS")}
+    ray_cmds: list[Command] = []
+    stops: list[Command] = []
+    if image is None:
+        for node in nodes:
+            env = dict(serve_env, **link_env(node, ifname, ib_hca), **extra(node))  # Ray's workers inherit it
+            ray_cmds.append(Command(node, _ray_argv(node, head, ray_port, gpus_per_node, ray_temp_dir), env,
+                                    f"Ray {node.role} on {node.describe()}", tty=True))
+        query = Command(head, ["python3", "-c", NODES_SCRIPT, address], what="the nodes Ray lists (Ray API, on the head)")
+        vllm = Command(head, ["vllm"] + vllm_tail + _parallel_args(tp, pp),
+                       dict(serve_env, **link_env(head, ifname, ib_hca), **extra(head), RAY_ADDRESS=address),
+                       f"vLLM on the head: TP={tp} x PP={pp} over Ray", tty=True)
+    else:
+        from . import patches as patches_pkg
+
+        serve_dir = str(Path(patches_pkg.__file__).resolve().parent.parent)
+        mounts = ["-v", "hf-cache:/root/.cache/huggingface"]
+        model_in = serve.model
+        if model_local.exists():
+            mounts += ["-v", f"{model_local.resolve()}:{CONTAINER_MODEL}:ro"]
+            model_in = CONTAINER_MODEL
+        if drafter and Path(drafter).exists():
+            mounts += ["-v", f"{drafter}:{CONTAINER_DRAFTER}:ro"]
+        mounts += ["-v", f"{serve_dir}:{CONTAINER_SERVE}:ro"]
+        rdma = ["--device", "/dev/infiniband", "--ulimit", "memlock=-1"] if ib_hca else []
+        for node in nodes:
+            name = f"{CONTAINER_PREFIX}-{node.index + 1}"
+            env = dict(serve_env, **link_env(node, ifname, ib_hca), **extra(node))
+            flags = [f for k, v in sorted(env.items()) for f in ("-e", f"{k}={v}")]
+            script = f"{apply_patches_command()} && exec {shlex.join(_ray_argv(node, head, ray_port, gpus_per_node, None))}"
+            argv = (["docker", "run", "--rm", "--name", name, "--network", "host", "--ipc", "host", "--gpus", "all"]
+                    + rdma + mounts + flags + [image, "bash", "-c", script])
+            ray_cmds.append(Command(node, argv, what=f"Ray {node.role} on {node.describe()}, in the image with "
+                                                     "the runtime patches applied", tty=True))
+            stops.append(Command(node, ["docker", "stop", name], what=f"stop the container of {node.describe()}"))
+        head_name = f"{CONTAINER_PREFIX}-1"
+        query = Command(head, ["docker", "exec", head_name, "python3", "-c", NODES_SCRIPT, address],
+                        what="the nodes Ray lists (Ray API, in the head's container)")
+        inner = [model_in if a == serve.model else a for a in vllm_tail]
+        if drafter and Path(drafter).exists() and "--speculative-config" in inner:
+            i = inner.index("--speculative-config") + 1
+            spec = json.loads(inner[i])
+            if spec.get("model") == drafter:
+                inner[i] = json.dumps(dict(spec, model=CONTAINER_DRAFTER), separators=(",", ":"))
+        vllm = Command(head, ["docker", "exec", "-e", f"RAY_ADDRESS={address}", head_name, "vllm"] + inner
+                       + _parallel_args(tp, pp), what=f"vLLM in the head's container: TP={tp} x PP={pp} over Ray",
+                       tty=True)
+    return MultiNodePlan(nodes, "docker" if image else "local", tp, pp, gpus_per_node, address, probes, ray_cmds,
+                         query, vllm, stops, url_plan, remote_venv, ray_temp_dir, notes, probe_args)
+
+
+def _drafter_of(argv: list[str]) -> str | None:
+    """The DFlash drafter a ``vllm serve`` argv loads, if any."""
+    if "--speculative-config" not in argv:
+        return None
+    return json.loads(argv[argv.index("--speculative-config") + 1]).get("model")
+
+
+def check_tools(plan: MultiNodePlan) -> None:
+    """One line when a tool this machine runs is missing (ssh; ray/vllm or docker for local nodes)."""
+    env = child_env()
+    need = set()
+    if any(not n.local for n in plan.nodes):
+        need.add("ssh")
+    if any(n.local for n in plan.nodes):
+        need |= {"docker"} if plan.engine == "docker" else {"ray", "vllm"}
+    for tool in sorted(need):
+        if shutil.which(tool, path=env["PATH"]) is None:
+            raise ExternalToolError(f"{tool!r} was not found on PATH" + (
+                ": pip install hybrid-build brings Ray" if tool == "ray" else ""))
+
+
+def sys_python() -> str:
+    """How a node's commands name Python: ``python3`` of the node's PATH (here: hybrid-build's own
+    first, see ``child_env``; elsewhere: ``--remote-venv``)."""
+    return "python3"
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def runtime_fingerprint() -> str:
+    """sha256 over the hybrid-build files that change vLLM at run time (patches, plugin, fixes, kernel)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for pattern in RUNTIME_FILES:
+        for p in sorted(root.glob(pattern)):
+            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def artifact_identity(artifact: Path) -> dict:
+    """The artifact's identity from its provenance (source fingerprint + every file's sha256) and
+    whether this node's files have those bytes (sha256 cached in ``.hybrid-build/``)."""
+    from hybrid_build.pipeline.manifest import sha256_file, sha256_json
+    from hybrid_build.pipeline.source_identity import DigestCache, SourceDigests
+
+    prov_path = artifact / "hybrid_build" / "provenance.json"
+    if not prov_path.is_file():  # a source folder served directly: its content is its identity
+        if not (artifact / "config.json").is_file():
+            return {"fingerprint": None, "problem": f"{artifact} is not here"}
+        return {"fingerprint": SourceDigests(artifact, artifact / ".hybrid-build" / "source-sha256.json").fingerprint(),
+                "problem": None}
+    prov = json.loads(prov_path.read_text())
+    files = prov.get("files") or {}
+    ident = sha256_json({"source": (prov.get("source") or {}).get("fingerprint"),
+                         "files": {f: i.get("sha256") for f, i in sorted(files.items())}})
+    cache = DigestCache(artifact / ".hybrid-build" / "artifact-sha256.json")
+
+    def problem_of(name: str) -> str | None:
+        path = artifact / name
+        if not path.is_file():
+            return f"{name} is missing"
+        st = path.stat()
+        stat = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}  # as DigestCache keys it
+        if stat["bytes"] != files[name].get("bytes"):
+            return f"{name} has {stat['bytes']} bytes, the provenance {files[name].get('bytes')}"
+        sha = cache.lookup(path, stat)
+        if sha is None:
+            sha = sha256_file(path)
+            cache.put(path, stat, sha)
+        return None if sha == files[name].get("sha256") else f"{name} has other bytes than the provenance records"
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        problems = [p for p in pool.map(problem_of, sorted(files)) if p]
+    return {"fingerprint": ident, "problem": problems[0] if problems else None}
+
+
+def _version_of(argv: list[str]) -> str | None:
+    env = child_env()
+    if shutil.which(argv[0], path=env["PATH"]) is None:
+        return None
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in r.stdout.splitlines() if line.strip()]
+    return lines[-1] if r.returncode == 0 and lines else None
+
+
+def probe(args: dict) -> dict:
+    """This node's answer to the checks: artifact identity (and the served source's, when it is
+    another folder), vLLM (version, or the image's id), Ray, hybrid-build runtime patches."""
+    from importlib import metadata
+
+    from hybrid_build.pipeline import __version__
+
+    out: dict = {"host": socket.gethostname(), "hybrid_build": __version__, "runtime": runtime_fingerprint()}
+    try:
+        out["ray"] = metadata.version("ray")
+    except metadata.PackageNotFoundError:
+        out["ray"] = None
+    out["artifact"] = artifact_identity(Path(args["artifact"]))
+    if args.get("model") and Path(args["model"]).resolve() != Path(args["artifact"]).resolve():
+        out["model"] = artifact_identity(Path(args["model"]))
+    if args.get("engine") == "docker":  # the image's id pins its vLLM; Ray runs inside it too
+        out["vllm"] = _version_of(["docker", "image", "inspect", "--format", "{{.Id}}", args["image"]])
+        out["ray"] = out["vllm"] and _version_of(["docker", "run", "--rm", "--entrypoint", "python3", args["image"],
+                                                  "-c", "import ray; print(ray.__version__)"])
+    else:
+        out["vllm"] = _version_of(["vllm", "--version"])
+    return out
+
+
+def compare_probes(nodes: list[Node], answers: list[dict], engine: str) -> None:
+    """Raise one line naming the first node that differs from the head, or lacks something."""
+    what_vllm = "the image (docker pull it there)" if engine == "docker" else "vllm on its PATH"
+    for node, a in zip(nodes, answers):
+        for key in ("artifact", "model"):
+            if key in a and a[key].get("problem"):
+                raise ArtifactError(f"{node.describe()}: {a[key]['problem']}")
+        if not a.get("vllm"):
+            raise ExternalToolError(f"{node.describe()}: no {what_vllm}")
+        if not a.get("ray"):
+            raise ExternalToolError(f"{node.describe()}: " + ("the image has no Ray (build one FROM it with "
+                                    "`pip install ray`)" if engine == "docker" else
+                                    "Ray is not installed (pip install hybrid-build there)"))
+    head = answers[0]
+    for node, a in zip(nodes[1:], answers[1:]):
+        for key, label in (("artifact", "another artifact (by content)"), ("model", "another served model"),
+                           ("vllm", "another vLLM" if engine == "local" else "another image"),
+                           ("ray", "another Ray"), ("runtime", "other hybrid-build runtime patches"),
+                           ("hybrid_build", "another hybrid-build")):
+            mine, theirs = a.get(key), head.get(key)
+            if isinstance(mine, dict):
+                mine, theirs = mine.get("fingerprint"), (theirs or {}).get("fingerprint")
+            if mine != theirs:
+                raise (ArtifactError if key in ("artifact", "model") else ExternalToolError)(
+                    f"{node.describe()} has {label} than the head: {_short(mine)} vs {_short(theirs)}")
+
+
+def _short(v) -> str:
+    s = str(v)
+    return s[:12] + "..." if len(s) > 16 and " " not in s else s
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of commands run here: hybrid-build's own bin folder first on PATH, so the
+    ``ray``, ``vllm`` and ``python3`` beside it are the ones that run."""
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env.update(extra or {})
+    return env
+
+
+def run_once(cmd: Command, remote_venv: str | None, timeout: float) -> str:
+    """Run a short command on its node; its stdout, or ExternalToolError with the last lines."""
+    argv = cmd.local_argv(remote_venv)
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env(),
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ExternalToolError(f"{cmd.node.describe()}: {cmd.argv[0]} did not answer in {timeout:.0f} s")
+    except OSError as e:
+        raise ExternalToolError(f"{cmd.node.describe()}: cannot run {argv[0]} ({e.strerror or e})")
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+        raise ExternalToolError(f"{cmd.node.describe()}: {shlex.join(cmd.argv[:3])} failed: {last}")
+    return r.stdout
+
+
+def _last_json(text: str):
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    raise ValueError("no JSON line")
+
+
+def check_nodes(plan: MultiNodePlan, timeout: float = 3600) -> list[dict]:
+    """Every node's probe (in parallel: each may hash the artifact once), compared with the head's."""
+    here: dict = {}
+    here_lock = threading.Lock()
+
+    def one(cmd: Command) -> dict:
+        if cmd.node.local:  # every address of this machine gets the same answer: probe it once
+            with here_lock:
+                if not here:
+                    here.update(probe(plan.probe_args))
+                return dict(here)
+        out = run_once(cmd, plan.remote_venv, timeout)
+        try:
+            return _last_json(out)
+        except ValueError:
+            raise ExternalToolError(f"{cmd.node.describe()}: the check printed no answer (is hybrid-build installed "
+                                    "there? --remote-venv names its environment)")
+
+    with ThreadPoolExecutor(max_workers=len(plan.probes)) as pool:
+        answers = list(pool.map(one, plan.probes))
+    compare_probes(plan.nodes, answers, plan.engine)
+    return answers
+
+
+@dataclass
+class Started:
+    """A long-running command this bring-up started, and how to stop it."""
+
+    what: str
+    process: subprocess.Popen
+    log_path: Path
+    stop_cmd: Command | None = None
+
+
+class Cluster:
+    """What ``bring_up`` started, in order; ``stop`` ends it last-started first."""
+
+    def __init__(self, plan: MultiNodePlan) -> None:
+        self.plan = plan
+        self.started: list[Started] = []
+        self._lock = threading.Lock()
+        self.stopped = threading.Event()
+
+    def start(self, cmd: Command, log_path: Path, stop_cmd: Command | None = None) -> Started:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            # a session of its own: a Ctrl-C in the terminal reaches this process only, which stops
+            # the others in order
+            proc = subprocess.Popen(cmd.local_argv(self.plan.remote_venv), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True)
+        s = Started(cmd.what, proc, log_path, stop_cmd)
+        with self._lock:
+            self.started.append(s)
+        log.info("started %s (pid %d), log %s", cmd.what, proc.pid, log_path)
+        return s
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Stop everything started, last first; each is waited for before the next is stopped."""
+        with self._lock:
+            todo, self.started = list(reversed(self.started)), []
+        for s in todo:
+            if s.stop_cmd is not None:
+                try:
+                    run_once(s.stop_cmd, self.plan.remote_venv, timeout=grace + 30)
+                except ExternalToolError as e:
+                    log.warning("%s", e)
+            if s.process.poll() is None:
+                s.process.terminate()
+                try:
+                    s.process.wait(grace)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s: killed", s.what, grace)
+                    s.process.kill()
+                    s.process.wait()
+        self.stopped.set()
+
+    def dead(self) -> Started | None:
+        with self._lock:
+            return next((s for s in self.started if s.process.poll() is not None), None)
+
+
+def _exited(s: Started) -> ExternalToolError:
+    from .launcher import tail
+
+    return ExternalToolError(f"{s.what} exited with code {s.process.returncode}; last log lines:\n{tail(s.log_path)}")
+
+
+def query_nodes(plan: MultiNodePlan) -> list[dict] | None:
+    """The nodes Ray lists, or None while the head does not answer."""
+    try:
+        return _last_json(run_once(plan.nodes_query, plan.remote_venv, timeout=120))
+    except (ExternalToolError, ValueError):
+        return None
+
+
+def wait_for(condition: Callable[[], object], cluster: Cluster, timeout: float, what: str, poll: float = 1.0):
+    """Poll ``condition`` until it returns something truthy; a started process that exits, or the
+    timeout, ends the wait with an error."""
+    t0 = time.monotonic()
+    while True:
+        dead = cluster.dead()
+        if dead is not None:
+            raise _exited(dead)
+        got = condition()
+        if got:
+            return got
+        if time.monotonic() - t0 > timeout:
+            raise ExternalToolError(f"{what}: not done after {timeout:.0f} s")
+        if cluster.stopped.wait(poll):
+            raise ExternalToolError(f"{what}: stopped")
+
+
+def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout: float = 600,
+             ready_timeout: float = 1800, smoke: bool = True, on_event: Callable[[str], None] = lambda _m: None,
+             cluster: Cluster | None = None) -> tuple[Cluster, dict]:
+    """Check, start and smoke-test the cluster; on any failure stop what was started and re-raise.
+    Returns the running cluster and what the caller prints."""
+    from .launcher import Server, smoke_test, wait_ready
+
+    answers = check_nodes(plan)
+    on_event(f"checked {len(plan.nodes)} nodes: same artifact, vLLM {answers[0]['vllm']}, Ray {answers[0]['ray']}, "
+             f"runtime patches {answers[0]['runtime'][:12]}")
+    cluster = cluster or Cluster(plan)
+    try:
+        head = plan.ray[0]
+        cluster.start(head, log_dir / "hybrid-build-ray-node1.log", plan.stops[0] if plan.stops else None)
+        wait_for(lambda: query_nodes(plan), cluster, join_timeout, "the Ray head")
+        on_event(f"Ray head up at {plan.ray_address}")
+        for i, cmd in enumerate(plan.ray[1:], start=1):
+            cluster.start(cmd, log_dir / f"hybrid-build-ray-node{i + 1}.log", plan.stops[i] if plan.stops else None)
+        want = {n.ip for n in plan.nodes}
+
+        def joined():
+            listed = query_nodes(plan) or []
+            ok = {n["ip"] for n in listed if n.get("alive") and n.get("gpus", 0) >= plan.gpus_per_node}
+            return want <= ok
+
+        wait_for(joined, cluster, join_timeout, f"{len(want)} nodes joining Ray ({', '.join(sorted(want))})")
+        on_event(f"{len(want)} nodes joined: {', '.join(n.ip for n in plan.nodes)}")
+        vllm = cluster.start(plan.vllm, log_path)
+        server = Server(vllm.process, plan.serve, log_path)
+        ready_s = wait_ready(server, ready_timeout)
+        answer = smoke_test(plan.base_url, plan.serve.model_name) if smoke else None
+        return cluster, {"base_url": plan.base_url, "model": plan.serve.model_name, "ready_s": round(ready_s, 1),
+                         "smoke_answer": answer, "nodes": [n.ip for n in plan.nodes],
+                         "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp, "log": str(log_path)}
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+if __name__ == "__main__":  # on a node: `python -m hybrid_build.serve.multinode probe JSON`
+    if len(sys.argv) != 3 or sys.argv[1] != "probe":
+        sys.exit("usage: python -m hybrid_build.serve.multinode probe JSON")
+    print(json.dumps(probe(json.loads(sys.argv[2]))))
