@@ -13,6 +13,15 @@ Steps, in the order the GPU takes them (the synthetic build runs beside them on 
   ``dense`` (the hybrid), no speculation, eager and (time permitting) CUDA graphs.
 - profiles: ``hybrid-build serve`` with the dense (+ a random tiny DFlash drafter), base and mtp
   profiles; one completion each, spec-decode counters from ``/metrics``.
+- floor (issue 17, run 5): the per-step time floor at full depth. vLLM with ``load_format="dummy"``
+  on config-only checkpoints (``floor_configs.py`` makes them here: real 122B widths, 48 layers and
+  other linear/full-attention compositions), full CUDA graphs, single stream; ``warm`` compiles every
+  kernel once on a 4-layer hybrid, ``floor`` interleaves base / dense / dense-triton-head engines at
+  48 layers (``--repeat`` rounds), ``mix`` times the other compositions (base), ``eagerprof`` profiles
+  one eager decode step kernel by kernel; every graphs engine also profiles its decode steps.
+- vcompare (issue 16): ``validate.vllm_compare.compare_in_vllm`` on the tiny source vs its hybrid, and
+  on a synthetic 4-layer model with the Qwen3.5-35B-A3B widths (written and built here, on the CPUs,
+  while the GPU warms up).
 """
 from __future__ import annotations
 
@@ -291,6 +300,82 @@ def child_speed(model: str, label: str, mode: str, tokens: str) -> dict:
     return res
 
 
+def kernel_table(prof_1, prof_n, steps: int) -> dict:
+    """Per decode step: every GPU kernel (launches, us), from a 1-token and a (steps+1)-token run."""
+    k1, kn = kernel_times(prof_1), kernel_times(prof_n)
+    per_step = {k: ((c - k1.get(k, (0, 0))[0]) / steps, (us - k1.get(k, (0, 0.0))[1]) / steps)
+                for k, (c, us) in kn.items()}
+    rows = sorted(((k, c, us) for k, (c, us) in per_step.items() if c > 0 or us > 0), key=lambda r: -r[2])
+    return {"gpu_us_per_step": round(sum(r[2] for r in rows), 1), "launches_per_step": round(sum(r[1] for r in rows), 1),
+            "kernels_per_step": [{"kernel": k[:160], "launches": round(c, 3), "us": round(us, 2)} for k, c, us in rows]}
+
+
+def child_floor(model: str, label: str, mode: str, tokens: str, profile_steps: str = "0", timings: str = "5") -> dict:
+    """Issue 17: single-stream decode of a config-only checkpoint with dummy weights (graphs or
+    eager); ``timings`` pairs t(1), t(n+1) after a warm-up; then, if ``profile_steps``, the GPU
+    kernels of that many decode steps (in graphs mode: the kernels the graph replays)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n, steps = int(tokens), int(profile_steps)
+    kw = dict(load_format="dummy", gpu_memory_utilization=0.1, max_num_seqs=1)
+    if mode == "graphs":
+        kw.update(enforce_eager=False, compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                                           "cudagraph_capture_sizes": [1, 2]})
+    t0 = now()
+    llm = make_llm(model, **kw)
+    res: dict = {"label": label, "mode": mode, "load_s": round(now() - t0, 1), "model": Path(model).name,
+                 "head_kernel": os.environ.get("HYBRID_BUILD_INT8_HEAD_KERNEL", "vllm")}
+    if "dense" in label:
+        res["layers"] = inspect_layers(llm)
+    prompt = [TokensPrompt(prompt_token_ids=[(37 * i) % 900 + 100 for i in range(32)])]
+
+    def timed(max_tokens: int) -> float:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        o = llm.generate(prompt, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert len(o[0].outputs[0].token_ids) == max_tokens, len(o[0].outputs[0].token_ids)
+        return dt
+
+    timed(n + 1)  # warm-up
+    pairs = [(timed(1), timed(n + 1)) for _ in range(int(timings))]
+    decode = [n / (tn - t1) for t1, tn in pairs]
+    res.update({"decode_tok_s_runs": [round(x, 2) for x in decode], "decode_tok_s": round(statistics.median(decode), 2),
+                "step_ms_runs": [round(1e3 / x, 4) for x in decode], "step_ms": round(1e3 / statistics.median(decode), 4),
+                "prefill_1_token_s": [round(t1, 4) for t1, _ in pairs], "decode_tokens": n})
+    if steps:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=acts) as p1:
+            timed(1)
+        with profile(activities=acts) as pn:
+            t = timed(steps + 1)
+        torch.cuda.synchronize()
+        res["profile"] = kernel_table(p1, pn, steps)
+        res["profile"]["steps"] = steps
+        res["profile"]["wall_us_per_step_profiled"] = round(1e6 * t / (steps + 1), 1)
+        try:  # the kernel sequence (name, start, duration in us), for attributing time to layers on the CPU
+            import gzip
+
+            cuda = torch.autograd.DeviceType.CUDA
+            seq = sorted((e.time_range.start, e.time_range.end - e.time_range.start, e.name)
+                         for e in pn.events() if getattr(e, "device_type", None) == cuda)
+            names = sorted({n for _, _, n in seq})
+            index = {n: i for i, n in enumerate(names)}
+            doc = {"label": label, "mode": mode, "steps": steps, "names": names,
+                   "seq": [[round(t0, 2), round(d, 2), index[n]] for t0, d, n in seq]}
+            path = Path(os.environ.get("HB_TRACE_DIR", "/tmp")) / f"kseq-{label}-{mode}-{Path(model).name}.json.gz"
+            with gzip.open(path, "wt") as f:
+                json.dump(doc, f)
+            res["profile"]["kernel_sequence"] = str(path)
+        except Exception as e:  # a convenience: the table above is the result
+            res["profile"]["kernel_sequence_error"] = f"{type(e).__name__}: {e}"
+    return res
+
+
 def child_main(argv: list[str]) -> int:
     kind, args = argv[0], argv[1:]
     try:
@@ -298,7 +383,7 @@ def child_main(argv: list[str]) -> int:
             from hybrid_build.serve.vllm_plugin import register
 
             register()  # the entry point does this too; in-process it must be there before LLM()
-        res = {"correct": child_correct, "speed": child_speed}[kind](*args)
+        res = {"correct": child_correct, "speed": child_speed, "floor": child_floor}[kind](*args)
     except Exception as e:
         traceback.print_exc()
         res = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
@@ -351,6 +436,78 @@ def build_synthetic(work: Path, out: Path, layers: int, tokenizer_from: Path) ->
         res["traceback"] = traceback.format_exc()[-3000:]
     res["wall_s"] = round(now() - t0, 1)
     record(out, "synthetic_build", res)
+
+
+def qwen35_35b_config(layers: int = 4) -> dict:
+    """A config with the Qwen3.5-35B-A3B widths (FACTS.md: hidden 2048, 40 layers 30+10, 256 experts
+    of 512, shared expert 512; attention and DeltaNet heads assumed as in the Qwen3-Next family:
+    16 q / 2 kv heads of 256, 16 key / 32 value heads of 128), keeping the first ``layers``
+    (3 linear + 1 full for 4); MTP left out, vision depth 1."""
+    from hybrid_build.pipeline.generators import synthetic as syn
+
+    cfg = syn.qwen35_122b_config()
+    tc = cfg["text_config"]
+    tc.update(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+              linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+              shared_expert_intermediate_size=512, mtp_num_hidden_layers=0)
+    tc["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)]
+    cfg["vision_config"].update(depth=1, out_hidden_size=2048)
+    return syn.select_layers(cfg, range(layers))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def build_35b(work: Path, tokenizer_from: Path, layers: int = 4) -> dict:
+    """The 35B-width synthetic source (random weights, seed 0: the same bytes wherever it is
+    written) and its hybrid, built by ``hybrid-build run --recipe qwen3.5-35b-a3b --force``."""
+    from hybrid_build.pipeline.generators import synthetic as syn
+
+    t0 = now()
+    src, hyb = work / "w35-src", work / "w35-hybrid"
+    res: dict = {"layers": layers, "source": str(src), "hybrid": str(hyb)}
+    if not (src / "model.safetensors.index.json").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        cfg = qwen35_35b_config(layers)
+        syn.write_synthetic_checkpoint(src, cfg, sparse=False, tensors=[t for t in syn.synthetic_tensors(cfg) if not t.mtp])
+        for f in TOKENIZER_FILES:
+            if (tokenizer_from / f).exists():
+                shutil.copy(tokenizer_from / f, src / f)
+    res["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    res["write_s"] = round(now() - t0, 1)
+    t1 = now()
+    if not (hyb / "model.safetensors.index.json").exists():
+        proc = subprocess.run(["hybrid-build", "run", str(src), "-o", str(hyb), "--recipe", "qwen3.5-35b-a3b", "--force",
+                               "--no-validate", "-q"], capture_output=True, text=True, timeout=900)
+        res["run_rc"], res["run_tail"] = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
+    res["run_s"] = round(now() - t1, 1)
+    res["hybrid_bytes"] = sum(p.stat().st_size for p in hyb.glob("*.safetensors"))
+    return res
+
+
+def vcompare(out: Path, key: str, source: Path, artifact: Path, texts: dict, work: Path, limit: float) -> None:
+    """Issue 16: ``compare_in_vllm`` on one source/hybrid pair; the report goes into results.json."""
+    t0 = now()
+    if limit < 60:
+        record(out, key, {"skipped": f"no time left ({limit:.0f} s)"})
+        return
+    try:
+        from hybrid_build.validate.vllm_compare import compare_in_vllm
+
+        rep = compare_in_vllm(source, artifact, texts, gpu_memory_utilization=0.1, kv_cache_memory_bytes=2 << 30,
+                              timeout_s=limit / 2, work_dir=work / f"vc-{key}")
+        res = {"report": rep}
+    except Exception as e:
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
+    for label in ("source", "hybrid"):  # the children's logs, for what went wrong
+        logf = work / f"vc-{key}" / label / "child.log"
+        if logf.exists():
+            with LOCK, open(out / "logs.txt", "a") as f:
+                f.write(f"\n===== {key} {label} child\n" + logf.read_text(errors="replace")[-60000:])
+    shutil.rmtree(work / f"vc-{key}" / "source", ignore_errors=True)  # the logits: GBs at a 248k vocabulary
+    shutil.rmtree(work / f"vc-{key}" / "hybrid", ignore_errors=True)
+    res["wall_s"] = round(now() - t0, 1)
+    record(out, key, res)
 
 
 # ------------------------------------------------------------------------------ serve profiles
@@ -459,6 +616,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=1, help="engines per speed variant, interleaved")
+    ap.add_argument("--floor", type=Path, help="the config-only checkpoints of floor_configs.py (.gpufloor)")
+    ap.add_argument("--round0", type=int, default=0, help="first floor round's number (a later call goes on)")
+    ap.add_argument("--mix", default="L24,L24h,L24e,L12", help="compositions the mix step times (base)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -534,7 +694,73 @@ def main() -> int:
             if built and mode in steps:
                 speed(mode)
 
-    lanes = [threading.Thread(target=f) for f in (lane_tiny, lane_speed)]
+    def floor_child(key: str, folder: str, label: str, mode: str = "graphs", tokens: int = 128, profile: int = 8,
+                    env: dict | None = None, limit: float = 240, needs: float = 100) -> dict:
+        if left() < needs:  # an engine cut off half way tells nothing
+            res = {"skipped": f"no time left ({left():.0f} s)"}
+            record(a.out, key, res)
+            return res
+        return run_child(a.out, key, ["floor", str(a.floor / folder), label, mode, str(tokens), str(profile)],
+                         min(limit, left()), dict(inproc, HB_TRACE_DIR=str(a.work), **(env or {})))
+
+    triton_head = {"HYBRID_BUILD_INT8_HEAD_KERNEL": "triton"}
+
+    def lane_warm() -> None:  # every kernel of the real widths compiled once (Triton, DeepGEMM's JIT)
+        if "warm" in steps:
+            floor_child("warm_L4_dense-triton-head", "L4-dense", "dense-triton-head", profile=0, env=triton_head,
+                        limit=480)
+
+    def lane_vcompare() -> None:  # issue 16, beside the warm-up (compiles on the CPUs overlap)
+        if "vcompare" not in steps:
+            return
+        texts = json.loads((a.floor / "texts.json").read_text())
+        built: dict = {}
+        b35 = threading.Thread(target=lambda: built.update(build_35b(a.work, a.src)), daemon=True)
+        b35.start()
+        vcompare(a.out, "vcompare_tiny", a.src, a.hb / "inc", texts, a.work, min(600, left()))
+        b35.join(max(0, left(120)))
+        record(a.out, "build_35b", built or {"error": "not finished"})
+        if built.get("hybrid_bytes"):
+            vcompare(a.out, "vcompare_35b", Path(built["source"]), Path(built["hybrid"]), texts, a.work, min(600, left()))
+
+    mixed: list = []
+
+    def mix() -> None:
+        if "mix" in steps and not mixed:
+            mixed.append(1)
+            for name in a.mix.split(","):
+                floor_child(f"mix_{name}_base", f"{name}-base", "base")
+
+    def lane_floor() -> None:  # alone on the GPU: the timings
+        variants = (("base", "L48-base", {}), ("dense", "L48-dense", {}), ("dense-triton-head", "L48-dense", triton_head))
+        rounds = list(range(a.round0, a.round0 + a.repeat)) if "floor" in steps else []
+        for i, r in enumerate(rounds):  # the mix after the first round: the fit needs it more than round 2
+            if i == 1 or (a.round0 > 0 and i == 0):
+                mix()
+            for label, folder, env in variants:
+                floor_child(f"floor_L48_{label}_r{r + 1}", folder, label, env=env)
+        mix()
+        if "eagerprof" in steps:
+            for label, folder in (("base", "L48-base"), ("dense", "L48-dense")):
+                floor_child(f"eagerprof_L48_{label}", folder, label, mode="eager", tokens=8, profile=4, limit=300)
+        # two kernel sequences come back (the files from $OUT are few): 48-layer base and dense, graphs
+        for label in ("base", "dense"):
+            for seq in sorted(a.work.glob(f"kseq-{label}-graphs-L48-*.json.gz"))[:1]:
+                if not (a.out / seq.name).exists():
+                    shutil.copy(seq, a.out / seq.name)
+
+    if a.floor is not None:
+        if a.floor.exists():
+            RESULTS["floor_plan"] = json.loads((a.floor / "floor_plan.json").read_text())
+        lanes = [threading.Thread(target=f) for f in (lane_warm, lane_vcompare)]
+        for t in lanes:
+            t.start()
+        for t in lanes:
+            t.join()
+        lane_floor()
+        lanes = []
+    else:
+        lanes = [threading.Thread(target=f) for f in (lane_tiny, lane_speed)]
     for t in lanes:
         t.start()
     for t in lanes:
@@ -547,4 +773,17 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         sys.exit(child_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "texts":  # here: the bundled texts as token ids (tiny tokenizer)
+        from transformers import AutoTokenizer
+
+        from hybrid_build.validate.e2e import MAX_TOKENS_PER_TEXT, bundled_texts
+
+        tok = AutoTokenizer.from_pretrained(sys.argv[2])
+        ids = {n: tok(t)["input_ids"][:MAX_TOKENS_PER_TEXT] for n, t in bundled_texts().items()}
+        Path(sys.argv[3]).write_text(json.dumps(ids) + "\n")
+        print({n: len(v) for n, v in ids.items()})
+        sys.exit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "build35":  # here: the same 35B-width pair, for the CPU figures
+        print(json.dumps(build_35b(Path(sys.argv[2]), Path(sys.argv[3])), indent=1))
+        sys.exit(0)
     sys.exit(main())

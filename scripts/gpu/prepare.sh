@@ -17,7 +17,9 @@ python3 -m pip download -q --no-deps $plat -d "$cache/whl" -r "$here/requirement
 if [ ! -f "$cache/vllm.tar.xz" ]; then
   rm -rf "$cache/site"; mkdir "$cache/site"; (cd "$cache/site" && unzip -q "$cache"/vllm-0.25.1-*.whl)
   # Hopper runs FA3; the FA2 library and DeepGEMM builds for other Pythons only cost carry space
-  rm -f "$cache"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$cache"/site/vllm/third_party/deep_gemm/_C.cpython-3{10,11,13,14}-*.so
+  # (and the optional Rust frontend binary, which vllm.LLM never starts)
+  rm -f "$cache"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$cache"/site/vllm/third_party/deep_gemm/_C.cpython-3{10,11,13,14}-*.so \
+    "$cache"/site/vllm/vllm-rs
   tar -C "$cache/site" -cf - vllm vllm-0.25.1.dist-info | xz -T0 -7 > "$cache/vllm.tar.xz"
 fi
 rm -f "$cache"/vllm.tar.xz.part*; (cd "$cache" && split -b 41000000 vllm.tar.xz vllm.tar.xz.part)

@@ -3,6 +3,7 @@
 # assembled (see docs/gpu.md): installs the hybrid-build wheel beside vLLM, puts `vllm` and
 # `hybrid-build` on PATH and runs scripts/gpu/driver.py, which writes results.json and logs to $OUT.
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME [--steps build,correct,profiles,graphs,eager] [--layers N]
+#   bash scripts/gpu/run.sh --deadline UNIX_TIME --floor $HOME/floor --steps warm,vcompare,floor,mix,eagerprof
 # VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning (the linear-attention prefill kernels
 # otherwise compile every candidate config on a cold cache: minutes per engine); set it to 0 to tune.
 set -euo pipefail
@@ -10,6 +11,8 @@ set -euo pipefail
 # call); stash them in $HOME, which lasts as long as the machine stays warm
 if [ -d .gpuhb ]; then rm -rf "$HOME/hb"; cp -r .gpuhb "$HOME/hb"; fi
 if [ -d .gpusrc/src ]; then rm -rf "$HOME/hbsrc"; cp -r .gpusrc/src "$HOME/hbsrc"; fi
+# the config-only checkpoints and token ids of the floor / vcompare steps (floor_configs.py): --floor $HOME/floor
+if [ -d .gpufloor ]; then rm -rf "$HOME/floor"; cp -r .gpufloor "$HOME/floor"; fi
 hb=$HOME/hbsite
 if [ ! -d "$hb/hybrid_build" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$hb" "$HOME"/hb/hybrid_build-*.whl
