@@ -108,6 +108,12 @@ def per_layer(path: Path, layer_types: list[str]) -> dict:
     return out
 
 
+def scrub(text: str) -> str:
+    """Paths of the GPU machine as the harness names them ($HOME/work, $HOME/hbsite, scripts/gpu)."""
+    text = re.sub(r'/[^\s"\'\\]*?/(work|hbsite|site|hb|hbsrc|floor)/', r'$HOME/\1/', text)
+    return re.sub(r'/[^\s"\'\\]*?/scripts/gpu/', "scripts/gpu/", text)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -208,7 +214,7 @@ def main() -> int:
            "per_layer_from_kernel_sequence": layers, "vcompare": vcompare, "floor_plan": plan,
            "calls": [{"started": c.get("started"), "finished": c.get("finished"), "env": c.get("env"),
                       "env_vars": c.get("env_vars"), "steps": c["steps"]} for c in calls]}
-    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    a.out.write_text(scrub(json.dumps(doc, indent=1)) + "\n")
     print(json.dumps({"fit": {k: v for k, v in fit.items() if k != "points"},
                       "points": [(p["engine"], p["step_ms"], p["residual_ms"]) for p in points],
                       "variants_48": {k: {x: v[x] for x in ("engines", "all_timings", "over_base")} for k, v in variants.items()},
