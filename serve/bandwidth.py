@@ -88,16 +88,17 @@ DEFAULT_CONTEXT = 4096
 GB10_FLOOR = StepFloor(source="none: the published GB10 lever gains exceed the byte ratio, which leaves no "
                               "room for a floor")
 
-# H200, measured here (docs/gpu.md, "Full-depth speed"): read ceiling 4,426 GB/s of 4,800 from a
-# 4 GiB fp32 sum (efficiency 0.922); vLLM 0.25.1, real 122B widths, 48 layers (36 DeltaNet + 12
-# full attention), dummy weights, full CUDA graphs, single stream: base 109.4-109.6 tok/s, a 9.13 ms
-# step of which the 6.97 GB read take 1.57 ms. The rest, 7.56 ms, is the floor.
+# H200, measured here (docs/gpu.md, runs 4-5): read ceiling 4,426 GB/s of 4,800 from a 4 GiB fp32
+# sum (efficiency 0.922). vLLM 0.25.1 at the real 122B widths, dummy weights, full CUDA graphs,
+# single stream, five layer compositions (48 layers 36+12, 24 layers, other linear:full mixes):
+# step_ms = 0.250 + 0.1437 x n_linear + 0.1790 x n_full + bytes / 4426 GB/s, RMS residual 0.027 ms.
+# At 48 layers base decodes at 109.43 tok/s (3 engines: 109.42-109.77), dense at 110.56 (1.010x).
 H200_EFFICIENCY = 4426 / 4800
-H200_BASE_TOK_S = 109.5
+H200_BASE_TOK_S = 109.43
 H200_FLOOR = StepFloor(
-    fixed_ms=0.0, per_layer_ms=(("linear_attention", 0.1575), ("full_attention", 0.1575)),
-    source="H200 measured: 48-layer base step 9.13 ms (109.5 tok/s) minus its bytes at 4,426 GB/s, spread "
-           "evenly over the layers (split by kind not measured yet)")
+    fixed_ms=0.250, per_layer_ms=(("linear_attention", 0.1437), ("full_attention", 0.1790)),
+    source="H200 measured (run 5): least-squares fit over 5 layer compositions at the real widths, "
+           "vLLM 0.25.1, CUDA graphs, dummy weights (RMS residual 0.027 ms)")
 _FLOOR_CARRIED = "not measured on this GPU: the H200's floor, carried over"
 _NOT_CALIBRATED = "not calibrated: GB10's factor (no published single-stream number for this model)"
 
