@@ -1,50 +1,114 @@
-"""``hybrid-build bench``: single-stream decode and end-to-end tokens/s of an OpenAI-compatible server."""
+"""``hybrid-build bench``: single-stream speed and speculative acceptance of one server, the A/B of
+two (interleaved), or the A/B of two saved results."""
 from __future__ import annotations
 
 import argparse
-import urllib.error
+import json
+import sys
+from pathlib import Path
 
-from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, emit_json
-from hybrid_build.pipeline.errors import ExternalToolError, UserError
+from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, describe_os_error, emit_json, progress
+from hybrid_build.pipeline.errors import UserError
 
-from .bench import PROMPTS, bench, table
+from .bench import (LOW_ACCEPTANCE_FRACTION, LOW_ACCEPTANCE_MIN_GAP, MIN_RUNS_FOR_VERDICT, WORKLOADS, bench,
+                    bench_pair, compare, compare_table, load_report, table)
 
 
 def register(sub, common) -> None:
     p = sub.add_parser(
         "bench", parents=[common], formatter_class=ExampleFormatter,
-        help="measure decode and end-to-end tok/s of a running server",
-        description="Single stream, temperature 0, on prose, code and tool-call prompts: decode-only tok/s "
-                    "(streaming, excludes time to first token) and end-to-end tok/s (completion tokens / wall "
-                    "time). Each prompt runs RUNS+1 times; the first run is discarded.",
+        help="measure decode and end-to-end tok/s and speculative acceptance; A/B two servers",
+        description="Single stream, temperature 0, a bank of workloads:\n"
+                    + "".join(f"  {w.name:<9} {w.about}\n" for w in WORKLOADS.values())
+                    + "Per workload, RUNS measured runs after one discarded warm-up give decode tok/s (excludes the\n"
+                      "time to first token), end-to-end tok/s (completion tokens / wall time) and TTFT, as median\n"
+                      "and range; on a speculating vLLM, the mean acceptance length and draft acceptance rate, from\n"
+                      "the deltas of its /metrics counters around each run.\n\n"
+                      "A/B: two URLs are measured interleaved (A, B, A, B...); --compare reads two saved results.\n"
+                      "Per workload it says 'B faster by x%' only where the two ranges of runs do not overlap (at\n"
+                      f"least {MIN_RUNS_FOR_VERDICT} runs each), else 'within noise'. It flags a side whose accepted "
+                      f"tokens per draft\nfall below {LOW_ACCEPTANCE_FRACTION:.0%} of the other's (and at least "
+                      f"{LOW_ACCEPTANCE_MIN_GAP} lower), the mark of a build that dropped its\nMTP or drafter weights, "
+                      "and then exits 1.",
         epilog="examples:\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1\n"
-               "  hybrid-build bench http://127.0.0.1:8000/v1 --runs 3 --max-tokens 128 --json")
-    p.add_argument("url", help="OpenAI base URL (ending in /v1)")
-    p.add_argument("--model", help="model name (default: the first of /v1/models)")
-    p.add_argument("--runs", type=int, default=5, help="measured runs per prompt (default 5)")
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --runs 3 --max-tokens 128 --json\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --workloads counting,agent --runs 3\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 http://127.0.0.1:8000/v1 --runs 3   # A/A: the size of the noise\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --out source.json     # serving the source\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --out hybrid.json     # later, serving the hybrid\n"
+               "  hybrid-build bench --compare source.json hybrid.json")
+    p.add_argument("urls", nargs="*", metavar="URL",
+                   help="OpenAI base URL (ending in /v1); two URLs: A and B, measured interleaved")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), type=Path,
+                   help="compare two results saved by --out or --json (no URL then)")
+    p.add_argument("--model", help="model name (default: the first of each server's /v1/models)")
+    p.add_argument("--runs", type=int, default=5, help="measured runs per workload and server (default 5)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens per request (default 256)")
-    p.add_argument("--prompts", default=",".join(PROMPTS), help=f"comma list from {', '.join(PROMPTS)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma list from {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--thinking", action="store_true",
+                   help="leave the chat template's thinking on (default: off, so that each workload answers with "
+                        "its own kind of text)")
+    p.add_argument("--out", type=Path, help="also write the JSON result to this file (input of --compare)")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    prompts = [s.strip() for s in args.prompts.split(",") if s.strip()]
-    unknown = [s for s in prompts if s not in PROMPTS]
-    if unknown:
-        raise UserError(f"unknown prompt {unknown[0]!r} (choose from: {', '.join(PROMPTS)})")
-    if args.runs < 1:
-        raise UserError("--runs must be at least 1")
-    url = args.url.rstrip("/")
+def _url(u: str) -> str:
+    url = u.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise UserError(f"{args.url}: not an http(s) URL")
+        raise UserError(f"{u}: not an http(s) URL")
+    return url
+
+
+def _read(path: Path) -> dict:
     try:
-        report = bench(url, args.model, args.runs, args.max_tokens, prompts)
-    except (urllib.error.URLError, ConnectionError, OSError) as e:
-        raise ExternalToolError(f"cannot reach {url} ({getattr(e, 'reason', e)})")
-    if args.json:
-        emit_json(report)
+        text = path.read_text()
+    except OSError as e:
+        raise UserError(describe_os_error(e))
+    report = load_report(path, text)
+    report["file"] = path.name
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        if args.urls:
+            raise UserError("give either URLs to measure or --compare A.json B.json, not both")
+        result = compare(_read(args.compare[0]), _read(args.compare[1]))
     else:
-        print(table(report))
+        if not 1 <= len(args.urls) <= 2:
+            raise UserError("give one URL to measure, two to compare (A B), or --compare A.json B.json")
+        workloads = [s.strip() for s in args.workloads.split(",") if s.strip()]
+        unknown = [s for s in workloads if s not in WORKLOADS]
+        if unknown or not workloads:
+            raise UserError(f"unknown workload {unknown[0] if unknown else ''!r} (choose from: {', '.join(WORKLOADS)})")
+        if args.runs < 1:
+            raise UserError("--runs must be at least 1")
+        if args.max_tokens < 1:
+            raise UserError("--max-tokens must be at least 1")
+        urls = [_url(u) for u in args.urls]
+        with progress(args.quiet, total=len(workloads) * (args.runs + 1) * len(urls), unit="request",
+                      desc="bench", leave=False) as bar:
+            on_run = lambda *_: bar.update(1)  # noqa: E731
+            if len(urls) == 1:
+                result = bench(urls[0], args.model, args.runs, args.max_tokens, workloads, args.thinking, on_run)
+            else:
+                result = bench_pair(urls[0], urls[1], args.model, args.runs, args.max_tokens, workloads,
+                                    args.thinking, on_run)
+    if args.out:
+        try:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise UserError(describe_os_error(e))
+    comparison = "flags" in result
+    if args.json:
+        emit_json(result)
+    else:
+        print(compare_table(result) if comparison else table(result))
+    if comparison and result["flags"]:
+        print(f"bench: low speculative acceptance in {len(result['flags'])} workload(s) "
+              f"({'; '.join(f.split(':')[0] for f in result['flags'])}): see the FLAG lines", file=sys.stderr)
+        return 1
     return 0

@@ -1,15 +1,29 @@
 """A small OpenAI-compatible stand-in server (stdlib only) for the launcher and bench tests.
 
 ``python standin_server.py --port P [--ready-after S] [--ready-file PATH] [--answer TEXT]
-[--exit-after S] [--tokens N] [--token-delay S] [--first-delay S]``: ``/v1/models`` answers 503
-until ``--ready-after`` seconds have passed and, with ``--ready-file``, until that file exists (a
-test decides when the server is ready, instead of guessing a time); chat completions answer ``--answer`` (non-streaming) or
-stream ``--tokens`` chunks ``--token-delay`` apart after ``--first-delay``, with a usage chunk.
+[--exit-after S] [--tokens N] [--token-delay S] [--first-delay S] [--spec-tokens K]
+[--accepted A,B,...] [--no-metrics]``: ``/v1/models`` answers 503 until ``--ready-after`` seconds
+have passed and, with ``--ready-file``, until that file exists (a test decides when the server is
+ready, instead of guessing a time); chat completions answer ``--answer`` (non-streaming) or stream
+``--tokens`` tokens after ``--first-delay``, one engine step every ``--token-delay``, with a usage
+chunk.
+
+``/metrics`` is vLLM's Prometheus exposition (``Engine.render``: the counters, label names and
+text format of vLLM 0.23-0.33 with prometheus_client, `_created` series included; a ``vllm``-marked
+test renders the same counts through vLLM's own ``SpecDecodingProm`` and compares). With
+``--spec-tokens K`` the stand-in speculates as vLLM does: the prefill step gives the first token,
+then every step drafts K tokens, accepts the next number of ``--accepted`` (cycled) and emits the
+accepted tokens plus the bonus token in one chunk, advancing ``vllm:spec_decode_*`` as it goes.
+Without it there are no spec counters, as on a vLLM serving without a speculative config.
+
+``FakeServer`` / ``FakeNetwork`` are the same stand-in in process, behind a fake ``urlopen`` and
+a fake clock, for tests whose assertions are exact arithmetic on times.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -17,6 +31,179 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 START = time.monotonic()
+
+
+def go_float(d: float) -> str:
+    """A sample value as prometheus_client writes it (``utils.floatToGoString``)."""
+    d = float(d)
+    if math.isinf(d):
+        return "+Inf" if d > 0 else "-Inf"
+    if math.isnan(d):
+        return "NaN"
+    s = repr(d)
+    dot = s.find(".")
+    if d > 0 and dot > 6:
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        return f"{mantissa}e+0{dot - 1}"
+    return s
+
+
+class Engine:
+    """What one vLLM engine's Prometheus counters do while it generates, speculating or not."""
+
+    def __init__(self, model: str = "qwen", spec_tokens: int = 0, accepted: tuple[int, ...] = (1,)):
+        if spec_tokens and any(a < 0 or a > spec_tokens for a in accepted):
+            raise ValueError(f"accepted tokens per draft must lie in 0..{spec_tokens}: {accepted}")
+        self.model, self.k, self.pattern = model, spec_tokens, tuple(accepted) or (0,)
+        self.lock = threading.Lock()
+        self.next = 0
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.per_pos = [0] * spec_tokens
+        self.prompt_tokens = self.generation_tokens = 0
+        self.created = time.time()
+
+    def steps(self, n: int) -> list[tuple[int, int | None]]:
+        """(tokens emitted, drafted tokens accepted) per engine step of an n-token completion: the
+        prefill step gives one token and verifies no draft; then one token per step, or with
+        speculation the accepted drafts plus the bonus token (the emission cut at n, the accepted
+        count not: vLLM counts the verification before it applies max_tokens)."""
+        out: list[tuple[int, int | None]] = [(1, None)] if n > 0 else []
+        left = n - 1
+        while left > 0:
+            accepted = None
+            if self.k:
+                with self.lock:
+                    accepted = self.pattern[self.next % len(self.pattern)]
+                    self.next += 1
+            out.append((min(1 if accepted is None else accepted + 1, left), accepted))
+            left -= out[-1][0]
+        return out
+
+    def record(self, tokens: int, accepted: int | None, prompt_tokens: int = 0) -> None:
+        """One engine step emitted ``tokens``; a verified draft (K tokens) had ``accepted`` right."""
+        with self.lock:
+            self.generation_tokens += tokens
+            self.prompt_tokens += prompt_tokens
+            if accepted is not None:
+                self.drafts += 1
+                self.draft_tokens += self.k
+                self.accepted += accepted
+                for i in range(accepted):
+                    self.per_pos[i] += 1
+
+    def run(self, n: int, prompt_tokens: int = 10):
+        """Yield the tokens of each step of an n-token completion, recording the step's counters first."""
+        for i, (tokens, accepted) in enumerate(self.steps(n)):
+            self.record(tokens, accepted, prompt_tokens if i == 0 else 0)
+            yield tokens
+
+    def render(self) -> str:
+        """The ``/metrics`` text vLLM serves for these counts (engine 0)."""
+        labels = f'engine="0",model_name="{self.model}"'
+        lines: list[str] = []
+
+        def counter(name: str, doc: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter"])
+            lines.extend(f"{name}_total{{{lab}}} {go_float(v)}" for lab, v in samples)
+            lines.extend([f"# HELP {name}_created {doc}", f"# TYPE {name}_created gauge"])
+            lines.extend(f"{name}_created{{{lab}}} {go_float(self.created)}" for lab, _ in samples)
+
+        with self.lock:
+            lines.extend(["# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                          "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} 0.0"])
+            if self.k:
+                counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", [(labels, self.drafts)])
+                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", [(labels, self.draft_tokens)])
+                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", [(labels, self.accepted)])
+                counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                        [(f'{labels},position="{i}"', v) for i, v in enumerate(self.per_pos)])
+            counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(labels, self.prompt_tokens)])
+            counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                    [(labels, self.generation_tokens)])
+        return "\n".join(lines) + "\n"
+
+
+class _Body:
+    """A urlopen response: a context manager that reads or iterates its bytes."""
+
+    def __init__(self, data: bytes = b"", lines=None):
+        self.data, self.lines = data, lines
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read(self) -> bytes:
+        return self.data
+
+    def __iter__(self):
+        return iter(self.lines if self.lines is not None else self.data.splitlines(keepends=True))
+
+
+class FakeServer:
+    """The stand-in in process, on a fake clock: ``first`` s to the first token, then one engine step
+    every ``steps[k % len(steps)]`` s for the k-th chat request, so that runs differ by exactly
+    what a test says. ``usage`` adds the usage chunk; ``metrics`` serves ``/metrics``."""
+
+    def __init__(self, clock: list[float], engine: Engine, tokens: int = 30, first: float | list = 0.3,
+                 steps: float | list = 0.02, usage: bool = True, metrics: bool = True):
+        self.clock, self.engine, self.tokens, self.usage, self.metrics = clock, engine, tokens, usage, metrics
+        self.first = first if isinstance(first, list) else [first]
+        self.steps = steps if isinstance(steps, list) else [steps]
+        self.requests: list[dict] = []
+
+    def stream(self, body: dict):
+        k = len(self.requests)
+        self.requests.append(body)
+        n = min(self.tokens, body.get("max_tokens") or self.tokens)
+        first, gap = self.first[k % len(self.first)], self.steps[k % len(self.steps)]
+
+        def lines():
+            yield b": keep-alive\n"
+            sent = 0
+            for i, (tokens, accepted) in enumerate(self.engine.steps(n)):
+                self.clock[0] += first if i == 0 else gap
+                self.engine.record(tokens, accepted, 10 if i == 0 else 0)
+                event = {"choices": [{"index": 0, "delta": {"content": "".join(
+                    f"t{sent + j} " for j in range(tokens))}}]}
+                sent += tokens
+                yield f"data: {json.dumps(event)}\n".encode()
+                yield b"\n"
+            if self.usage:
+                yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n".encode()
+            yield b"data: [DONE]\n"
+
+        return _Body(lines=lines())
+
+
+class FakeNetwork:
+    """``urllib.request.urlopen`` for FakeServers by host:port; ``order`` logs the chat requests' hosts."""
+
+    def __init__(self, servers: dict[str, FakeServer]):
+        self.servers = servers
+        self.order: list[str] = []
+
+    def urlopen(self, req, timeout=None):
+        import urllib.error
+        from urllib.parse import urlsplit
+
+        url = req if isinstance(req, str) else req.full_url
+        parts = urlsplit(url)
+        server = self.servers.get(parts.netloc)
+        if server is None:
+            raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+        if parts.path.endswith("/v1/models"):
+            return _Body(json.dumps({"data": [{"id": server.engine.model}]}).encode())
+        if parts.path == "/metrics":
+            if not server.metrics:
+                raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
+            return _Body(server.engine.render().encode())
+        if parts.path.endswith("/v1/chat/completions"):
+            self.order.append(parts.netloc)
+            return server.stream(json.loads(req.data))
+        raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
 
 def main() -> int:
@@ -30,7 +217,11 @@ def main() -> int:
     ap.add_argument("--token-delay", type=float, default=0.005)
     ap.add_argument("--first-delay", type=float, default=0.05)
     ap.add_argument("--model", default="qwen")
+    ap.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step (0: no speculation)")
+    ap.add_argument("--accepted", default="1", help="accepted tokens per draft, a comma list used in turn")
+    ap.add_argument("--no-metrics", action="store_true", help="/metrics answers 404 (not vLLM)")
     a = ap.parse_args()
+    engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()))
     print("stand-in: loading weights", flush=True)
 
     class Handler(BaseHTTPRequestHandler):
@@ -46,6 +237,14 @@ def main() -> int:
             self.wfile.write(body)
 
         def do_GET(self):
+            if self.path == "/metrics" and not a.no_metrics:
+                body = engine.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if self.path != "/v1/models":
                 return self._json(404, {"error": "not found"})
             if time.monotonic() - START < a.ready_after or (a.ready_file and not os.path.exists(a.ready_file)):
@@ -66,10 +265,13 @@ def main() -> int:
             self.end_headers()
             time.sleep(a.first_delay)
             n = min(a.tokens, req.get("max_tokens") or a.tokens)
-            for i in range(n):
+            sent = 0
+            for i, tokens in enumerate(engine.run(n)):
                 if i:
                     time.sleep(a.token_delay)
-                ev = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+                text = "".join(f"t{sent + j} " for j in range(tokens))
+                sent += tokens
+                ev = {"choices": [{"index": 0, "delta": {"content": text}}]}
                 self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
                 self.wfile.flush()
             usage = {"choices": [], "usage": {"completion_tokens": n}}

@@ -19,6 +19,8 @@ from hybrid_build.serve.engine import LaunchPlan
 from hybrid_build.serve.launcher import check_prerequisites, smoke_test, start, wait_ready
 
 STANDIN = Path(__file__).resolve().parent / "standin_server.py"
+sys.path.insert(0, str(STANDIN.parent))
+from standin_server import Engine, FakeNetwork, FakeServer  # noqa: E402
 
 
 def free_port() -> int:
@@ -135,60 +137,70 @@ def test_bench_measures_decode_and_end_to_end(running):
     # end-to-end <= 30 / 0.88 s; the arithmetic itself is checked exactly with a fake clock below
     server = running("--tokens", "30", "--token-delay", "0.02", "--first-delay", "0.3")
     wait_ready(server, timeout=20, poll=0.1)
-    report = bench_mod.bench(server.plan.base_url, runs=2, max_tokens=30, prompts=["prose", "code"])
-    assert report["model"] == "qwen"
-    assert [r["prompt"] for r in report["results"]] == ["prose", "code"]
+    report = bench_mod.bench(server.plan.base_url, runs=2, max_tokens=30, workloads=["prose", "code"])
+    assert report["model"] == "qwen" and report["kind"] == bench_mod.REPORT_KIND
+    assert [r["workload"] for r in report["results"]] == ["prose", "code"]
     for r in report["results"]:
-        assert r["runs"] == 2 and r["tokens"] == 30
-        assert r["ttft_s"] >= 0.3
+        assert r["runs"] == 2 and r["tokens"] == 30 and len(r["samples"]) == 2
+        assert r["ttft_s"] >= 0.3 and r["spread"]["ttft_s"][0] >= 0.3
         assert 0 < r["e2e_tok_s"] <= 30 / 0.88
         assert r["decode_tok_s"] > 0
+        assert r["acceptance"] is None  # a stand-in without speculation has no spec counters, as vLLM
+    assert not report["speculative"]
 
 
-class _FakeStream:
-    """A streamed chat completion whose reading moves a fake clock: ``first`` s before the first
-    chunk, ``gap`` s before each later one; ``usage`` adds the usage chunk."""
-
-    def __init__(self, clock: list[float], tokens: int, first: float, gap: float, usage: bool):
-        self.clock, self.tokens, self.first, self.gap, self.usage = clock, tokens, first, gap, usage
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def __iter__(self):
-        yield b": keep-alive\n"
-        for i in range(self.tokens):
-            self.clock[0] += self.first if i == 0 else self.gap
-            event = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
-            yield f"data: {json.dumps(event)}\n".encode()
-            yield b"\n"
-        if self.usage:
-            yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': self.tokens}})}\n".encode()
-        yield b"data: [DONE]\n"
+def _fake(monkeypatch, **servers) -> tuple[list[float], FakeNetwork]:
+    clock = [1000.0]
+    net = FakeNetwork({host: FakeServer(clock, **kw) for host, kw in servers.items()})
+    monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+    return clock, net
 
 
 @pytest.mark.parametrize("usage", [True, False], ids=["usage-chunk", "counted-chunks"])
 def test_bench_arithmetic_on_a_fake_clock(monkeypatch, usage):
-    clock = [1000.0]
-    requests = []
-
-    def urlopen(req, timeout=None):
-        requests.append(json.loads(req.data))
-        return _FakeStream(clock, 30, 0.3, 0.02, usage)
-
-    monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", urlopen)
-    report = bench_mod.bench("http://stand-in/v1", model="qwen", runs=2, max_tokens=30, prompts=["prose", "tool-call"])
+    _, net = _fake(monkeypatch, **{"stand-in": dict(engine=Engine(), tokens=30, first=0.3, steps=0.02, usage=usage)})
+    report = bench_mod.bench("http://stand-in/v1", runs=2, max_tokens=30, workloads=["prose", "agent"])
+    requests = net.servers["stand-in"].requests
+    assert report["model"] == "qwen"
     assert len(requests) == 6 and all(r["stream"] and r["temperature"] == 0 for r in requests)
+    assert all(r["chat_template_kwargs"] == {"enable_thinking": False} for r in requests)
     assert "tools" in requests[-1] and "tools" not in requests[0]
+    assert requests[-1]["messages"][-1]["role"] == "tool"  # the agent turn regenerates the next assistant turn
     for r in report["results"]:
         assert r["runs"] == 2 and r["tokens"] == 30
         assert r["ttft_s"] == pytest.approx(0.3)
         assert r["decode_tok_s"] == pytest.approx(29 / 0.58)  # excludes the first token's wait
         assert r["e2e_tok_s"] == pytest.approx(30 / 0.88)
+        assert r["spread"]["decode_tok_s"] == pytest.approx([29 / 0.58, 29 / 0.58])
+
+
+def test_bench_median_and_range_of_runs(monkeypatch):
+    """Runs that differ: the figure is their median, the spread their range (the warm-up run, at
+    the first step time, is left out)."""
+    steps = [0.5, 0.02, 0.025, 0.01]  # the warm-up, then 3 measured runs
+    _fake(monkeypatch, s=dict(engine=Engine(), tokens=11, first=0.1, steps=steps))
+    r = bench_mod.bench("http://s/v1", runs=3, max_tokens=11, workloads=["code"])["results"][0]
+    decode = sorted(10 / (10 * g) for g in steps[1:])
+    assert r["decode_tok_s"] == pytest.approx(decode[1])
+    assert r["spread"]["decode_tok_s"] == pytest.approx([decode[0], decode[2]])
+    assert r["e2e_tok_s"] == pytest.approx(11 / 0.3)
+    assert [s["decode_s"] for s in r["samples"]] == pytest.approx([0.2, 0.25, 0.1])
+
+
+def test_bench_speculative_chunks_and_acceptance_on_a_fake_clock(monkeypatch):
+    """A speculating server sends each step's accepted tokens and bonus token in one chunk: 30
+    tokens with 4 drafted and 3 accepted per step are the prefill's token then 8 steps (7 of 4 and
+    one cut to 1). Decode and end-to-end use the usage count; the counters give length 4.0."""
+    _fake(monkeypatch, s=dict(engine=Engine(spec_tokens=4, accepted=(3,)), tokens=30, first=0.3, steps=0.02))
+    r = bench_mod.bench("http://s/v1", runs=2, max_tokens=30, workloads=["counting"])["results"][0]
+    assert r["decode_tok_s"] == pytest.approx(29 / (8 * 0.02))
+    assert r["e2e_tok_s"] == pytest.approx(30 / (0.3 + 8 * 0.02))
+    acc = r["acceptance"]
+    assert (acc["drafts"], acc["draft_tokens"], acc["accepted_tokens"]) == (16, 64, 48)  # 2 runs, warm-up excluded
+    assert acc["mean_acceptance_length"] == pytest.approx(4.0) and acc["draft_acceptance_rate"] == pytest.approx(0.75)
+    assert acc["accepted_per_pos"] == [16, 16, 16, 0]
+    assert [s["spec"]["drafts"] for s in r["samples"]] == [8, 8]
 
 
 def test_bench_discards_the_first_run(running, monkeypatch):
@@ -197,22 +209,29 @@ def test_bench_discards_the_first_run(running, monkeypatch):
     calls = []
     real = bench_mod.stream_once
     monkeypatch.setattr(bench_mod, "stream_once", lambda *a, **k: calls.append(1) or real(*a, **k))
-    report = bench_mod.bench(server.plan.base_url, runs=3, max_tokens=5, prompts=["tool-call"])
+    report = bench_mod.bench(server.plan.base_url, runs=3, max_tokens=5, workloads=["agent"])
     assert len(calls) == 4 and report["results"][0]["runs"] == 3
 
 
-def test_bench_cli_json_and_table(running, capsys):
+def test_bench_cli_json_and_table(running, capsys, tmp_path):
     server = running("--tokens", "8")
     wait_ready(server, timeout=20, poll=0.1)
-    assert main(["bench", server.plan.base_url, "--runs", "1", "--max-tokens", "8", "--json"]) == 0
+    out = tmp_path / "r.json"
+    assert main(["bench", server.plan.base_url, "--runs", "1", "--max-tokens", "8", "--json", "--out", str(out)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [r["prompt"] for r in report["results"]] == ["prose", "code", "tool-call"]
-    assert main(["bench", server.plan.base_url, "--runs", "1", "--max-tokens", "8", "--prompts", "code"]) == 0
-    out = capsys.readouterr().out
-    assert "decode tok/s" in out and "code" in out
+    assert [r["workload"] for r in report["results"]] == ["prose", "code", "counting", "agent"]
+    assert json.loads(out.read_text()) == report
+    assert main(["bench", server.plan.base_url, "--runs", "1", "--max-tokens", "8", "--workloads", "code"]) == 0
+    text = capsys.readouterr().out
+    assert "decode tok/s" in text and "code" in text and "no speculative-decoding counters" in text
 
 
 def test_bench_cli_errors(capsys):
-    assert main(["bench", "http://127.0.0.1:9/v1", "--prompts", "poetry"]) == 2
+    assert main(["bench", "http://127.0.0.1:9/v1", "--workloads", "poetry"]) == 2
+    assert "unknown workload 'poetry'" in capsys.readouterr().err
+    assert main(["bench", "127.0.0.1:9/v1"]) == 2
+    assert main(["bench"]) == 2
+    assert main(["bench", "http://a/v1", "http://b/v1", "http://c/v1"]) == 2
     assert main(["bench", f"http://127.0.0.1:{free_port()}/v1", "--runs", "1"]) == 1
-    assert "cannot reach" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and err.count("\n") == 4
