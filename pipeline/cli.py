@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "demo-checkpoint": "hybrid_build.pipeline.commands.demo",
     "run": "hybrid_build.pipeline.commands.run",
     "validate": "hybrid_build.validate.command",
+    "eval": "hybrid_build.pipeline.commands.eval",
     "plan": "hybrid_build.pipeline.commands.plan",
     "publish": "hybrid_build.pipeline.commands.publish",
     "serve": "hybrid_build.serve.command",

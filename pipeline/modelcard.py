@@ -2,8 +2,11 @@
 
 Everything on the card comes from files in the artifact: ``hybrid_build/provenance.json`` (source,
 recipe, converted modules, file hashes), ``hybrid_build/validation.json`` (the figures and checks),
-``hybrid_build/recipe.yaml``'s serve profiles (via the provenance's recipe) and the safetensors
-headers (bytes per converted module). The card is rendered with ``huggingface_hub.ModelCard`` and
+``hybrid_build/eval.json`` (task accuracy from ``hybrid-build eval``, shown only when it was made
+for this build), ``hybrid_build/bench.json`` (``hybrid-build bench --out``), ``hybrid_build/recipe.yaml``'s
+serve profiles (via the provenance's recipe) and the safetensors headers (bytes per converted
+module). The figures of the three reports also go into the metadata as ``model-index`` eval
+results (``EvalResult``), each with the tool versions and settings that produced it. The card is rendered with ``huggingface_hub.ModelCard`` and
 ``ModelCardData``; nothing here talks to the network.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .checkpoint import HUB_ID
 from .safetensors_io import INDEX_NAME, read_header
@@ -48,6 +51,20 @@ class LicenseInfo:
 
 
 @dataclass
+class EvalStatus:
+    """``hybrid_build/eval.json``: ``current`` (made for this build: its provenance hash matches) or
+    ``stale`` (another build, or a report that names none); only a current one is shown."""
+
+    state: str
+    report: dict = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def current(self) -> bool:
+        return self.state == "current"
+
+
+@dataclass
 class CardInputs:
     repo_id: str
     provenance: dict
@@ -58,6 +75,8 @@ class CardInputs:
     pipeline_tag: str | None = None
     forced: bool = False
     has_plot: bool = False
+    evaluation: EvalStatus | None = None  # hybrid_build/eval.json, when present
+    bench: dict | None = None  # hybrid_build/bench.json, when present and readable
 
 
 # ------------------------------------------------------------------------------------ gathering
@@ -115,6 +134,47 @@ def converted_sizes(artifact: Path, provenance: dict) -> dict[str, dict[str, int
             t = headers[shard].get(name)
             entry["stored"] += t.nbytes if t else 0
     return out
+
+
+def _json_object(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_evaluation(path: Path, provenance: Path) -> EvalStatus | None:
+    """The eval report at ``path``, checked against the build: its ``artifact.provenance_sha256``
+    must be the sha256 of ``provenance`` (None when there is no report)."""
+    import hashlib
+
+    if not path.is_file():
+        return None
+    report = _json_object(path)
+    if report is None or not isinstance(report.get("tasks"), list):
+        return EvalStatus("stale", {}, f"{path.name} is not a report of `hybrid-build eval`")
+    recorded = (report.get("artifact") or {}).get("provenance_sha256")
+    try:
+        actual = hashlib.sha256(provenance.read_bytes()).hexdigest()
+    except OSError:
+        actual = None
+    if not recorded:
+        return EvalStatus("stale", report, "it names no build (run with ARTIFACT)")
+    if recorded != actual:
+        return EvalStatus("stale", report, "it was made for an earlier build of this folder (provenance differs)")
+    return EvalStatus("current", report)
+
+
+def read_bench(path: Path) -> dict | None:
+    """``hybrid-build bench``'s single-server report at ``path``, or None (absent or another shape)."""
+    if not path.is_file():
+        return None
+    report = _json_object(path)
+    if not report or not isinstance(report.get("results"), list):
+        log.warning("%s is not a single-server report of `hybrid-build bench`: left off the card", path)
+        return None
+    return report
 
 
 # ------------------------------------------------------------------------------------ the source
@@ -199,6 +259,9 @@ def card_data(inp: CardInputs) -> ModelCardData:
     extra = {}
     if source.hub:
         extra["base_model_relation"] = "quantized"
+    results = eval_results(inp)
+    if results:
+        extra.update(eval_results=results, model_name=inp.repo_id.split("/")[-1])
     return ModelCardData(
         base_model=source.name if source.hub else None,
         license=inp.license.license,
@@ -207,6 +270,61 @@ def card_data(inp: CardInputs) -> ModelCardData:
         tags=tags,
         **extra,
     )
+
+
+def eval_results(inp: CardInputs) -> list[EvalResult]:
+    """``model-index`` entries: the hybrid's accuracy and recovery per task (a current eval report),
+    the end-to-end validation figures, and the bench speeds; each names the settings it was made with."""
+    out: list[EvalResult] = []
+    tool = f"hybrid-build {((inp.provenance.get('tool') or {}).get('version')) or '?'}"
+    ev = inp.evaluation
+    if ev is not None and ev.current:
+        rep = ev.report
+        s, v = rep.get("settings") or {}, rep.get("versions") or {}
+        args = {"backend": s.get("backend"), "limit": s.get("limit"), "lm_eval": v.get("lm_eval"),
+                "hybrid_build": v.get("hybrid_build")}
+        config = (f"hybrid-build {v.get('hybrid_build', '?')} eval, lm-eval {v.get('lm_eval', '?')}, backend "
+                  f"{s.get('backend')}, " + ("all examples" if s.get("limit") is None else f"limit {s.get('limit')}"))
+        for r in rep.get("tasks") or []:
+            if not isinstance(r, dict) or not isinstance(r.get("hybrid"), (int, float)):
+                continue
+            metric = str(r.get("metric") or "acc").split(",")[0]
+            common = dict(task_type="text-generation", dataset_type=r.get("dataset") or str(r.get("task")),
+                          dataset_name=str(r.get("task")), dataset_config=str(r.get("task")), metric_config=config)
+            task_args = {**args, "num_fewshot": r.get("num_fewshot"), "n": r.get("n"), "source": r.get("source"),
+                         "p_value": r.get("p_value"), "verdict": r.get("verdict")}
+            out.append(EvalResult(metric_type=metric, metric_value=round(float(r["hybrid"]), 4),
+                                  metric_name=f"{metric} (hybrid)", metric_args=task_args, **common))
+            if isinstance(r.get("recovery_pct"), (int, float)):
+                out.append(EvalResult(metric_type="recovery", metric_value=round(float(r["recovery_pct"]), 2),
+                                      metric_name="recovery % (hybrid / source)", **common))
+    v = inp.validation
+    e2e = (v.report or {}).get("end_to_end") or {}
+    if v.state in ("passed", "failed") and e2e and not e2e.get("skipped") and "error" not in e2e:
+        common = dict(task_type="text-generation", dataset_type="hybrid-build/validate-texts",
+                      dataset_name="teacher-forced texts (hybrid-build validate)",
+                      metric_config=f"{tool} validate, engine {e2e.get('engine', 'streamed')}",
+                      metric_args={"engine": e2e.get("engine"), "tokens": e2e.get("tokens"), "passed": v.passed})
+        for key, mtype, name in (("kl", "kl_divergence", "mean KL(source || hybrid)"),
+                                 ("top1_agreement", "top1_agreement", "same top-1 token as the source"),
+                                 ("ppl_change", "perplexity_change", "perplexity change vs the source")):
+            if isinstance(e2e.get(key), (int, float)) and math.isfinite(e2e[key]):
+                out.append(EvalResult(metric_type=mtype, metric_value=float(f"{e2e[key]:.6g}"), metric_name=name,
+                                      **common))
+    b = inp.bench
+    if b:
+        args = {k: b.get(k) for k in ("runs", "max_tokens", "temperature", "speculative")}
+        for r in b.get("results") or []:
+            if isinstance(r, dict) and isinstance(r.get("decode_tok_s"), (int, float)):
+                out.append(EvalResult(task_type="text-generation", dataset_type="hybrid-build/bench-workloads",
+                                      dataset_name=f"{r.get('workload')} (hybrid-build bench)",
+                                      dataset_config=str(r.get("workload")),
+                                      metric_type="decode_tokens_per_second",
+                                      metric_value=round(float(r["decode_tok_s"]), 2),
+                                      metric_name="decode tok/s, single stream", metric_args=args,
+                                      metric_config=f"{tool} bench, {b.get('runs', '?')} runs, "
+                                                    f"{b.get('max_tokens', '?')} tokens"))
+    return out
 
 
 def validation_figures(report: dict) -> list[tuple[str, object, str, object]]:
@@ -392,6 +510,8 @@ def render_body(inp: CardInputs) -> str:
         lines += [f"Weights change by {(weights_after - src_bytes) / src_bytes:+.2%} on disk.", ""]
 
     lines += _validation_section(inp)
+    lines += _eval_section(inp)
+    lines += _bench_section(inp)
     lines += _serve_section(inp)
     lines += _provenance_section(inp)
     lines += ["## License", ""]
@@ -436,6 +556,58 @@ def _validation_section(inp: CardInputs) -> list[str]:
         lines += ["![relative error per layer](hybrid_build/validation.png)", ""]
     lines += ["Per-tensor figures: `hybrid_build/validation.md`; machine-readable: `hybrid_build/validation.json`.", ""]
     return lines
+
+
+def _eval_section(inp: CardInputs) -> list[str]:
+    ev = inp.evaluation
+    if ev is None:
+        return []
+    lines = ["## Task accuracy", ""]
+    if not ev.current:
+        return lines + [f"`hybrid_build/eval.json` is in this repository but its figures are not shown: {ev.reason}. "
+                        "Run `hybrid-build eval` on this build to measure them.", ""]
+    from hybrid_build.validate.accuracy import markdown_rows, settings_line
+
+    rep = ev.report
+    try:
+        rows = markdown_rows(rep)
+        settings = settings_line(rep)
+    except (KeyError, TypeError, ValueError) as e:
+        return lines + [f"`hybrid_build/eval.json` could not be read ({type(e).__name__}: {e}).", ""]
+    models = rep.get("models") or {}
+    lines += [f"lm-evaluation-harness on the source and on this hybrid, same tasks and settings ({settings}). "
+              "Accuracy in percent; difference = hybrid - source with a 95% interval over the paired examples; "
+              "recovery = hybrid / source; p: exact McNemar test on the examples only one of the two got right "
+              "(p >= 0.05: within noise).", "", *rows, ""]
+    backend = (rep.get("settings") or {}).get("backend")
+    if backend == "hf":
+        lines += ["Measured with transformers (float32): the hybrid's stored weights, dequantized, in the source "
+                  "model; a serving engine's kernels can differ slightly.", ""]
+    elif backend:
+        names = ", ".join(f"{role} `{(m or {}).get('name')}`" for role, m in models.items())
+        lines += [f"Measured against running servers ({names}).", ""]
+    lines += ["Per-example results: `hybrid_build/eval.json`.", ""]
+    return lines
+
+
+def _bench_section(inp: CardInputs) -> list[str]:
+    b = inp.bench
+    if not b:
+        return []
+    lines = ["## Speed", "",
+             f"`hybrid-build bench`: single stream, temperature {b.get('temperature', 0)}, {b.get('runs', '?')} "
+             f"measured runs per workload, {b.get('max_tokens', '?')} tokens each"
+             + (", speculative decoding on" if b.get("speculative") else "")
+             + ". The hardware it ran on is not recorded in the report.", "",
+             "| workload | decode tok/s | end-to-end tok/s | time to first token (s) | mean acceptance length |",
+             "|---|---|---|---|---|"]
+    for r in b.get("results") or []:
+        if not isinstance(r, dict):
+            continue
+        acc = (r.get("acceptance") or {}).get("mean_acceptance_length")
+        lines.append(f"| {r.get('workload')} | {_g(r.get('decode_tok_s'), '.1f')} | {_g(r.get('e2e_tok_s'), '.1f')} | "
+                     f"{_g(r.get('ttft_s'), '.3f')} | {_g(acc, '.2f')} |")
+    return lines + ["", "Raw figures: `hybrid_build/bench.json`.", ""]
 
 
 def _provenance_section(inp: CardInputs) -> list[str]:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ArtifactError, ExternalToolError, UserError
-from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_frontmatter, \
-    render_card
+from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_bench, \
+    read_evaluation, read_frontmatter, render_card
 from .progress import null_progress
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX
 
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 META_DIR = "hybrid_build"
 PROVENANCE = f"{META_DIR}/provenance.json"
 VALIDATION_FILES = tuple(f"{META_DIR}/validation.{ext}" for ext in ("json", "md", "png"))
+EVAL_FILES = (f"{META_DIR}/eval.json", f"{META_DIR}/eval.md")  # `hybrid-build eval`
+BENCH_FILE = f"{META_DIR}/bench.json"  # `hybrid-build bench URL --out ARTIFACT/hybrid_build/bench.json`
+# reports written after the build (so not in the provenance manifest): published when present
+REPORT_FILES = (*VALIDATION_FILES, *EVAL_FILES, BENCH_FILE)
 CARD = "README.md"
 # Files the Hub creates itself; their presence on the remote is expected.
 HUB_OWN_FILES = {".gitattributes"}
@@ -194,7 +198,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
     recorded = prov.get("files") or {}
     present = _artifact_paths(artifact)
     covered = set(recorded) | {PROVENANCE}
-    extra = [p for p in present if p not in covered and p not in VALIDATION_FILES]
+    extra = [p for p in present if p not in covered and p not in REPORT_FILES]
     if extra:
         raise ArtifactError(f"{extra[0]} is in the artifact but not in {PROVENANCE} (added after the build?)"
                             + (f"; {len(extra) - 1} more" if len(extra) > 1 else "") + ": remove it or rebuild")
@@ -213,7 +217,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
             notes.append(f"{CARD} (the source's card, copied by the build) is replaced by the generated card")
             continue
         files.append(PublishFile(path, recorded[path]["bytes"], recorded[path]["sha256"], "provenance", artifact / path))
-    for path in [PROVENANCE, *VALIDATION_FILES]:
+    for path in [PROVENANCE, *REPORT_FILES]:
         local = artifact / path
         if local.is_file():
             files.append(PublishFile(path, local.stat().st_size, _sha256_file(local), "local", local))
@@ -227,7 +231,9 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         repo_id=repo_id, provenance=prov, validation=validation, license=lic,
         converted_bytes=converted_sizes(artifact, prov),
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
-        forced=force and not validation.passed, has_plot=(artifact / VALIDATION_FILES[2]).is_file())
+        forced=force and not validation.passed, has_plot=(artifact / VALIDATION_FILES[2]).is_file(),
+        evaluation=read_evaluation(artifact / EVAL_FILES[0], artifact / PROVENANCE),
+        bench=read_bench(artifact / BENCH_FILE))
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))

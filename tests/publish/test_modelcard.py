@@ -234,3 +234,96 @@ def test_provenance_without_kind_or_content_hashes(artifact, old_id):
     assert f"A hybrid of a local checkpoint (`{name}`), built" in body
     assert f"folder `{name}`, fingerprint `{'ab' * 32}` (of its headers and sizes)" in body
     assert old_id not in body and "content sha256" not in body
+
+
+# ------------------------------------------------------------------------------------ eval and bench
+
+
+def write_eval_report(artifact, pairs=None):
+    """An eval report as `hybrid-build eval` writes it, for this build (no lm-eval run: its figures are
+    made up, the statistics are the real ones)."""
+    from hybrid_build.validate.accuracy import (
+        BUNDLED_DATASET, HF_NOTE, AccuracyReport, EvalSettings, artifact_identity, compare_pairs, default_report_path,
+        write_report,
+    )
+
+    pairs = pairs or [(1, 1)] * 50 + [(1, 0)] * 6 + [(0, 1)] * 2 + [(0, 0)] * 42
+    row = compare_pairs("hb_arith", "acc,none", pairs)
+    row.dataset, row.num_fewshot = BUNDLED_DATASET, 0
+    report = AccuracyReport(EvalSettings(limit=100).to_json(), {"source": {"name": "src"}, "hybrid": {"name": "hyb"}},
+                            [row], row, {}, {"hybrid_build": "0.1.0", "lm_eval": "0.4.13"},
+                            artifact_identity(artifact), [HF_NOTE])
+    write_report(report, default_report_path(artifact))
+    return row
+
+
+def model_index(meta) -> dict[str, dict[str, dict]]:
+    """dataset name -> metric type -> metric entry, from the card's model-index."""
+    out: dict = {}
+    for res in meta["model-index"][0]["results"]:
+        for m in res["metrics"]:
+            out.setdefault(res["dataset"]["name"], {})[m["type"]] = {**m, "dataset_type": res["dataset"]["type"]}
+    return out
+
+
+def test_eval_report_goes_into_the_metadata_and_the_text(artifact):
+    from huggingface_hub import ModelCard
+
+    row = write_eval_report(artifact)
+    plan = plan_publish(artifact, REPO)
+    meta, body = split_card(plan.card_text)
+    idx = model_index(meta)
+    acc, rec = idx["hb_arith"]["acc"], idx["hb_arith"]["recovery"]
+    assert acc["value"] == 0.52 and acc["dataset_type"] == "hybrid-build/bundled-eval-tasks"
+    assert rec["value"] == pytest.approx(100 * 52 / 56, abs=0.01)
+    assert acc["config"] == "hybrid-build 0.1.0 eval, lm-eval 0.4.13, backend hf, limit 100"
+    assert acc["args"]["source"] == 0.56 and acc["args"]["verdict"] == row.verdict == "within noise"
+    assert acc["args"]["p_value"] == pytest.approx(row.p_value) and acc["args"]["num_fewshot"] == 0
+    # huggingface_hub reads its own model-index back
+    parsed = ModelCard(plan.card_text).data.eval_results
+    assert {(r.dataset_name, r.metric_type) for r in parsed} >= {("hb_arith", "acc"), ("hb_arith", "recovery")}
+    # the text: the table with the settings it was made with
+    rows = {r[0]: r for r in table_rows(body, "task")}
+    assert rows["hb_arith"][1:6] == ["100", "56.0", "52.0", "-4.0 [-9.5, +1.5]", "92.9%"]
+    assert rows["hb_arith"][6:] == ["6 / 2", "0.289", "within noise"]
+    assert "## Task accuracy" in body and "lm-eval 0.4.13, backend `hf`, tasks hybrid_build, limit 100 per task" in body
+    # the report is published with the artifact
+    assert {"hybrid_build/eval.json", "hybrid_build/eval.md"} <= {f.path for f in plan.files}
+
+
+def test_an_eval_report_of_an_earlier_build_is_named_not_shown(artifact):
+    write_eval_report(artifact)
+
+    def change(prov):
+        prov["created"] = "2026-01-01T00:00:00Z"
+
+    edit_provenance(artifact, change)
+    meta, body = split_card(plan_publish(artifact, REPO).card_text)
+    assert "hb_arith" not in model_index(meta)
+    assert "its figures are not shown: it was made for an earlier build of this folder (provenance differs)" in body
+    assert "| hb_arith |" not in body
+
+
+def test_validation_and_bench_figures_in_the_metadata(artifact):
+    report = json.loads((artifact / "hybrid_build" / "validation.json").read_text())
+    bench = {"kind": "hybrid-build bench", "schema_version": 2, "model": "qwen", "runs": 5, "max_tokens": 256,
+             "temperature": 0, "speculative": True,
+             "results": [{"workload": "prose", "decode_tok_s": 101.54, "e2e_tok_s": 95.0, "ttft_s": 0.051,
+                          "acceptance": {"mean_acceptance_length": 3.21}},
+                         {"workload": "code", "decode_tok_s": 150.0, "e2e_tok_s": 140.0, "ttft_s": 0.04,
+                          "acceptance": None}]}
+    (artifact / "hybrid_build" / "bench.json").write_text(json.dumps(bench))
+    plan = plan_publish(artifact, REPO)
+    meta, body = split_card(plan.card_text)
+    idx = model_index(meta)
+    e2e = report["end_to_end"]
+    texts = idx["teacher-forced texts (hybrid-build validate)"]
+    assert texts["kl_divergence"]["value"] == pytest.approx(e2e["kl"], rel=1e-5)
+    assert texts["top1_agreement"]["value"] == pytest.approx(e2e["top1_agreement"], rel=1e-5)
+    assert texts["kl_divergence"]["config"].startswith("hybrid-build 0.1.0 validate, engine ")
+    assert idx["prose (hybrid-build bench)"]["decode_tokens_per_second"]["value"] == 101.54
+    assert idx["code (hybrid-build bench)"]["decode_tokens_per_second"]["args"]["runs"] == 5
+    rows = {r[0]: r for r in table_rows(body, "workload")}
+    assert rows["prose"] == ["prose", "101.5", "95.0", "0.051", "3.21"] and rows["code"][4] == "-"
+    assert "hybrid_build/bench.json" in {f.path for f in plan.files}
+    assert "## Task accuracy" not in body  # no eval report, no section
