@@ -375,6 +375,17 @@ def synthetic(tmp_path_factory):
             for name, cfg in (("122b", qwen35_122b_config(compact_extra_config=True)), ("397b", qwen35_397b_config()))}
 
 
+def test_397b_headers_inspect_and_run_dry_run_with_its_recipe(synthetic, tmp_path, capsys):
+    folder = synthetic["397b"].root
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "279674 tensors" in out and "276480" in out  # 60 layers x 512 experts x 3 projections x 3 tensors
+    assert main(["run", str(folder), "-o", str(tmp_path / "out"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe qwen3.5-397b-a17b (chosen from the source's config.json)" in out
+    assert "lm_head  248320x4096" in out
+
+
 def _nodes_plan(ckpt, **kw) -> dict:
     from hybrid_build.serve.speed_plan import PlanOptions, build_plan
 
