@@ -69,14 +69,14 @@ def check_output_folder(out: Path, source_root: Path | None = None) -> None:
         raise UserError(f"{out}: exists, is not empty and is not a hybrid-build output; choose another folder")
 
 
-def prepare(source: str | Path, out: Path, recipe_arg: str | None = None,
+def prepare(source: str | Path | Checkpoint, out: Path, recipe_arg: str | None = None,
             progress: ProgressFactory = null_progress, revision: str | None = None,
             overrides: RecipeOverrides | None = None, force: bool = False,
             in_artifact: str | None = None, recipe_how: str = "given") -> BuildContext:
     """Open the source, pick the recipe, apply ``overrides`` and plan the conversion; nothing is
-    written. ``force`` accepts a recipe whose ``match`` does not fit the source; ``in_artifact``
+    written. ``source`` is a folder, a Hub id or an opened ``Checkpoint``. ``force`` accepts a recipe whose ``match`` does not fit the source; ``in_artifact``
     marks a source that lives inside the output folder (the demo's)."""
-    ckpt = Checkpoint.open(source, revision=revision)
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(source, revision=revision)
     ckpt.require_clean()
     if ckpt.hybrid_info:
         raise SourceError(f"{source}: already a hybrid-build artifact (config.json has a hybrid_build block)")

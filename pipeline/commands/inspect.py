@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
-from ..checkpoint import Checkpoint
 from ..cli_support import ExampleFormatter, add_json_flag, emit_json
 from ..errors import SourceError
+from ..generators.sources import open_source
 from ..inspection import build_report, render_text
 
 
 def _handle(args: argparse.Namespace) -> int:
-    ckpt = Checkpoint.open(args.source, revision=args.revision)
-    report = build_report(ckpt, args.recipe)
+    with tempfile.TemporaryDirectory(prefix="hybrid-build-inspect-") as tmp:
+        ckpt = open_source(args.source, args.revision, Path(tmp), require_clean=False)
+        report = build_report(ckpt, args.recipe)
     data = report.to_json()
     if args.json:
         emit_json(data)
@@ -35,7 +38,7 @@ def register(sub, common) -> None:
                "  hybrid-build inspect ./Qwen3.5-122B-A10B-int4-AutoRound\n"
                "  hybrid-build inspect Intel/Qwen3.5-122B-A10B-int4-AutoRound --json > inspect.json\n"
                "  hybrid-build inspect ./ckpt --recipe tiny")
-    p.add_argument("source", help="checkpoint folder or Hub id")
+    p.add_argument("source", help="checkpoint folder, Hub id, or synthetic:NAME (a model's real layout, headers only)")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit)")
     p.add_argument("--recipe", help="recipe name or YAML file for the conversion preview (default: chosen from config)")
     add_json_flag(p)

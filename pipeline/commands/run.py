@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
+import tempfile
 import logging
 import time
 from pathlib import Path
@@ -25,8 +28,6 @@ def _demo_source(args) -> Path:
     if not (path / "model.safetensors.index.json").exists():
         if not args.quiet:
             print("no SOURCE given: building the tiny demo checkpoint (~15 s) ...", flush=True)
-        import shutil
-
         shutil.rmtree(path, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         build_demo_checkpoint(path)
@@ -37,6 +38,8 @@ def _demo_source(args) -> Path:
 
 def _handle(args: argparse.Namespace) -> int:
     from ..build import RecipeOverrides, check_output_folder, prepare
+    from ..errors import UserError
+    from ..generators.sources import SYNTHETIC_PREFIX, open_source
     from ..cli_support import emit_json, progress
     from ..runner import run_build, select_stages
     from ..stages import WORK_DIR
@@ -46,6 +49,12 @@ def _handle(args: argparse.Namespace) -> int:
     if demo:
         check_output_folder(args.out)
         source = _demo_source(args)
+    elif args.source.startswith(SYNTHETIC_PREFIX):
+        if not args.dry_run:
+            raise UserError(f"{args.source}: a synthetic source is headers over sparse files: only --dry-run can use it")
+        workdir = tempfile.mkdtemp(prefix="hybrid-build-run-")
+        atexit.register(shutil.rmtree, workdir, True)
+        source = open_source(args.source, args.revision, Path(workdir))
     else:
         source = args.source
 
@@ -118,7 +127,7 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
     from ..cli_support import emit_json
     from ..runner import dry_run
 
-    data = {"source": str(source), **dry_run(ctx, stages)}
+    data = {"source": ctx.source.source_id or str(ctx.source.root), **dry_run(ctx, stages)}
     if args.json:
         emit_json(data)
         return 0

@@ -18,7 +18,7 @@ def synthetic_models() -> dict:
             "qwen3.5-397b-a17b": lambda: qwen35_397b_config(compact_extra_config=True)}
 
 
-def open_source(source: str, revision: str | None, workdir: Path) -> Checkpoint:
+def open_source(source: str, revision: str | None, workdir: Path, require_clean: bool = True) -> Checkpoint:
     """A checkpoint from a folder or Hub id; ``synthetic:NAME`` writes NAME's sparse headers into
     ``workdir`` first. Problems that make it unreadable raise ``SourceError``."""
     if source.startswith(SYNTHETIC_PREFIX):
@@ -32,5 +32,6 @@ def open_source(source: str, revision: str | None, workdir: Path) -> Checkpoint:
         ckpt = Checkpoint.read_folder(folder, source_id=source)
     else:
         ckpt = Checkpoint.open(source, revision=revision)
-    ckpt.require_clean()
+    if require_clean:
+        ckpt.require_clean()
     return ckpt
