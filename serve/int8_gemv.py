@@ -1,15 +1,17 @@
-"""Weight-only int8 x bf16 GEMV for the lm-head: one Triton launch, weight read once per call.
+"""Weight-only int8 x bf16/fp16 GEMV for the lm-head: one Triton launch, weight read once per call.
 
 Owns the Triton kernel ``out[B, N] = x[B, K] @ (W_int8[N, K] * s[N]).T``, its launch-config
 table, the torch wrapper :func:`int8_linear`, and the pure-torch reference
 :func:`int8_linear_reference` that the tests and the runtime fall back to. Triton is imported
-lazily, so this module imports on machines without it.
+lazily, so this module imports on machines without it. It imports nothing from hybrid_build:
+the docker runtime patch copies this file into vLLM as it is.
 
 Design (docs/kernel.md has the numbers): every program owns ``BLOCK_N`` output rows and all
 batch rows at once, so each weight byte is read exactly once whatever B is. The int8 tile is
-turned into bf16 in registers and fed to ``tl.dot`` as the right operand of ``x`` (B padded to
-16/32/64), which keeps the reduction on the tensor cores; the per-row scale is applied once
-to the fp32 accumulator after the K loop.
+turned into x's dtype (bf16 or fp16, both hold every int8 exactly) in registers and fed to
+``tl.dot`` as the right operand of ``x`` (B padded to 16/32/64), which keeps the reduction on
+the tensor cores with fp32 accumulation; the per-row scale is applied once to the fp32
+accumulator after the K loop, and the result is stored in x's dtype.
 """
 from __future__ import annotations
 
@@ -31,23 +33,33 @@ log = logging.getLogger(__name__)
 __all__ = [
     "GemvConfig",
     "DEQUANT_MODES",
+    "ACTIVATION_DTYPES",
     "config_for",
     "int8_linear",
     "int8_linear_reference",
     "kernel_available",
 ]
 
-# How the int8 tile becomes bf16 before the dot:
-#   "cvt":  Triton's own int8 -> bf16 cast (as fast as "asm" with triton 3.6 on an H200, whose
-#           sm_90 lowering is a similar bit trick; other releases may emit an I2F per element);
+# The activation (x) dtypes the kernel takes; the logits come back in the same dtype.
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+
+# How the int8 tile becomes x's dtype (bf16 or fp16) before the dot:
+#   "cvt":  Triton's own int8 -> bf16/fp16 cast. For bf16 on sm_90 it is a bit trick as fast as
+#           "asm" (triton 3.6 on the H200); for fp16 triton 3.9 emits one I2F per weight (seen
+#           in its sm_90 SASS), which is why fp16 defaults to "asm";
 #   "bits": a magic-number trick in plain Triton ops (integer add into an fp32 mantissa, one
-#           fp32 subtract, one fp32 -> bf16 pack); runs under the interpreter, so CPU tests
+#           fp32 subtract, one fp32 -> bf16/fp16 pack); runs under the interpreter, so CPU tests
 #           cover it;
-#   "asm":  inline PTX, four bytes per 32-bit register: two byte permutes build bf16 values
-#           with a known offset, one packed bf16 subtract per pair removes it (GPU, sm_90+).
+#   "asm":  inline PTX, four bytes per 32-bit register. bf16: two byte permutes build bf16
+#           values with a known offset, one packed bf16 subtract per pair removes it (sm_90+).
+#           fp16: one xor, two byte permutes to 1024 + q + 128, one packed fp16 subtract per
+#           pair (sm_53+).
 DEQUANT_MODES = ("cvt", "bits", "asm")
-# "none" (code 3) is the benchmark's control: a bf16 weight through the same kernel.
+# "none" (code 3) is the benchmark's control: a bf16/fp16 weight through the same kernel.
 _DEQUANT_CODE = {"cvt": 0, "bits": 1, "asm": 2, "none": 3}
+# Cache hints (Triton's own spellings) a config may put on the x and weight loads.
+X_CACHE_MODES = ("", ".ca")  # "": Triton's default (16-byte cp.async.cg: L2 only); ".ca": L1 too
+W_EVICT_MODES = ("", "evict_first")  # L2 eviction priority of the streamed weight
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,9 @@ class GemvConfig:
     mma.sync with the dequantized weight straight from registers, and M = 64 on wgmma with
     the weight staged through shared memory. ``dots`` (1, 2 or 4) dots of ``block_m`` rows
     share one dequantized tile, covering ``dots * block_m`` batch rows. ``block_m=None``
-    pads the batch to 16, 32 or 64.
+    pads the batch to 16, 32 or 64. ``x_cache`` and ``w_evict`` are cache hints on the x and
+    weight loads (``X_CACHE_MODES``, ``W_EVICT_MODES``): they change where bytes are cached,
+    never the result.
     """
 
     block_n: int
@@ -68,6 +82,8 @@ class GemvConfig:
     dequant: str = "asm"
     block_m: int | None = None
     dots: int = 1
+    x_cache: str = ""
+    w_evict: str = ""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,10 +98,15 @@ class GemvConfig:
         return m, self.dots
 
 
-# Fixed table per batch class (B <= 16, <= 32, <= 64), chosen by
-# benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json).
+# Fixed table per batch class (key: the largest batch of the class: B <= 8, 9-16, 17-32, 33-64),
+# chosen by benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json).
+# The 9-16 entry differs from the <= 8 one only by the x loads' L1 hint, which is NOT measured
+# yet (docs/kernel.md, "Open: B = 9-16"): there x is read once per program (1940 programs,
+# 16 x 3072 bf16 = 96 KB each at B = 16, 190 MB of L2 reads per call, the only traffic that
+# grows with B); with ".ca" a program can hit the lines its co-resident neighbour just loaded.
 _H200_TABLE: dict[int, GemvConfig] = {
-    16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
+    8: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
+    16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16, x_cache=".ca"),
     32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16, dots=2),
     64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64),
 }
@@ -106,17 +127,27 @@ def block_b_for(batch: int) -> int:
     return 64
 
 
-def config_for(batch: int, device: torch.device | None = None) -> GemvConfig:
-    """Launch config for ``batch`` rows on ``device``.
+def table_class(batch: int) -> int:
+    """The ``_H200_TABLE`` key for ``batch`` rows: 8, 16, 32 or 64 (64 above: one launch runs at
+    most 64 rows)."""
+    return next((c for c in sorted(_H200_TABLE) if batch <= c), max(_H200_TABLE))
 
-    The inline-PTX dequant needs sm_90 (``sub.bf16x2``); older CUDA GPUs get Triton's own
-    cast, and the interpreter the plain-Triton "bits" path (it runs neither PTX nor, in
-    triton 3.9, a correct int8 -> bf16 cast).
+
+def config_for(batch: int, device: torch.device | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+    """Launch config for ``batch`` rows of ``dtype`` activations on ``device``.
+
+    The bf16 inline-PTX dequant needs sm_90 (``sub.bf16x2``): older CUDA GPUs get Triton's own
+    cast for bf16. fp16 uses its inline PTX everywhere (``sub.f16x2``, sm_53+), because
+    Triton's int8 -> fp16 cast is one I2F per weight. The interpreter gets the plain-Triton
+    "bits" path (it runs no PTX and, in triton 3.9, no correct int8 -> bf16 cast).
     """
-    cfg = _H200_TABLE[block_b_for(batch)]
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be bfloat16 or float16, got {dtype}")
+    cfg = _H200_TABLE[table_class(batch)]
     if _interpreting() or device is None or device.type != "cuda":
         return dataclasses.replace(cfg, dequant="bits")
-    if torch.cuda.get_device_capability(device) < (9, 0):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
         return dataclasses.replace(cfg, dequant="cvt")
     return cfg
 
@@ -155,14 +186,15 @@ def int8_linear(
 ) -> torch.Tensor:
     """``out[..., N] = x[..., K] @ (w_int8[N, K] * scale[N]).T`` with fp32 accumulation.
 
-    ``x`` is bf16, ``w_int8`` int8 [N, K] row-major with K a multiple of 16, ``scale``
-    any float dtype with N elements ([N], [N, 1] or [1, N]). Up to 64 rows of ``x`` run in one
-    launch that reads the weight once; larger batches run in chunks of 64. Without Triton, or on
-    a device that is neither CUDA nor the Triton interpreter, this computes the reference.
+    ``x`` is bf16 or fp16 (the output has x's dtype), ``w_int8`` int8 [N, K] row-major with K a
+    multiple of 16, ``scale`` any float dtype with N elements ([N], [N, 1] or [1, N]). Up to 64
+    rows of ``x`` run in one launch that reads the weight once; larger batches run in chunks of
+    64. Without Triton, or on a device that is neither CUDA nor the Triton interpreter, this
+    computes the reference.
     """
     _check_shapes(x, w_int8, scale)
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
     n, k = w_int8.shape
     if k % 16:
         raise ValueError(f"K must be a multiple of 16, got {k}")
@@ -190,7 +222,7 @@ def int8_linear(
 
     for b0 in range(0, x2.shape[0], MAX_BLOCK_B):
         xb = x2[b0 : b0 + MAX_BLOCK_B]
-        _launch(xb, w, s, out2[b0 : b0 + MAX_BLOCK_B], config or config_for(xb.shape[0], x.device))
+        _launch(xb, w, s, out2[b0 : b0 + MAX_BLOCK_B], config or config_for(xb.shape[0], x.device, x.dtype))
     return out2.view(*lead, n)
 
 
@@ -198,7 +230,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
             stage: str = "full") -> None:
     """One launch over all rows of ``x`` (at most 64).
 
-    ``stage`` and ``dequant="none"`` (with a bf16 ``w``) are the benchmark's diagnostics:
+    ``stage`` and ``dequant="none"`` (with a ``w`` of x's dtype) are the benchmark's diagnostics:
     "no_dot" dequantizes and adds the tile up without the dot, "load" only xors the loaded
     bytes together; both write meaningless values.
     """
@@ -206,16 +238,21 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
     n = w.shape[0]
     if cfg.dequant not in _DEQUANT_CODE:
         raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
+    if x.dtype not in ACTIVATION_DTYPES or out.dtype != x.dtype:
+        raise ValueError(f"x and out must both be bfloat16 or both float16, got {x.dtype} and {out.dtype}")
+    if cfg.x_cache not in X_CACHE_MODES or cfg.w_evict not in W_EVICT_MODES:
+        raise ValueError(f"unknown cache hint x_cache={cfg.x_cache!r} / w_evict={cfg.w_evict!r}; "
+                         f"valid: {X_CACHE_MODES} / {W_EVICT_MODES}")
     kernel = _kernel(_interpreting())
     block_h, dots = cfg.rows(batch)
     grid = (-(-n // cfg.block_n),)
     kernel[grid](
         x, w, s, out, batch, n, k, x.stride(0), out.stride(0),
         BLOCK_H=block_h, N_DOTS=dots, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0),
-        STAGE={"full": 0, "no_dot": 1, "load": 2}[stage],
+        DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0), X_F16=(x.dtype == torch.float16),
+        STAGE={"full": 0, "no_dot": 1, "load": 2}[stage], X_CACHE=cfg.x_cache, W_EVICT=cfg.w_evict,
         # The interpreter (triton 3.9) multiplies bf16 dot operands as their raw uint16 bits;
-        # upcasting both is exact (bf16 and int8 values are fp32 values) and keeps the
+        # upcasting both is exact (bf16, fp16 and int8 values are fp32 values) and keeps the
         # dequant arithmetic under test.
         DOT_F32=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -249,6 +286,7 @@ def _int8_gemv_kernel(
     B, N, K, stride_xb, stride_ob,
     BLOCK_H: tl.constexpr, N_DOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr, EVEN_K: tl.constexpr, STAGE: tl.constexpr, DOT_F32: tl.constexpr,
+    X_F16: tl.constexpr, X_CACHE: tl.constexpr, W_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,40 +310,65 @@ def _int8_gemv_kernel(
     acc2 = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
     acc3 = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
     if STAGE == 1:
-        acc_w = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.bfloat16)
+        acc_w = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=x_ptr.dtype.element_ty)
     else:
         acc_w = tl.full((BLOCK_N, BLOCK_K), 0, dtype=tl.int8)
     for k0 in range(0, K, BLOCK_K):
         # Masks only along rows when K needs no tail, so loads stay 16-byte vectors.
+        # X_CACHE / W_EVICT are cache hints only (every program reads all of x, so x is the one
+        # operand worth keeping close; the weight is streamed once).
         if EVEN_K:
-            q = tl.load(w_ptrs)
-            xa = tl.load(x_ptrs, mask=h_ok, other=0.0)
+            q = tl.load(w_ptrs, eviction_policy=W_EVICT)
+            xa = tl.load(x_ptrs, mask=h_ok, other=0.0, cache_modifier=X_CACHE)
             if N_DOTS > 1:
-                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok, other=0.0)
+                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok, other=0.0, cache_modifier=X_CACHE)
             if N_DOTS > 2:
-                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok, other=0.0)
-                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok, other=0.0)
+                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok, other=0.0, cache_modifier=X_CACHE)
+                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok, other=0.0, cache_modifier=X_CACHE)
         else:
             k_ok = (k0 + offs_k[None, :]) < K
-            q = tl.load(w_ptrs, mask=k_ok, other=0)
-            xa = tl.load(x_ptrs, mask=h_ok & k_ok, other=0.0)
+            q = tl.load(w_ptrs, mask=k_ok, other=0, eviction_policy=W_EVICT)
+            xa = tl.load(x_ptrs, mask=h_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
             if N_DOTS > 1:
-                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok & k_ok, other=0.0)
+                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
             if N_DOTS > 2:
-                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok & k_ok, other=0.0)
-                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok & k_ok, other=0.0)
+                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
+                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
         if STAGE == 2:
             acc_w = acc_w ^ q
         else:
             if DEQUANT == 3:
                 wb = q
             elif DEQUANT == 0:
-                wb = q.to(tl.bfloat16)
+                wb = q.to(x_ptr.dtype.element_ty)
             elif DEQUANT == 1:
                 # fp32 bits 0x4B000080 + q read as 2^23 + 128 + q (q sits in the low mantissa
-                # bits); subtracting 2^23 + 128 leaves q exactly, and q fits bf16 exactly.
+                # bits); subtracting 2^23 + 128 leaves q exactly, and q fits bf16 and fp16 exactly.
                 magic = (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True)
-                wb = (magic - 8388736.0).to(tl.bfloat16)
+                wb = (magic - 8388736.0).to(x_ptr.dtype.element_ty)
+            elif X_F16:
+                # fp16 bits 0x64 | byte read as 1024 + byte (the byte fills the low mantissa bits,
+                # whose unit is 1 at that exponent). Flipping the sign bit first makes the byte
+                # q + 128, so subtracting 1152 (0x6480) leaves q exactly. Four bytes per register:
+                # one xor, two prmt, one packed subtract per pair (sub.f16x2: sm_53+).
+                wb = tl.inline_asm_elementwise(
+                    asm="""
+                    {
+                    .reg .b32 u, p0, p1, m;
+                    xor.b32 u, $2, 0x80808080;
+                    prmt.b32 p0, u, 0x64, 0x4140;
+                    prmt.b32 p1, u, 0x64, 0x4342;
+                    mov.b32 m, 0x64806480;
+                    sub.f16x2 $0, p0, m;
+                    sub.f16x2 $1, p1, m;
+                    }
+                    """,
+                    constraints="=r,=r,r",
+                    args=[q],
+                    dtype=tl.float16,
+                    is_pure=True,
+                    pack=4,
+                )
             else:
                 # bf16 bits 0x43 | byte read as 128 + (q & 0x7f), or as 256 + 2 * (q & 0x7f) when
                 # the byte's sign bit lands in the exponent's low bit. Clearing that bit and

@@ -10,7 +10,10 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
   mapper does not rewrite; with ``quantize-at-load`` the BF16 head is quantized per row when
   loaded and run through ``int8_gemv.int8_linear``; with ``HYBRID_BUILD_INT8_HEAD_KERNEL=triton``
   the stored head is loaded as GPTQ, then unpacked to int8 rows and run through the same kernel
-  instead of vLLM's GPTQ kernel (Machete or Marlin);
+  instead of vLLM's GPTQ kernel (Machete or Marlin). Both run in the engine's dtype: the kernel
+  takes bf16 or fp16 activations natively (a source whose config names no dtype may be served
+  in fp16) and returns logits in that dtype; any other dtype (a float32 engine) is cast to bf16
+  for the kernel and the logits back;
 - everything else: INC's own answer, unchanged.
 ``register()`` also installs the upstream bug fixes in ``vllm_fixes`` (Marlin MoE scale layout).
 It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
@@ -130,10 +133,19 @@ def gptq_int8_rows(qweight, scales):
 
 
 def _apply_int8_rows(layer, x, bias=None):
-    """The head's logits from ``layer.weight_int8`` / ``layer.weight_scale_row`` via the int8 GEMV."""
-    from hybrid_build.serve.int8_gemv import int8_linear
+    """The head's logits from ``layer.weight_int8`` / ``layer.weight_scale_row`` via the int8 GEMV,
+    in x's dtype (the engine's). The kernel takes bf16 and fp16 as they are; another dtype (float32)
+    goes through it as bf16 and comes back cast to x's dtype: rounding x to bf16 moves a logit by at
+    most 2^-9 sum_k |x_k| absmax_n, half of what the int8 codes themselves may (absmax_n / 254 per
+    weight)."""
+    import torch
 
-    out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
+    from hybrid_build.serve.int8_gemv import ACTIVATION_DTYPES, int8_linear
+
+    if x.dtype in ACTIVATION_DTYPES:
+        out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
+    else:
+        out = int8_linear(x.to(torch.bfloat16), layer.weight_int8, layer.weight_scale_row).to(x.dtype)
     return out if bias is None else out + bias
 
 
@@ -169,7 +181,9 @@ def _load_time_int8_head_method():
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     class Int8HeadAtLoadMethod(UnquantizedLinearMethod):
-        """A BF16 head, quantized to int8 per row once loaded; runs through the int8 GEMV."""
+        """A head in the engine's dtype (bf16, fp16, ...), quantized to int8 per row once loaded
+        (in float32: the codes do not depend on the dtype beyond the weight's own rounding); runs
+        through the int8 GEMV, logits in the engine's dtype."""
 
         def process_weights_after_loading(self, layer) -> None:
             import torch
@@ -179,7 +193,7 @@ def _load_time_int8_head_method():
             q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
             layer.weight_int8 = torch.nn.Parameter(q, requires_grad=False)
             layer.weight_scale_row = torch.nn.Parameter(scale, requires_grad=False)
-            # the embedding of an untied head is separate, so the BF16 copy can go
+            # the embedding of an untied head is separate, so the float copy can go
             layer.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
         def apply(self, layer, x, bias=None):

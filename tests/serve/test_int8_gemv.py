@@ -1,11 +1,16 @@
 """The int8 lm-head GEMV kernel (serve/int8_gemv.py) under Triton's CPU interpreter.
 
-Every check compares against float64 arithmetic with a bound derived from how the kernel
-rounds: products x_k * q_k are exact in fp32 (8 + 8 significant bits), the K-term fp32 sum
-and the scale multiply add at most gamma(K + 2) * S with S = s_n * sum_k |x_k q_k|
-(gamma(n) = n u / (1 - n u), u = 2^-24; doubled for hardware MMAs that truncate), and the
-final bf16 rounding adds less than 2^-7 of the value: one bf16 ulp, because the interpreter
-(triton 3.9) converts fp32 to bf16 by truncation where the GPU rounds to nearest (2^-8).
+Every check runs for bf16 and fp16 activations and compares against float64 arithmetic with a
+bound derived from how the kernel rounds: products x_k * q_k are exact in fp32 (bf16 8 / fp16 11
+significant bits times 8), the K-term fp32 sum and the scale multiply add at most
+E = gamma(K + 2) * S with S = s_n * sum_k |x_k q_k| (gamma(n) = n u / (1 - n u), u = 2^-24;
+doubled for hardware MMAs that truncate), and the final store in x's dtype adds
+u_out * (|v| + E) + a_out:
+- bf16: u_out = 2^-7, one bf16 ulp, because the interpreter (triton 3.9) converts fp32 to bf16
+  by truncation where the GPU rounds to nearest (2^-8); a_out = 2^-133 (bf16 subnormals);
+- fp16 (10-bit mantissa): u_out = 2^-11, round to nearest in the interpreter (numpy) and on the
+  GPU (cvt.rn); a_out = 2^-25, half the spacing of fp16's subnormals (|v| < 2^-14). The tests
+  keep |v| far below fp16's 65504, past which the kernel, like any fp16 matmul, gives inf.
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ INTERPRETER_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3,
 from hybrid_build.serve import int8_gemv as g  # noqa: E402
 
 U32 = 2.0**-24
-U_BF16 = 2.0**-7
+# (relative, absolute) error of the final store, per output dtype (module docstring)
+OUT_ROUNDING = {torch.bfloat16: (2.0**-7, 2.0**-133), torch.float16: (2.0**-11, 2.0**-25)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -57,19 +64,22 @@ def _interpret(monkeypatch):
 
 
 def exact_and_bound(x, w, s):
-    """float64 value of s_n * sum_k x_k q_k, and the per-element bound on the kernel's error."""
+    """float64 value of s_n * sum_k x_k q_k, and the per-element bound on the kernel's error
+    when the result is stored in x's dtype."""
     x64, w64, s64 = x.double(), w.double(), s.double().reshape(-1)
     exact = (x64 @ w64.T) * s64
     mag = (x64.abs() @ w64.abs().T) * s64.abs()
     k = x.shape[-1]
     gamma = 2 * (k + 2) * U32 / (1 - 2 * (k + 2) * U32)
     fp32_err = gamma * mag
-    return exact, U_BF16 * (exact.abs() + fp32_err) + fp32_err
+    u_out, a_out = OUT_ROUNDING[x.dtype]
+    assert (exact.abs() + fp32_err).max() < 6e4 or x.dtype != torch.float16  # fp16's range
+    return exact, u_out * (exact.abs() + fp32_err) + a_out + fp32_err
 
 
-def problem(b, n, k, seed, scale_dtype=torch.float32):
+def problem(b, n, k, seed, scale_dtype=torch.float32, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(b, k, generator=gen) * 2).to(torch.bfloat16)
+    x = (torch.randn(b, k, generator=gen) * 2).to(dtype)
     w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     s = ((torch.rand(n, generator=gen) + 0.1) * 0.02).to(scale_dtype)
     return x, w, s
@@ -77,7 +87,7 @@ def problem(b, n, k, seed, scale_dtype=torch.float32):
 
 def run(x, w, s, cfg=None):
     """Kernel output on DEV (poisoned with NaN first), back on the CPU."""
-    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=torch.bfloat16, device=DEV)
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=DEV)
     res = g.int8_linear(x.to(DEV), w.to(DEV), s.to(DEV), out=out, config=cfg)
     assert res.data_ptr() == out.data_ptr()
     return out.cpu()
@@ -97,10 +107,12 @@ CASES = [
 ]
 
 
+@DTYPES
 @pytest.mark.parametrize("b,n,k,cfg", CASES, ids=[f"B{c[0]}-N{c[1]}-K{c[2]}" for c in CASES])
-def test_matches_float64_within_bound(b, n, k, cfg):
-    x, w, s = problem(b, n, k, seed=b * 1000 + n)
+def test_matches_float64_within_bound(b, n, k, cfg, dtype):
+    x, w, s = problem(b, n, k, seed=b * 1000 + n, dtype=dtype)
     out = run(x, w, s, cfg)
+    assert out.dtype == dtype
     exact, bound = exact_and_bound(x, w, s)
     assert torch.isfinite(out).all(), "some outputs were never written"
     err = (out.double() - exact).abs()
@@ -109,18 +121,34 @@ def test_matches_float64_within_bound(b, n, k, cfg):
     assert bound.max() < 0.02 * exact.abs().max()
 
 
-def test_reference_within_same_bound():
-    x, w, s = problem(5, 80, 272, seed=7)
+def test_fp16_keeps_its_extra_mantissa_bits():
+    """The same problem in fp16 lands within fp16's own rounding of the exact value (2^-11 plus the
+    fp32 sum), i.e. 16x tighter than bf16 allows: fp16 is not computed through bf16."""
+    x, w, s = problem(13, 300, 512, seed=21, dtype=torch.float16)
+    out = run(x, w, s)
+    exact, bound = exact_and_bound(x, w, s)
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all()
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 2.0**-10
+    # through bf16 the relative error would be near 2^-9 on average; here most values are exact
+    # roundings of the float64 result
+    assert (out == exact.to(torch.float16)).float().mean() > 0.9
+
+
+@DTYPES
+def test_reference_within_same_bound(dtype):
+    x, w, s = problem(5, 80, 272, seed=7, dtype=dtype)
     exact, bound = exact_and_bound(x, w, s)
     ref = g.int8_linear_reference(x, w, s)
-    assert ref.dtype == torch.bfloat16
+    assert ref.dtype == dtype
     assert ((ref.double() - exact).abs() <= bound).all()
 
 
-def test_argmax_of_planted_winners():
+@DTYPES
+def test_argmax_of_planted_winners(dtype):
     """Each batch row has one weight row aligned with it; the kernel must pick it."""
     b, n, k = 13, 257, 192
-    x, w, s = problem(b, n, k, seed=3)
+    x, w, s = problem(b, n, k, seed=3, dtype=dtype)
     targets = torch.randperm(n, generator=torch.Generator().manual_seed(4))[:b]
     for row, t in enumerate(targets):
         w[t] = torch.where(x[row] >= 0, 127, -127).to(torch.int8)
@@ -130,30 +158,32 @@ def test_argmax_of_planted_winners():
     assert torch.equal(g.int8_linear_reference(x, w, s).float().argmax(dim=1), targets)
 
 
-def test_every_int8_code_dequantizes_exactly():
+@DTYPES
+def test_every_int8_code_dequantizes_exactly(dtype):
     """x = identity picks single weights: out[b, n] = q[n, b] * s[n] with s = 1 is exact."""
     k = 16
     w = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).reshape(16, 16).repeat(2, 1)
     w[16:] = w[16:].T.contiguous()
-    x = torch.eye(k, dtype=torch.bfloat16)
+    x = torch.eye(k, dtype=dtype)
     out = run(x, w, torch.ones(w.shape[0]))
     assert torch.equal(out.float(), w.T.float())
 
 
-def test_leading_dims_and_scale_layouts():
-    x, w, s = problem(6, 48, 64, seed=11, scale_dtype=torch.float16)
+@DTYPES
+def test_leading_dims_and_scale_layouts(dtype):
+    x, w, s = problem(6, 48, 64, seed=11, scale_dtype=torch.float16, dtype=dtype)
     x3 = x.reshape(2, 3, 64)
     exact, bound = exact_and_bound(x, w, s)
     for scale in (s, s.reshape(-1, 1), s.reshape(1, -1)):
         out = g.int8_linear(x3, w, scale)
-        assert out.shape == (2, 3, 48)
+        assert out.shape == (2, 3, 48) and out.dtype == dtype
         assert ((out.reshape(6, 48).double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("bad,match", [
     (lambda x, w, s: (x, w[:, :40], s), "K="),
     (lambda x, w, s: (x[:, :40], w[:, :40].contiguous(), s), "multiple of 16"),
-    (lambda x, w, s: (x.float(), w, s), "bfloat16"),
+    (lambda x, w, s: (x.float(), w, s), "bfloat16 or float16, got torch.float32"),
     (lambda x, w, s: (x, w.to(torch.int16), s), "int8"),
     (lambda x, w, s: (x, w, s[:-1]), "one per output row"),
 ])
@@ -163,6 +193,14 @@ def test_rejects_bad_inputs(bad, match):
         g.int8_linear(*bad(x, w, s))
 
 
+def test_rejects_out_of_another_dtype_and_unknown_hints():
+    x, w, s = problem(2, 24, 48, seed=1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float16"):
+        g.int8_linear(x, w, s, out=torch.empty(2, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cache hint"):
+        g.int8_linear(x, w, s, config=g.GemvConfig(32, 32, 4, 2, "bits", x_cache=".cs"))
+
+
 def test_config_must_cover_the_batch():
     x, w, s = problem(20, 24, 48, seed=2)
     with pytest.raises(ValueError, match="covers 16 batch rows"):
@@ -170,11 +208,110 @@ def test_config_must_cover_the_batch():
 
 
 def test_config_table_covers_every_batch_class():
-    for b in range(1, 65):
-        cfg = g.config_for(b, torch.device("cpu"))
-        m, dots = cfg.rows(b)
-        assert m * dots >= b
-        assert cfg.dequant == "bits"  # neither PTX nor the interpreter's broken cast on CPU
+    for dtype in (torch.bfloat16, torch.float16):
+        for b in range(1, 65):
+            cfg = g.config_for(b, torch.device("cpu"), dtype)
+            m, dots = cfg.rows(b)
+            assert m * dots >= b
+            assert cfg.dequant == "bits"  # neither PTX nor the interpreter's broken cast on CPU
+    assert [g.table_class(b) for b in (1, 8, 9, 16, 17, 32, 33, 64, 100)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        g.config_for(4, torch.device("cpu"), torch.float32)
+
+
+def test_b9_to_16_class_differs_only_by_the_x_cache_hint():
+    """The 9-16 entry is the <= 8 tiling with x loaded through L1 (docs/kernel.md: unmeasured
+    candidate); nothing else may change without a measurement."""
+    lo, hi = g._H200_TABLE[8], g._H200_TABLE[16]
+    assert hi.x_cache == ".ca" and lo.x_cache == ""
+    assert g.dataclasses.replace(hi, x_cache="") == lo
+
+
+@DTYPES
+@pytest.mark.parametrize("b", [9, 12, 16])
+def test_b9_to_16_config_within_bound(b, dtype):
+    """The table's 9-16 config as config_for hands it out (tiling and hints; "bits" dequant
+    here), and the same tiling with every hint combination, over N and K tails."""
+    x, w, s = problem(b, 300, 784, seed=b, dtype=dtype)  # N: 2 blocks + tail; K: 3 blocks + tail
+    exact, bound = exact_and_bound(x, w, s)
+    cfg = g.config_for(b, DEV, dtype)
+    assert g.table_class(b) == 16 and cfg.block_n == 128 and cfg.block_k == 256 and cfg.x_cache == ".ca"
+    for xc in g.X_CACHE_MODES:
+        for we in g.W_EVICT_MODES:
+            out = run(x, w, s, g.dataclasses.replace(cfg, x_cache=xc, w_evict=we))
+            assert ((out.double() - exact).abs() <= bound).all(), (xc, we)
+    assert torch.equal(g.int8_linear(x.to(DEV), w.to(DEV), s.to(DEV)).cpu(), out)  # the default path
+
+
+def _emulate_ptx(asm: str, word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's dequant PTX on int64 32-bit words (one per element of ``word`` as $2); returns
+    ($0, $1). Implements the PTX ISA semantics of the instructions it uses: xor/and/mov.b32,
+    prmt.b32 (default mode: byte i of d is byte c[4i+2:4i] of {b, a}, a in bytes 0-3; c's bit
+    4i+3 replicates that byte's sign) and sub.{bf16x2,f16x2} (two halves, round to nearest)."""
+    regs = {"$2": word & 0xFFFFFFFF}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return torch.full_like(word, int(tok, 0))
+
+    for line in asm.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith((".reg", "{", "}")):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = [val(t) for t in src]
+        if op == "xor.b32":
+            r = a[0] ^ a[1]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "mov.b32":
+            r = a[0]
+        elif op == "prmt.b32":
+            both = a[0] | (a[1] << 32)
+            r = torch.zeros_like(word)
+            for i in range(4):
+                sel = (a[2] >> (4 * i)) & 0xF
+                byte = (both >> (8 * (sel & 7))) & 0xFF
+                byte = torch.where((sel & 8) != 0, torch.where(byte >= 0x80, 0xFF, 0), byte)
+                r |= byte << (8 * i)
+        elif op in ("sub.bf16x2", "sub.f16x2"):
+            fdt = torch.bfloat16 if op == "sub.bf16x2" else torch.float16
+            halves = []
+            for sh in (0, 16):
+                p, m = [((v >> sh) & 0xFFFF).to(torch.int32).to(torch.int16).view(fdt).double() for v in a]
+                res = (p - m).to(fdt).view(torch.int16).to(torch.int64) & 0xFFFF
+                halves.append(res << sh)
+            r = halves[0] | halves[1]
+        else:
+            raise AssertionError(f"emulator does not know {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("fdt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_inline_ptx_dequant_decodes_every_code(fdt):
+    """The "asm" dequant blocks, as written in the kernel source, emulated instruction by
+    instruction: every int8 code in every byte of a register comes out exactly, in order
+    (element 0 = low byte = low half of $0). The GPU runs the same text (gpu-marked tests);
+    ptxas turns the fp16 block into LOP3 + 2 PRMT + 2 HADD2 per register (sm_90, triton 3.9)."""
+    import inspect
+    import re
+
+    src = inspect.getsource(g._int8_gemv_kernel)
+    blocks = {m.group(2): m.group(1) for m in re.finditer(r'asm="""(.*?)""".*?dtype=tl\.(\w+)', src, re.S)}
+    assert sorted(blocks) == ["bfloat16", "float16"]
+    asm = blocks[str(fdt).replace("torch.", "")]
+    codes = torch.arange(256, dtype=torch.int64)
+    bytes4 = torch.stack([(codes + 64 * i) % 256 for i in range(4)], dim=1)  # every code in every byte
+    word = bytes4[:, 0] | (bytes4[:, 1] << 8) | (bytes4[:, 2] << 16) | (bytes4[:, 3] << 24)
+    r0, r1 = _emulate_ptx(asm, word)
+    got = torch.stack([(r >> sh) & 0xFFFF for r in (r0, r1) for sh in (0, 16)], dim=1)
+    got = got.to(torch.int32).to(torch.int16).view(fdt).double()
+    want = bytes4.to(torch.uint8).view(torch.int8).double()
+    assert torch.equal(got, want)
 
 
 def test_cpu_without_interpreter_uses_reference(monkeypatch):
@@ -190,14 +327,15 @@ def test_gpu_modes(monkeypatch, mode):
     if not ON_GPU:
         pytest.skip("needs a CUDA GPU and triton imported without TRITON_INTERPRET=1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if mode == "asm" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("inline PTX dequant needs sm_90")
-    for b in (1, 13, 32, 64):
-        x, w, s = problem(b, 1000, 272, seed=b)
-        cfg = g.dataclasses.replace(g.config_for(b, torch.device("cuda")), dequant=mode)
-        out = run(x.cuda(), w.cuda(), s.cuda(), cfg).cpu()
-        exact, bound = exact_and_bound(x, w, s)
-        assert ((out.double() - exact).abs() <= bound).all()
+    for dtype in (torch.bfloat16, torch.float16):
+        if mode == "asm" and dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (9, 0):
+            continue  # sub.bf16x2 needs sm_90; sub.f16x2 runs everywhere
+        for b in (1, 8, 13, 16, 32, 64):
+            x, w, s = problem(b, 1000, 272, seed=b, dtype=dtype)
+            cfg = g.dataclasses.replace(g.config_for(b, torch.device("cuda"), dtype), dequant=mode)
+            out = run(x.cuda(), w.cuda(), s.cuda(), cfg).cpu()
+            exact, bound = exact_and_bound(x, w, s)
+            assert ((out.double() - exact).abs() <= bound).all(), (mode, dtype, b)
 
 
 def test_benchmark_script_smoke(tmp_path, monkeypatch):
@@ -211,8 +349,14 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     sys.modules["bench_lmhead_gemv"] = bench
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
-    assert bench.main(["--cpu-smoke", "--n", "96", "--k", "64", "--batches", "1,13,40", "--out", str(out)]) == 0
+    assert bench.main(["--cpu-smoke", "--n", "96", "--k", "64", "--batches", "1,13,40", "--sweep", "--ab",
+                       "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert [r["B"] for r in res["table"]] == [1, 13, 40]
+    assert [(r["dtype"], r["B"]) for r in res["table"]] == [(d, b) for d in ("bfloat16", "float16") for b in (1, 13, 40)]
     assert all(r["check"]["within_bound"] and r["check"]["argmax_equal"] for r in res["table"])
+    assert {o["dtype"] for o in res["odd_shapes"]} == {"bfloat16", "float16"}
     assert all(o["within_bound"] for o in res["odd_shapes"])
+    # every sweep candidate (the B 9-16 ones included) ran and met the bound
+    assert all("error" not in r and r["check"]["within_bound"] for r in res["sweep"])
+    assert {r["B"] for r in res["sweep"]} == set(bench.SWEEP)
+    assert [r["B"] for r in res["ab_b16"]] == [1, 13] and all("ratio_9-16_over_le8" in r for r in res["ab_b16"])
