@@ -138,8 +138,9 @@ def config_for(batch: int, device: torch.device | None = None,
     """Launch config for ``batch`` rows of ``dtype`` activations on ``device``.
 
     The bf16 inline-PTX dequant needs sm_90 (``sub.bf16x2``): older CUDA GPUs get Triton's own
-    cast for bf16. fp16 uses its inline PTX everywhere (``sub.f16x2``, sm_53+), because
-    Triton's int8 -> fp16 cast is one I2F per weight. The interpreter gets the plain-Triton
+    cast for bf16. fp16 gets Triton's cast (one I2F per weight) until its inline PTX
+    (``sub.f16x2``, checked so far only by the interpreter, a PTX emulator and an sm_90 compile)
+    has run on a GPU: ``benchmarks/bench_lmhead_gemv.py --sweep`` checks it there. The interpreter gets the plain-Triton
     "bits" path (it runs no PTX and, in triton 3.9, no correct int8 -> bf16 cast).
     """
     if dtype not in ACTIVATION_DTYPES:
@@ -147,7 +148,7 @@ def config_for(batch: int, device: torch.device | None = None,
     cfg = _H200_TABLE[table_class(batch)]
     if _interpreting() or device is None or device.type != "cuda":
         return dataclasses.replace(cfg, dequant="bits")
-    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
+    if dtype == torch.float16 or torch.cuda.get_device_capability(device) < (9, 0):
         return dataclasses.replace(cfg, dequant="cvt")
     return cfg
 
