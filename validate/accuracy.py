@@ -25,6 +25,7 @@ groups ``hybrid_build`` and ``hybrid_build_gen``), which needs no network.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import logging
 import math
@@ -106,10 +107,14 @@ class ServerModel:
 
 def task_manager(tasks: list[str]):
     """lm-eval's TaskManager with the bundled tasks on its include path; lm-eval's own ~15k task
-    configs are indexed only when a task outside the bundled set is asked for (5 s)."""
+    configs are indexed only when a task outside the bundled set is asked for (5 s, once a process)."""
+    return _task_manager(not all(t in BUNDLED_TASKS for t in tasks))
+
+
+@functools.lru_cache(maxsize=2)
+def _task_manager(defaults: bool):
     from lm_eval.tasks import TaskManager
 
-    defaults = not all(t in BUNDLED_TASKS for t in tasks)
     return TaskManager(include_path=str(task_dir()), include_defaults=defaults)
 
 
@@ -475,10 +480,13 @@ def compare_pairs(task: str, metric: str, pairs: list[tuple[float, float]], alph
 def _primary(samples: list[dict], config: dict) -> tuple[str, str]:
     """(metric, filter) that a task is compared on: its first metric, its first filter."""
     metrics = [m.get("metric") for m in (config.get("metric_list") or []) if isinstance(m.get("metric"), str)]
-    logged = samples[0].get("metrics") or []
-    metric = next((m for m in metrics if m in samples[0]), None) or next((m for m in logged if m in samples[0]), None)
-    if metric is None:
-        raise ArtifactError(f"{config.get('task', '?')}: the logged samples hold no per-example metric")
+    logged = [m for m in samples[0].get("metrics") or [] if isinstance(m, str)]
+    # a per-example score is a number; corpus metrics (bleu, f1 over pairs) log what they aggregate
+    scored = [m for m in metrics + logged if isinstance(samples[0].get(m), (int, float))]
+    if not scored:
+        raise ArtifactError(f"{config.get('task', '?')}: no metric of this task has a per-example score "
+                            f"({', '.join(metrics or logged) or 'none logged'}), and the paired test needs one")
+    metric = scored[0]
     return metric, str(samples[0].get("filter", "none"))
 
 

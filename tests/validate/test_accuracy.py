@@ -92,6 +92,31 @@ def test_verdicts():
     assert graded.test == "sign test"
 
 
+def _fake(scores: dict[str, list], metric="exact_match", hashes=None) -> dict:
+    """lm-eval results as ``evaluate`` returns them, for one task with two filters."""
+    samples = []
+    for filt, values in scores.items():
+        for doc, v in enumerate(values):
+            samples.append({"doc_id": doc, "filter": filt, "metrics": [metric], metric: v,
+                            "doc_hash": (hashes or {}).get(doc, f"h{doc}")})
+    return {"samples": {"t": samples}, "configs": {"t": {"task": "t", "metric_list": [{"metric": metric}]}}}
+
+
+def test_pairs_come_from_the_first_filter_by_document():
+    src = _fake({"strict-match": [1, 0, 1, 1], "flexible-extract": [1, 1, 1, 1]})
+    hyb = _fake({"strict-match": [1, 1, 0, 1], "flexible-extract": [0, 0, 0, 0]})
+    hyb["samples"]["t"].reverse()  # order does not matter, documents do
+    ex = accuracy.paired_examples(src, hyb)["t"]
+    assert ex["filter"] == "strict-match" and ex["pairs"] == [[0, 1, 1], [1, 0, 1], [2, 1, 0], [3, 1, 1]]
+    from hybrid_build.pipeline.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="example 2 differs between the two runs"):
+        accuracy.paired_examples(src, _fake({"strict-match": [1, 1, 0, 1]}, hashes={2: "other"}))
+    with pytest.raises(ArtifactError, match="no metric of this task has a per-example score"):
+        corpus = _fake({"none": [["ref", "pred"]] * 2}, metric="bleu")
+        accuracy.paired_examples(corpus, corpus)
+
+
 # ------------------------------------------------------------------------------------ a real run
 
 
@@ -109,8 +134,9 @@ def _recompute(raw: dict, task: str) -> tuple[int, int, int, float, float]:
 
 def test_real_lm_eval_run_on_the_tiny_source_and_a_damaged_hybrid(tiny_checkpoint, artifact_copy, plant, tmp_path):
     """lm-eval (hf backend, CPU) on the tiny source and on a hybrid whose int8 head scales were
-    shuffled, so that the two disagree: the table's figures are recomputed here from the logged
-    per-example results, and the McNemar p-value from scipy's binomial test."""
+    shuffled, so that the two disagree: each example's score is recomputed from its logged
+    log-likelihoods, then the table's accuracies and discordant counts from those scores, and the
+    McNemar p-value from scipy's binomial test."""
     from scipy.stats import binomtest
 
     # logits 50x larger, each row with another row's scale: answers change (a x3 change was not enough on this
@@ -126,6 +152,11 @@ def test_real_lm_eval_run_on_the_tiny_source_and_a_damaged_hybrid(tiny_checkpoin
     assert data["overall"]["task"] == "all (pooled)" and data["overall"]["n"] == 48
     assert data["settings"]["limit"] == 16 and data["versions"]["lm_eval"] == "0.4.13"
     assert data["artifact"]["provenance_sha256"] and "hf backend" in data["notes"][0]
+    for role in ("source", "hybrid"):
+        for task, samples in raw[role]["samples"].items():
+            for s in samples:  # each example's score, from its logged log-likelihoods: the best choice is the target
+                lls = [r[0] for r in s["filtered_resps"]]
+                assert s["acc"] == float(lls.index(max(lls)) == s["target"]), (role, task, s["doc_id"])
     discordant = 0
     for row in data["tasks"]:
         assert set(row) == ROW_KEYS and row["metric"] == "acc,none" and row["n"] == 16
