@@ -242,9 +242,22 @@ def engine_agreement(work: Path) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def decode_timer(llm, prompt):
+    """``timed(n)``: seconds to generate exactly ``n`` tokens of ``prompt``, greedy, single stream."""
+    from vllm import SamplingParams
+
+    def timed(max_tokens: int) -> float:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        o = llm.generate(prompt, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert len(o[0].outputs[0].token_ids) == max_tokens, len(o[0].outputs[0].token_ids)
+        return dt
+    return timed
+
+
 def child_speed(model: str, label: str, mode: str, tokens: str) -> dict:
     """Single-stream decode tok/s; in eager mode also the GPU kernels of one decode step (profiled)."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     n = int(tokens)
@@ -262,13 +275,7 @@ def child_speed(model: str, label: str, mode: str, tokens: str) -> dict:
         res["layers"] = inspect_layers(llm)
     prompt = [TokensPrompt(prompt_token_ids=[(37 * i) % 900 + 100 for i in range(32)])]
 
-    def timed(max_tokens: int) -> float:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        t = time.perf_counter()
-        o = llm.generate(prompt, sp, use_tqdm=False)
-        dt = time.perf_counter() - t
-        assert len(o[0].outputs[0].token_ids) == max_tokens, len(o[0].outputs[0].token_ids)
-        return dt
+    timed = decode_timer(llm, prompt)
 
     timed(n + 1)  # warm-up: kernels, allocator
     decode = []
@@ -314,7 +321,6 @@ def child_floor(model: str, label: str, mode: str, tokens: str, profile_steps: s
     """Issue 17: single-stream decode of a config-only checkpoint with dummy weights (graphs or
     eager); ``timings`` pairs t(1), t(n+1) after a warm-up; then, if ``profile_steps``, the GPU
     kernels of that many decode steps (in graphs mode: the kernels the graph replays)."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     n, steps = int(tokens), int(profile_steps)
@@ -330,13 +336,7 @@ def child_floor(model: str, label: str, mode: str, tokens: str, profile_steps: s
         res["layers"] = inspect_layers(llm)
     prompt = [TokensPrompt(prompt_token_ids=[(37 * i) % 900 + 100 for i in range(32)])]
 
-    def timed(max_tokens: int) -> float:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        t = time.perf_counter()
-        o = llm.generate(prompt, sp, use_tqdm=False)
-        dt = time.perf_counter() - t
-        assert len(o[0].outputs[0].token_ids) == max_tokens, len(o[0].outputs[0].token_ids)
-        return dt
+    timed = decode_timer(llm, prompt)
 
     timed(n + 1)  # warm-up
     pairs = [(timed(1), timed(n + 1)) for _ in range(int(timings))]
