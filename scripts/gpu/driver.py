@@ -19,6 +19,10 @@ Steps, in the order the GPU takes them (the synthetic build runs beside them on 
   kernel once on a 4-layer hybrid, ``floor`` interleaves base / dense / dense-triton-head engines at
   48 layers (``--repeat`` rounds), ``mix`` times the other compositions (base), ``eagerprof`` profiles
   one eager decode step kernel by kernel; every graphs engine also profiles its decode steps.
+- ab_start / ab_bench / ab_eval / ab_stop (issues 17, 18): ``hybrid-build serve`` of the tiny artifact
+  with the dense, dflash, base and mtp profiles side by side (their own process sessions, so a later
+  call finds them), ``hybrid-build bench`` A/B on profile pairs (dflash vs dense: the same drafter on
+  source and hybrid; base vs mtp), ``hybrid-build eval`` of base (the source) against dense (the hybrid).
 - vcompare (issue 16): ``validate.vllm_compare.compare_in_vllm`` on the tiny source vs its hybrid, and
   on a synthetic 4-layer model with the Qwen3.5-35B-A3B widths (written and built here, on the CPUs,
   while the GPU warms up).
@@ -599,6 +603,124 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
         record(out, key, res)
 
 
+# ------------------------------------------------------------------------------ A/B servers (issues 17, 18)
+
+# the tiny artifact's four profiles side by side on one GPU (eager, 2 GiB of KV cache each)
+AB_PORTS = {"dense": 8000, "dflash": 8001, "base": 8002, "mtp": 8003}
+
+
+def ab_url(profile: str) -> str:
+    return f"http://127.0.0.1:{AB_PORTS[profile]}/v1"
+
+
+def spec_lines(profile: str) -> list[str] | str:
+    try:
+        text = http(ab_url(profile)[:-3] + "/metrics", timeout=10)
+    except Exception as e:
+        return f"unavailable: {e}"
+    return [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode") and not ln.startswith("#")][:16]
+
+
+def ab_start(out: Path, hb: Path, src: Path, recipe: Path, work: Path, limit: float) -> None:
+    """Start ``hybrid-build serve`` for every profile in AB_PORTS, each in its own process session:
+    they outlive this call (the machine keeps them while it stays warm), so the next call benches
+    and evaluates against them; ``ab_stop`` ends them. Waits until every one answers /v1/models."""
+    t0 = now()
+    pids: dict = {}
+    for profile, port in AB_PORTS.items():
+        cmd = ["hybrid-build", "serve", str(hb / "inc"), "--profile", profile, "--recipe", str(recipe),
+               "--port", str(port), "--source", str(src), "--ready-timeout", str(int(limit)),
+               "--log", str(work / f"serve_{profile}.log"), "--json"]
+        if profile in ("dense", "dflash"):
+            cmd += ["--drafter", str(hb / "drafter-dflash")]
+        with open(work / f"serve_{profile}.out", "w") as so:
+            proc = subprocess.Popen(cmd, stdout=so, stderr=subprocess.STDOUT, start_new_session=True)
+        pids[profile] = {"pid": proc.pid, "command": " ".join(cmd)}
+    (work / "ab_servers.json").write_text(json.dumps(pids))
+    res: dict = {"servers": pids}
+    waiting = set(AB_PORTS)
+    while waiting and now() - t0 < limit:
+        for profile in sorted(waiting):
+            try:
+                http(ab_url(profile) + "/models", timeout=3)
+                res.setdefault("ready_s", {})[profile] = round(now() - t0, 1)
+                waiting.discard(profile)
+            except Exception:
+                try:
+                    os.kill(pids[profile]["pid"], 0)
+                except OSError:  # the serve command exited: its log says why
+                    res.setdefault("failed", {})[profile] = (work / f"serve_{profile}.out").read_text(
+                        errors="replace")[-1500:]
+                    waiting.discard(profile)
+        time.sleep(2)
+    res["not_ready"] = sorted(waiting)
+    res["wall_s"] = round(now() - t0, 1)
+    record(out, "ab_start", res)
+
+
+def ab_command(out: Path, key: str, cmd: list[str], limit: float, env: dict | None = None) -> dict:
+    """One hybrid-build command against the servers, its output kept in results.json."""
+    t0 = now()
+    res: dict = {"command": " ".join(cmd)}
+    if limit < 30:
+        res["skipped"] = f"no time left ({limit:.0f} s)"
+        record(out, key, res)
+        return res
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=dict(os.environ, **(env or {})))
+        res.update(rc=p.returncode, stdout=p.stdout[-6000:], stderr=p.stderr[-4000:])
+    except subprocess.TimeoutExpired as e:
+        res.update(error=f"timed out after {limit:.0f} s", stdout=(e.stdout or b"")[-3000:].decode(errors="replace")
+                   if isinstance(e.stdout, bytes) else (e.stdout or "")[-3000:])
+    res["wall_s"] = round(now() - t0, 1)
+    record(out, key, res)
+    return res
+
+
+def ab_bench(out: Path, pair: tuple[str, str], runs: int, max_tokens: int, limit: float) -> None:
+    a, b = pair
+    before = {p: spec_lines(p) for p in pair}
+    res = ab_command(out, f"bench_{a}_vs_{b}", ["hybrid-build", "bench", ab_url(a), ab_url(b), "--runs", str(runs),
+                                                 "--max-tokens", str(max_tokens), "--out",
+                                                 str(out / f"bench_{a}_vs_{b}.json")], limit)
+    res["spec_metrics_before"] = before
+    res["spec_metrics_after"] = {p: spec_lines(p) for p in pair}
+    record(out, f"bench_{a}_vs_{b}", res)
+
+
+def ab_stop(out: Path, work: Path) -> None:
+    res: dict = {}
+    state = work / "ab_servers.json"
+    pids = json.loads(state.read_text()) if state.exists() else {}
+    for profile, info in pids.items():
+        try:
+            os.killpg(info["pid"], signal.SIGINT)  # serve stops its vLLM server on Ctrl-C
+        except OSError as e:
+            res[profile] = f"not running: {e}"
+    deadline = now() + 30
+    for profile, info in pids.items():
+        while now() < deadline:
+            try:
+                os.kill(info["pid"], 0)
+                time.sleep(1)
+            except OSError:
+                break
+        else:
+            try:
+                os.killpg(info["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+        log = work / f"serve_{profile}.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        res[f"{profile}_log"] = [ln[-300:] for ln in text.splitlines()
+                                 if re.search(r"hybrid-build|peculative|DFlash|dflash|MTP|Error|error|"
+                                              r"quantiz|Fp8|FP8|Accept|accept|Marlin", ln)][-30:]
+        so = work / f"serve_{profile}.out"
+        res[f"{profile}_serve_stdout"] = so.read_text(errors="replace")[-1500:] if so.exists() else ""
+    state.unlink(missing_ok=True)
+    record(out, "ab_stop", res)
+
+
 # ------------------------------------------------------------------------------ main
 
 
@@ -619,6 +741,10 @@ def main() -> int:
     ap.add_argument("--floor", type=Path, help="the config-only checkpoints of floor_configs.py (.gpufloor)")
     ap.add_argument("--round0", type=int, default=0, help="first floor round's number (a later call goes on)")
     ap.add_argument("--mix", default="L24,L24h,L24e,L12", help="compositions the mix step times (base)")
+    ap.add_argument("--bench-pairs", default="dflash:dense,base:mtp", help="A:B profile pairs the bench step runs")
+    ap.add_argument("--bench-runs", type=int, default=5)
+    ap.add_argument("--bench-max-tokens", type=int, default=128)
+    ap.add_argument("--eval-tasks", default="hybrid_build,hybrid_build_gen")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -749,6 +875,22 @@ def main() -> int:
                 if not (a.out / seq.name).exists():
                     shutil.copy(seq, a.out / seq.name)
 
+    if any(s.startswith("ab_") for s in steps):  # issues 17-18: the tiny artifact behind four servers
+        if "ab_start" in steps:
+            ab_start(a.out, a.hb, a.src, recipe, a.work, min(400, left(30)))
+        if "ab_bench" in steps:
+            for pair in a.bench_pairs.split(","):
+                ab_bench(a.out, tuple(pair.split(":")), a.bench_runs, a.bench_max_tokens, min(300, left(20)))
+        if "ab_eval" in steps:  # source (base profile) against the hybrid (dense profile)
+            ab_command(a.out, "eval", ["hybrid-build", "eval", str(a.hb / "inc"), "--source-url", ab_url("base"),
+                                       "--hybrid-url", ab_url("dense"), "--tasks", a.eval_tasks,
+                                       "--out", str(a.out / "eval.json"), "--samples", str(a.out / "eval_samples.jsonl")],
+                       left(20))
+        if "ab_stop" in steps:
+            ab_stop(a.out, a.work)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
     if a.floor is not None:
         if a.floor.exists():
             RESULTS["floor_plan"] = json.loads((a.floor / "floor_plan.json").read_text())

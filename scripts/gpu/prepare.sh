@@ -3,7 +3,8 @@
 #   bash scripts/gpu/prepare.sh
 # 1. vLLM 0.25.1 (built for torch 2.11 + CUDA 13, what the H200 image has) and the wheels it
 #    needs, packed into .gpu1/ .gpu2/ ... of at most 60 MB each (a device call carries 64 MiB);
-# 2. .gpuhb/: the tiny inc-hybrid and compressed-tensors artifacts, the CPU reference logprobs,
+# 2. .gpuev/: lm-eval and the wheels it needs (requirements-eval.txt), for the eval step;
+# 3. .gpuhb/: the tiny inc-hybrid and compressed-tensors artifacts, the CPU reference logprobs,
 #    a random tiny DFlash drafter and the hybrid-build wheel; .gpusrc/: the tiny source checkpoint.
 # All these folders are git-ignored (/.gpu*/). docs/gpu.md says which calls carry which folder.
 set -euo pipefail
@@ -47,6 +48,11 @@ for i, (_, fs) in enumerate(bins, 1):
         m.write("\n".join(os.path.basename(f) for f in files) + "\n")
 print("vLLM parts:", " ".join(f".gpu{i}" for i in range(1, len(bins) + 1)))
 PY
+# lm-eval for the eval step (requirements-eval.txt; the three sdists built into wheels here)
+rm -rf .gpuev; mkdir .gpuev
+grep -v '^#' "$here/requirements-eval.txt" | sed -n '/^lm-eval/,/^typepy/p' > "$cache/ev-wheels.txt"
+python3 -m pip download -q --no-deps $plat -d .gpuev -r "$cache/ev-wheels.txt"
+python3 -m pip wheel -q --no-deps -w .gpuev $(sed -n '/^# sdists/,$p' "$here/requirements-eval.txt" | grep -v '^#')
 # the tiny artifacts, their CPU reference, a drafter and our wheel
 rm -rf .gpuhb .gpusrc; mkdir -p .gpuhb .gpusrc
 hybrid-build run -o .gpuhb/inc -q

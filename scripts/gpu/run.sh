@@ -4,6 +4,7 @@
 # `hybrid-build` on PATH and runs scripts/gpu/driver.py, which writes results.json and logs to $OUT.
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME [--steps build,correct,profiles,graphs,eager] [--layers N]
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME --floor $HOME/floor --steps warm,vcompare,floor,mix,eagerprof
+#   bash scripts/gpu/run.sh --deadline UNIX_TIME --steps ab_start,ab_bench   (then ab_eval,ab_stop: the servers stay up)
 # VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning (the linear-attention prefill kernels
 # otherwise compile every candidate config on a cold cache: minutes per engine); set it to 0 to tune.
 set -euo pipefail
@@ -13,13 +14,18 @@ if [ -d .gpuhb ]; then rm -rf "$HOME/hb"; cp -r .gpuhb "$HOME/hb"; fi
 if [ -d .gpusrc/src ]; then rm -rf "$HOME/hbsrc"; cp -r .gpusrc/src "$HOME/hbsrc"; fi
 # the config-only checkpoints and token ids of the floor / vcompare steps (floor_configs.py): --floor $HOME/floor
 if [ -d .gpufloor ]; then rm -rf "$HOME/floor"; cp -r .gpufloor "$HOME/floor"; fi
+# lm-eval and the wheels it needs beyond the image (.gpuev, prepare.sh), for the ab_eval step
+if [ -d .gpuev ] && [ ! -d "$HOME/evsite/lm_eval" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/evsite" .gpuev/*.whl
+fi
 hb=$HOME/hbsite
 if [ ! -d "$hb/hybrid_build" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$hb" "$HOME"/hb/hybrid_build-*.whl
 fi
 mkdir -p "$HOME/bin"
 printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > "$HOME/bin/vllm"; chmod +x "$HOME/bin/vllm"
-export PYTHONPATH=$hb:$HOME/site PATH=$hb/bin:$HOME/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
+ev=; [ -d "$HOME/evsite/lm_eval" ] && ev=:$HOME/evsite
+export PYTHONPATH=$hb:$HOME/site$ev PATH=$hb/bin:$HOME/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
   VLLM_TRITON_FORCE_FIRST_CONFIG=${VLLM_TRITON_FORCE_FIRST_CONFIG:-1} \
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
