@@ -107,6 +107,9 @@ class MatchSpec(_Strict):
 class ServeSpec(_Strict):
     default_profile: str = "dense"
     profiles: dict[str, ServeProfile] = Field(default_factory=dict)
+    smoke_expect: str | None = Field(
+        "Paris", description="what `serve`'s smoke-test answer (the capital of France) must contain, "
+                             "case-insensitive; null: any non-empty answer (a model with random weights)")
 
 
 class Recipe(_Strict):

@@ -2,11 +2,15 @@
 
 A **workload bank** (prose, code, counting, an agent turn that answers with a tool call) runs at
 temperature 0, one request at a time. Each workload runs ``runs + 1`` times per server; the first
-run warms caches and is discarded. Per run: decode tok/s = (completion tokens - 1) / (last token
-time - first token time), which excludes the time to first token; end-to-end tok/s = completion
-tokens / wall time of the request; TTFT. Token counts come from the stream's ``usage``
-(``stream_options.include_usage``), else from the number of content chunks. A workload's figure
-is the median of its runs; its spread is their range (min-max).
+run warms caches and is discarded. Per run: decode tok/s = tokens generated after the first one /
+(last token time - first token time), which excludes the time to first token; end-to-end tok/s =
+completion tokens / wall time of the request; TTFT. Where the server counts tokens in every chunk
+(``stream_options.continuous_usage_stats``: vLLM, SGLang), the first and last token times and the
+tokens between them come from those counts, so a token whose text the detokenizer holds back (a
+partial UTF-8 character: chunks with empty content) still counts where it was generated. Else the
+times are those of the first and last chunks with content, and the tokens the final ``usage``
+count (``stream_options.include_usage``) minus one, or the number of content chunks minus one. A
+workload's figure is the median of its runs; its spread is their range (min-max).
 
 **Acceptance**: around every measured run the server's Prometheus ``/metrics`` (vLLM's, at the
 server root) is read, and the deltas of vLLM's speculative-decoding counters
@@ -153,6 +157,8 @@ SPEC_COUNTERS = (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_ACCEPTED_PE
 LOW_ACCEPTANCE_FRACTION = 0.5
 LOW_ACCEPTANCE_MIN_GAP = 0.25
 MIN_DRAFTS = 10
+# two sides whose median answer lengths differ by more than this factor get a note
+LENGTH_MISMATCH = 1.25
 # one server alone: a drafter that lands fewer than this many tokens per draft earns a warning
 USELESS_DRAFTER = 0.1
 # a verdict needs this many measured runs on each side
@@ -267,10 +273,14 @@ class RunSample:
     total_s: float
     decode_s: float
     spec: dict | None = None
+    # tokens generated between the first and the last token time, where the server counted them
+    # in every chunk; None: tokens - 1
+    decode_tokens: int | None = None
 
     @property
     def decode_tok_s(self) -> float | None:
-        return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else None
+        n = self.tokens - 1 if self.decode_tokens is None else self.decode_tokens
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else None
 
     @property
     def e2e_tok_s(self) -> float | None:
@@ -303,7 +313,7 @@ def first_model(base_url: str, timeout: float = 10.0) -> str:
 
 def request_body(workload: Workload, model: str, max_tokens: int, thinking: bool) -> dict:
     body: dict = {"model": model, "messages": list(workload.messages), "max_tokens": max_tokens, "temperature": 0,
-                  "stream": True, "stream_options": {"include_usage": True}}
+                  "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if workload.tools:
         body["tools"] = list(workload.tools)
     if not thinking:
@@ -314,7 +324,8 @@ def request_body(workload: Workload, model: str, max_tokens: int, thinking: bool
 
 def stream_once(base_url: str, model: str, workload: Workload | str, max_tokens: int, thinking: bool = False,
                 timeout: float = 600.0) -> RunSample:
-    """One streamed chat completion, timed from the request to the first and last token-bearing chunks."""
+    """One streamed chat completion, timed from the request to the first and last token-bearing
+    chunks: by the server's running token count where every chunk carries one, else by content."""
     workload = WORKLOADS[workload] if isinstance(workload, str) else workload
     req = urllib.request.Request(base_url.rstrip("/") + "/chat/completions",
                                  data=json.dumps(request_body(workload, model, max_tokens, thinking)).encode(),
@@ -323,6 +334,7 @@ def stream_once(base_url: str, model: str, workload: Workload | str, max_tokens:
     first = last = None
     chunks = 0
     usage_tokens = None
+    counted: list[tuple[float, int]] = []  # (time, running completion-token count) where it grew
     with _open(req, timeout) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -334,6 +346,8 @@ def stream_once(base_url: str, model: str, workload: Workload | str, max_tokens:
             event = json.loads(payload)
             if event.get("usage"):
                 usage_tokens = event["usage"].get("completion_tokens")
+                if event.get("choices") and usage_tokens and (not counted or usage_tokens > counted[-1][1]):
+                    counted.append((time.perf_counter(), usage_tokens))
             for choice in event.get("choices") or []:
                 delta = choice.get("delta") or {}
                 if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
@@ -344,6 +358,9 @@ def stream_once(base_url: str, model: str, workload: Workload | str, max_tokens:
                     chunks += 1
     t_end = time.perf_counter()
     tokens = usage_tokens if usage_tokens is not None else chunks
+    if counted:
+        (t_first, n_first), (t_last, n_last) = counted[0], counted[-1]
+        return RunSample(tokens, t_first - t0, t_end - t0, t_last - t_first, decode_tokens=n_last - n_first)
     if first is None:
         first = last = t_end
     return RunSample(tokens, first - t0, t_end - t0, (last or t_end) - first)
@@ -537,6 +554,10 @@ def compare(a: dict, b: dict, interleaved: bool = False) -> dict:
                 flags.append(flag)
         if bool(acc_a) != bool(acc_b):
             notes.append(f"{ra['workload']}: only {'A' if acc_a else 'B'} shows speculative-decoding counters")
+        ta, tb = ra.get("tokens"), rb.get("tokens")
+        if ta and tb and max(ta, tb) > LENGTH_MISMATCH * min(ta, tb):
+            notes.append(f"{ra['workload']}: A wrote {ta} tokens, B {tb}: the answers differ, so end-to-end tok/s "
+                         f"spreads the time to first token over different lengths; decode tok/s compares the engines")
         ratio = (acc_b["mean_acceptance_length"] / acc_a["mean_acceptance_length"]) if acc_a and acc_b else None
         workloads.append({"workload": ra["workload"], "metrics": rows,
                           "acceptance": {"a": acc_a, "b": acc_b, "ratio": ratio, "flag": flag}})

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
         ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
         bar.close()
-        answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name)
+        answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect)
         info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
                 "smoke_answer": answer, "pid": server.process.pid, "log": str(log_path)}
         if args.json:

@@ -35,6 +35,7 @@ class LaunchPlan:
     engine: str
     model: str
     notes: list[str] = field(default_factory=list)
+    smoke_expect: str | None = "Paris"  # the recipe's serve.smoke_expect
 
     @property
     def base_url(self) -> str:
@@ -258,7 +259,8 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         env.update(PLUGIN_ENV)
         local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
         argv = ["vllm"] + vllm_args(profile, local_model, port, host, drafter) + pin
-        return LaunchPlan(argv, env, profile.served_model_name, port, host, name, engine, local_model, notes)
+        return LaunchPlan(argv, env, profile.served_model_name, port, host, name, engine, local_model, notes,
+                          rec.serve.smoke_expect)
 
     # docker: the container serves on 8000 inside; our patches are mounted read-only and applied
     # to the image's vLLM before `vllm serve` starts
@@ -284,4 +286,5 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
              "-p", f"{'127.0.0.1:' if host in ('127.0.0.1', 'localhost') else ''}{port}:8000",
              "-v", "hf-cache:/root/.cache/huggingface"] + mounts + env_flags +
             [image, "bash", "-c", script])
-    return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes)
+    return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes,
+                      rec.serve.smoke_expect)

@@ -99,14 +99,14 @@ class GemvConfig:
 
 
 # Fixed table per batch class (key: the largest batch of the class: B <= 8, 9-16, 17-32, 33-64),
-# chosen by benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json).
-# The 9-16 entry differs from the <= 8 one only by the x loads' L1 hint, which is NOT measured
-# yet (docs/kernel.md, "Open: B = 9-16"): there x is read once per program (1940 programs,
-# 16 x 3072 bf16 = 96 KB each at B = 16, 190 MB of L2 reads per call, the only traffic that
-# grows with B); with ".ca" a program can hit the lines its co-resident neighbour just loaded.
+# chosen by benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json,
+# lmhead_gemv_h200_issue17.json). B <= 16 is one tiling: the issue-17 sweep timed 10 candidates at
+# B = 16 (x through L1, the weight evicted first, other tile shapes) and interleaved the ".ca"
+# variant against it at B = 1-16: every hint was within the rounds' spread (+-1-3 us), the other
+# tilings 1-8% slower (docs/kernel.md, "B = 9-16").
 _H200_TABLE: dict[int, GemvConfig] = {
     8: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
-    16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16, x_cache=".ca"),
+    16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
     32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16, dots=2),
     64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64),
 }
@@ -138,9 +138,9 @@ def config_for(batch: int, device: torch.device | None = None,
     """Launch config for ``batch`` rows of ``dtype`` activations on ``device``.
 
     The bf16 inline-PTX dequant needs sm_90 (``sub.bf16x2``): older CUDA GPUs get Triton's own
-    cast for bf16. fp16 gets Triton's cast (one I2F per weight) until its inline PTX
-    (``sub.f16x2``, checked so far only by the interpreter, a PTX emulator and an sm_90 compile)
-    has run on a GPU: ``benchmarks/bench_lmhead_gemv.py --sweep`` checks it there. The interpreter gets the plain-Triton
+    cast for bf16. fp16 takes its inline PTX (``sub.f16x2``, sm_53+) everywhere: on the H200 it
+    passed every odd-shape check and reads at the bf16 path's rate (194.6 vs 254.0 us for Triton's
+    cast at B = 16, ``benchmarks/results/lmhead_gemv_h200_issue17.json``). The interpreter gets the plain-Triton
     "bits" path (it runs no PTX and, in triton 3.9, no correct int8 -> bf16 cast).
     """
     if dtype not in ACTIVATION_DTYPES:
@@ -148,7 +148,7 @@ def config_for(batch: int, device: torch.device | None = None,
     cfg = _H200_TABLE[table_class(batch)]
     if _interpreting() or device is None or device.type != "cuda":
         return dataclasses.replace(cfg, dequant="bits")
-    if dtype == torch.float16 or torch.cuda.get_device_capability(device) < (9, 0):
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
         return dataclasses.replace(cfg, dequant="cvt")
     return cfg
 

@@ -678,7 +678,7 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
         vllm = cluster.start(plan.vllm, log_path)
         server = Server(vllm.process, plan.serve, log_path)
         ready_s = wait_ready(server, ready_timeout)
-        answer = smoke_test(plan.base_url, plan.serve.model_name) if smoke else None
+        answer = smoke_test(plan.base_url, plan.serve.model_name, expect=plan.serve.smoke_expect) if smoke else None
         return cluster, {"base_url": plan.base_url, "model": plan.serve.model_name, "ready_s": round(ready_s, 1),
                          "smoke_answer": answer, "nodes": [n.ip for n in plan.nodes],
                          "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp, "log": str(log_path)}

@@ -629,7 +629,7 @@ def ab_start(out: Path, hb: Path, src: Path, recipe: Path, work: Path, limit: fl
     pids: dict = {}
     for profile, port in AB_PORTS.items():
         cmd = ["hybrid-build", "serve", str(hb / "inc"), "--profile", profile, "--recipe", str(recipe),
-               "--port", str(port), "--source", str(src), "--ready-timeout", str(int(limit)),
+               "--port", str(port), "--source", str(src), "--ready-timeout", str(int(limit)), "--no-smoke",
                "--log", str(work / f"serve_{profile}.log"), "--json"]
         if profile in ("dense", "dflash"):
             cmd += ["--drafter", str(hb / "drafter-dflash")]
@@ -677,11 +677,11 @@ def ab_command(out: Path, key: str, cmd: list[str], limit: float, env: dict | No
     return res
 
 
-def ab_bench(out: Path, pair: tuple[str, str], runs: int, max_tokens: int, limit: float) -> None:
+def ab_bench(out: Path, pair: tuple[str, str], runs: int, max_tokens: int, workloads: str, limit: float) -> None:
     a, b = pair
     before = {p: spec_lines(p) for p in pair}
     res = ab_command(out, f"bench_{a}_vs_{b}", ["hybrid-build", "bench", ab_url(a), ab_url(b), "--runs", str(runs),
-                                                 "--max-tokens", str(max_tokens), "--out",
+                                                 "--max-tokens", str(max_tokens), "--workloads", workloads, "--out",
                                                  str(out / f"bench_{a}_vs_{b}.json")], limit)
     res["spec_metrics_before"] = before
     res["spec_metrics_after"] = {p: spec_lines(p) for p in pair}
@@ -743,6 +743,8 @@ def main() -> int:
     ap.add_argument("--mix", default="L24,L24h,L24e,L12", help="compositions the mix step times (base)")
     ap.add_argument("--bench-pairs", default="dflash:dense,base:mtp", help="A:B profile pairs the bench step runs")
     ap.add_argument("--bench-runs", type=int, default=5)
+    ap.add_argument("--bench-workloads", default="prose,code,counting",
+                    help="agent needs a server with a tool-call parser, which the tiny recipe's profiles lack")
     ap.add_argument("--bench-max-tokens", type=int, default=128)
     ap.add_argument("--eval-tasks", default="hybrid_build,hybrid_build_gen")
     a = ap.parse_args()
@@ -877,15 +879,15 @@ def main() -> int:
 
     if any(s.startswith("ab_") for s in steps):  # issues 17-18: the tiny artifact behind four servers
         if "ab_start" in steps:
-            ab_start(a.out, a.hb, a.src, recipe, a.work, min(400, left(30)))
-        if "ab_bench" in steps:
-            for pair in a.bench_pairs.split(","):
-                ab_bench(a.out, tuple(pair.split(":")), a.bench_runs, a.bench_max_tokens, min(300, left(20)))
+            ab_start(a.out, a.hb, a.src, recipe, a.work, min(240, left(30)))
         if "ab_eval" in steps:  # source (base profile) against the hybrid (dense profile)
             ab_command(a.out, "eval", ["hybrid-build", "eval", str(a.hb / "inc"), "--source-url", ab_url("base"),
                                        "--hybrid-url", ab_url("dense"), "--tasks", a.eval_tasks,
                                        "--out", str(a.out / "eval.json"), "--samples", str(a.out / "eval_samples.jsonl")],
-                       left(20))
+                       min(300, left(140)))
+        if "ab_bench" in steps:
+            for pair in a.bench_pairs.split(","):
+                ab_bench(a.out, tuple(pair.split(":")), a.bench_runs, a.bench_max_tokens, a.bench_workloads, min(150, left(10)))
         if "ab_stop" in steps:
             ab_stop(a.out, a.work)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

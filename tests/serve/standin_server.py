@@ -145,11 +145,16 @@ class _Body:
 class FakeServer:
     """The stand-in in process, on a fake clock: ``first`` s to the first token, then one engine step
     every ``steps[k % len(steps)]`` s for the k-th chat request, so that runs differ by exactly
-    what a test says. ``usage`` adds the usage chunk; ``metrics`` serves ``/metrics``."""
+    what a test says. ``usage`` adds the usage chunk (and the running count in every chunk where the
+    request asks for ``continuous_usage_stats``, as vLLM does); ``metrics`` serves ``/metrics``."""
 
     def __init__(self, clock: list[float], engine: Engine, tokens: int = 30, first: float | list = 0.3,
-                 steps: float | list = 0.02, usage: bool = True, metrics: bool = True):
+                 steps: float | list = 0.02, usage: bool = True, metrics: bool = True,
+                 blank: tuple[int, int] = (0, 0)):
         self.clock, self.engine, self.tokens, self.usage, self.metrics = clock, engine, tokens, usage, metrics
+        # tokens lo <= i < hi stream with empty content, as vLLM streams tokens whose text its
+        # detokenizer holds back (partial UTF-8) or that decode to nothing
+        self.blank = blank
         self.first = first if isinstance(first, list) else [first]
         self.steps = steps if isinstance(steps, list) else [steps]
         self.requests: list[dict] = []
@@ -167,8 +172,10 @@ class FakeServer:
                 self.clock[0] += first if i == 0 else gap
                 self.engine.record(tokens, accepted, 10 if i == 0 else 0)
                 event = {"choices": [{"index": 0, "delta": {"content": "".join(
-                    f"t{sent + j} " for j in range(tokens))}}]}
+                    f"t{sent + j} " for j in range(tokens) if not self.blank[0] <= sent + j < self.blank[1])}}]}
                 sent += tokens
+                if self.usage and (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                    event["usage"] = {"completion_tokens": sent}  # vLLM: the running count in every chunk
                 yield f"data: {json.dumps(event)}\n".encode()
                 yield b"\n"
             if self.usage:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import socket
 import subprocess
@@ -229,6 +230,22 @@ def test_interleaved_a_b_and_exact_verdicts(monkeypatch):
     assert "B faster by 25.0%" in text and "within noise" in text and "interleaved (A, B, A, B...)" in text
 
 
+def test_answers_of_different_length_get_a_note(monkeypatch):
+    """The H200 run: the hybrid stopped after 19 tokens where the source wrote 128, so its
+    end-to-end tok/s carried the time to first token over fewer tokens. A length ratio above
+    1.25 is said; equal lengths (the other workload) say nothing."""
+    fake_network(monkeypatch, a=dict(engine=Engine(), tokens=128, first=0.05, steps=0.01),
+                 b=dict(engine=Engine(), tokens=19, first=0.05, steps=0.01))
+    comparison = bench_mod.bench_pair("http://a/v1", "http://b/v1", runs=3, max_tokens=128, workloads=["code"])
+    assert any(n.startswith("code: A wrote 128 tokens, B 19") for n in comparison["notes"])
+    rows = {m["metric"]: m for m in comparison["workloads"][0]["metrics"]}
+    assert rows["decode_tok_s"]["ratio"] == pytest.approx(1.0)  # the same engine speed
+    fake_network(monkeypatch, a=dict(engine=Engine(), tokens=24, first=0.05, steps=0.01),
+                 b=dict(engine=Engine(), tokens=20, first=0.05, steps=0.01))  # 1.2x: no note
+    comparison = bench_mod.bench_pair("http://a/v1", "http://b/v1", runs=3, max_tokens=128, workloads=["code"])
+    assert not any("tokens, B" in n for n in comparison["notes"])
+
+
 def test_overlapping_runs_are_within_noise(monkeypatch):
     # B's median is 2% faster, but one of its runs is slower than one of A's: no verdict
     fake_network(monkeypatch,
@@ -409,3 +426,36 @@ def test_standin_exposition_and_formulas_are_vllms(version, tmp_path):
         100 * acc["draft_acceptance_rate"], abs=0.05)
     rates = [float(x) for x in re.search(r"Per-position acceptance rate: ([\d., ]+?),? Avg", line).group(1).split(",")]
     assert rates == pytest.approx(acc["per_position_rate"], abs=0.0005)
+
+
+REQUEST_PROBE = r'''
+import json, sys
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+out = []
+for body in json.loads(sys.argv[1]):
+    r = ChatCompletionRequest.model_validate(body)
+    out.append({"include_usage": r.stream_options.include_usage,
+                "continuous_usage_stats": r.stream_options.continuous_usage_stats,
+                "tools": len(r.tools or []), "max_tokens": r.max_tokens})
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])  # 0.23.0's protocol module imports gguf
+def test_vllm_takes_benchs_requests_with_the_running_count(version):
+    """Every workload's request parses as vLLM's own ChatCompletionRequest, with the running token
+    count in every chunk (continuous_usage_stats) that bench's decode timing reads switched on."""
+    _source(version)
+    path = vllm_sources.cpu_pythonpath(version)
+    if path is None:
+        pytest.skip("vLLM's CPU import dependencies not prepared (run .ci/vllm_sources.sh)")
+    bodies = [bench_mod.request_body(w, "qwen", 64, False) for w in bench_mod.WORKLOADS.values()]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, str(Path(bench_mod.__file__).parents[2])]))
+    r = subprocess.run([sys.executable, "-c", REQUEST_PROBE, json.dumps(bodies)], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    parsed = json.loads(r.stdout.strip().splitlines()[-1])  # vLLM logs to stdout before it
+    assert [p["continuous_usage_stats"] for p in parsed] == [True] * len(bodies)
+    assert all(p["include_usage"] and p["max_tokens"] == 64 for p in parsed)
+    assert [p["tools"] for p in parsed] == [len(w.tools or []) for w in bench_mod.WORKLOADS.values()]

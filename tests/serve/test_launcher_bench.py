@@ -81,6 +81,30 @@ def test_smoke_test_fails_without_paris(running):
         smoke_test(server.plan.base_url, "qwen")
 
 
+def test_smoke_test_follows_the_recipes_expectation(running):
+    server = running("--answer", "zq blorp")  # what a random-weight model says
+    wait_ready(server, timeout=20, poll=0.1)
+    assert smoke_test(server.plan.base_url, "qwen", expect=None) == "zq blorp"
+    with pytest.raises(ArtifactError, match="smoke_expect is 'Paris'"):
+        smoke_test(server.plan.base_url, "qwen")
+
+
+def test_smoke_test_refuses_an_empty_answer_even_from_random_weights(running):
+    server = running("--answer", "")
+    wait_ready(server, timeout=20, poll=0.1)
+    with pytest.raises(ArtifactError, match="empty answer"):
+        smoke_test(server.plan.base_url, "qwen", expect=None)
+
+
+def test_the_tiny_recipe_expects_no_paris_and_the_real_ones_do(tiny_artifact):
+    from hybrid_build.recipes import load_recipe
+    from hybrid_build.serve.engine import plan_launch
+
+    assert plan_launch(str(tiny_artifact), "dense").smoke_expect is None
+    for name in ("qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3.5-moe", "qwen3.5-397b-a17b"):
+        assert load_recipe(name).serve.smoke_expect == "Paris"
+
+
 def test_smoke_test_wrong_model_name(running):
     server = running()
     wait_ready(server, timeout=20, poll=0.1)
@@ -173,6 +197,33 @@ def test_bench_arithmetic_on_a_fake_clock(monkeypatch, usage):
         assert r["decode_tok_s"] == pytest.approx(29 / 0.58)  # excludes the first token's wait
         assert r["e2e_tok_s"] == pytest.approx(30 / 0.88)
         assert r["spread"]["decode_tok_s"] == pytest.approx([29 / 0.58, 29 / 0.58])
+
+
+@pytest.mark.parametrize("blank, window_steps, ttft_steps", [((4, 30), 3, 0), ((0, 20), 9, 20)],
+                         ids=["text-stops-early", "text-starts-late"])
+def test_blank_chunks_do_not_shrink_the_decode_window(monkeypatch, blank, window_steps, ttft_steps):
+    """Tokens that stream with empty content (text the detokenizer holds back, or a random
+    model's byte tokens: on the H200 the hybrid's 19 tokens showed text only in the first 34 ms
+    and read as 494 tok/s). With the running count vLLM puts in every chunk
+    (continuous_usage_stats) the window runs from the first to the last generated token: the rate
+    is exact either way. A server that ignores the option gets the content-chunk window."""
+    _fake(monkeypatch, s=dict(engine=Engine(), tokens=30, first=0.3, steps=0.02, blank=blank))
+    r = bench_mod.bench("http://s/v1", runs=2, max_tokens=30, workloads=["code"])["results"][0]
+    assert r["decode_tok_s"] == pytest.approx(29 / 0.58)
+    assert r["ttft_s"] == pytest.approx(0.3)
+    assert [s["decode_tokens"] for s in r["samples"]] == [29, 29]
+
+    class NoRunningCount(FakeServer):  # a server that ignores continuous_usage_stats
+        def stream(self, body):
+            return super().stream({**body, "stream_options": {"include_usage": True}})
+
+    clock = [0.0]
+    net = FakeNetwork({"t": NoRunningCount(clock, Engine(), tokens=30, first=0.3, steps=0.02, blank=blank)})
+    monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+    r = bench_mod.bench("http://t/v1", runs=2, max_tokens=30, workloads=["code"])["results"][0]
+    assert r["ttft_s"] == pytest.approx(0.3 + ttft_steps * 0.02)  # the first visible text
+    assert r["decode_tok_s"] == pytest.approx(29 / (window_steps * 0.02))  # 29 tokens over the visible window
 
 
 def test_bench_median_and_range_of_runs(monkeypatch):
