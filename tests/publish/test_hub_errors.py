@@ -5,7 +5,7 @@ Downloads go through the real ``snapshot_download``; only ``HfApi.repo_info`` (i
 call) is replaced, and it raises what huggingface_hub itself builds from a Hub answer
 (``hf_raise_for_status`` on an ``httpx.Response`` with the Hub's ``X-Error-Code`` header), so the
 library's own fallback and re-raise logic decides what reaches us. Uploads use the stand-in
-``HfApi`` of ``conftest.py`` raising the same library-built exceptions.
+``HfApi`` of ``hub_standin.py`` raising the same library-built exceptions.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import hf_raise_for_status
 
-from conftest import FAKE_TOKEN
+from hub_standin import FAKE_TOKEN
 from hybrid_build.pipeline.commands import publish as publish_command
 from hybrid_build.pipeline.checkpoint import resolve_source
 from hybrid_build.pipeline.cli import main

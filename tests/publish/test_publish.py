@@ -1,4 +1,4 @@
-"""Publishing against a stand-in Hub (see conftest.py): dry run, gating on validation, upload,
+"""Publishing against a stand-in Hub (see hub_standin.py): dry run, gating on validation, upload,
 resume after a failure without re-sending, retries, verification and token hygiene; plus one
 opt-in live test."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import FAKE_TOKEN, StandInHub, http_error
+from hub_standin import FAKE_TOKEN, StandInHub, http_error
 
 from hybrid_build.pipeline.commands import publish as publish_command
 from hybrid_build.pipeline.cli import main
