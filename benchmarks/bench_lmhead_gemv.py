@@ -60,7 +60,7 @@ _B16_CANDIDATES = [
     # 64 KB weight tiles per stage, the byte geometry of the bf16-weight control that reads at
     # ~98 % (docs/kernel.md): fewer, larger copies per byte, and with block_n 256 half the x reads.
     # Registers and shared memory from triton 3.6's sm_90a compile (ptxas -v, no spills). On the
-    # H200 every one was 4-18 % slower than the control at B = 8 and 16
+    # H200 every one was 4-20 % slower than the control at B = 8 and 16
     # (benchmarks/results/lmhead_gemv_h200_issue17_tiles.json):
     (256, 256, 4, 3, 16, 1, "", ""),  # 166 regs, 144 KB: one program per SM
     (256, 256, 8, 3, 16, 1, "", ""),  # 102 regs, 144 KB

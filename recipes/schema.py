@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hybrid_build.pipeline.errors import RecipeError
-from hybrid_build.serve.profiles import ServeProfile
+from hybrid_build.serve.profiles import SMOKE_EXPECT, ServeProfile
 
 RECIPE_DIR = Path(__file__).resolve().parent
 
@@ -108,7 +108,7 @@ class ServeSpec(_Strict):
     default_profile: str = "dense"
     profiles: dict[str, ServeProfile] = Field(default_factory=dict)
     smoke_expect: str | None = Field(
-        "Paris", description="what `serve`'s smoke-test answer (the capital of France) must contain, "
+        SMOKE_EXPECT, description="what `serve`'s smoke-test answer (the capital of France) must contain, "
                              "case-insensitive; null: any non-empty answer (a model with random weights)")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from hybrid_build.pipeline.errors import UserError
 from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
 
-from .profiles import DOCKER_IMAGE, SOURCE_PLACEHOLDER, ServeProfile
+from .profiles import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER, ServeProfile
 
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
@@ -35,7 +35,7 @@ class LaunchPlan:
     engine: str
     model: str
     notes: list[str] = field(default_factory=list)
-    smoke_expect: str | None = "Paris"  # the recipe's serve.smoke_expect
+    smoke_expect: str | None = SMOKE_EXPECT  # the recipe's serve.smoke_expect
 
     @property
     def base_url(self) -> str:

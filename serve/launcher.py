@@ -21,10 +21,10 @@ from pathlib import Path
 from hybrid_build.pipeline.errors import ArtifactError, ExternalToolError
 
 from .engine import LaunchPlan
+from .profiles import SMOKE_EXPECT, SMOKE_PROMPT
 
 log = logging.getLogger(__name__)
 
-SMOKE_PROMPT = "What is the capital of France? Answer in one word."
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 10.0) -> dict:
@@ -103,7 +103,7 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
         time.sleep(poll)
 
 
-def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | None = "Paris") -> str:
+def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | None = SMOKE_EXPECT) -> str:
     """Ask for the capital of France; the answer must contain ``expect`` (case-insensitive), or,
     with ``expect=None`` (the recipe says the weights are random), be non-empty. Returns it."""
     try:

@@ -56,4 +56,8 @@ class ServeProfile(BaseModel):
 
 
 DOCKER_IMAGE = "ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"
+# `serve`'s smoke test: this question, and what a trained model's answer contains (a recipe's
+# serve.smoke_expect overrides it; null for random weights)
+SMOKE_PROMPT = "What is the capital of France? Answer in one word."
+SMOKE_EXPECT = "Paris"
 PROFILE_NAMES = ("dense", "dflash", "base", "mtp")

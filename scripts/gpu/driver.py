@@ -541,6 +541,24 @@ def gpu_recipe(artifact: Path, work: Path) -> Path:
     return path
 
 
+def serve_command(hb: Path, src: Path, recipe: Path, profile: str, port: int, ready_timeout: float, log: Path,
+                  drafter: Path | None = None) -> list[str]:
+    """``hybrid-build serve`` of the tiny artifact with one profile (no smoke test: random weights)."""
+    cmd = ["hybrid-build", "serve", str(hb / "inc"), "--profile", profile, "--recipe", str(recipe),
+           "--port", str(port), "--source", str(src), "--no-smoke", "--ready-timeout", str(int(ready_timeout)),
+           "--log", str(log), "--json"]
+    return cmd + (["--drafter", str(drafter)] if drafter else [])
+
+
+def spec_lines(port: int) -> list[str] | str:
+    """The speculative-decoding counter lines of the server's /metrics."""
+    try:
+        text = http(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    except Exception as e:
+        return f"unavailable: {e}"
+    return [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode") and not ln.startswith("#")][:16]
+
+
 def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, port: int, limit: float,
                   drafter: Path | None = None) -> None:
     key = f"profile_{profile}"
@@ -549,11 +567,7 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
     if limit < 60:
         record(out, key, {"skipped": f"no time left ({limit:.0f} s)"})
         return
-    cmd = ["hybrid-build", "serve", str(hb / "inc"), "--profile", profile, "--recipe", str(recipe),
-           "--port", str(port), "--source", str(src), "--no-smoke", "--ready-timeout", str(int(limit - 30)),
-           "--log", str(out / f"serve_{profile}.log"), "--json"]
-    if drafter:
-        cmd += ["--drafter", str(drafter)]
+    cmd = serve_command(hb, src, recipe, profile, port, limit - 30, out / f"serve_{profile}.log", drafter)
     res["command"] = " ".join(cmd)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}/v1"
@@ -574,12 +588,7 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
                                                             "temperature": 0}, timeout=60))
                 res.setdefault("completions", []).append({"prompt": prompt, "text": r["choices"][0]["text"],
                                                           "usage": r.get("usage")})
-            try:
-                metrics = http(f"http://127.0.0.1:{port}/metrics", timeout=10)
-                res["spec_metrics"] = [ln for ln in metrics.splitlines()
-                                       if ln.startswith("vllm:spec_decode") and not ln.startswith("#")][:12]
-            except Exception as e:
-                res["spec_metrics"] = f"unavailable: {e}"
+            res["spec_metrics"] = spec_lines(port)
         else:
             res["error"] = "not ready" + (f" (hybrid-build serve exited {proc.returncode})" if proc.poll() is not None else "")
     except Exception as e:
@@ -613,14 +622,6 @@ def ab_url(profile: str) -> str:
     return f"http://127.0.0.1:{AB_PORTS[profile]}/v1"
 
 
-def spec_lines(profile: str) -> list[str] | str:
-    try:
-        text = http(ab_url(profile)[:-3] + "/metrics", timeout=10)
-    except Exception as e:
-        return f"unavailable: {e}"
-    return [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode") and not ln.startswith("#")][:16]
-
-
 def ab_start(out: Path, hb: Path, src: Path, recipe: Path, work: Path, limit: float) -> None:
     """Start ``hybrid-build serve`` for every profile in AB_PORTS, each in its own process session:
     they outlive this call (the machine keeps them while it stays warm), so the next call benches
@@ -628,11 +629,8 @@ def ab_start(out: Path, hb: Path, src: Path, recipe: Path, work: Path, limit: fl
     t0 = now()
     pids: dict = {}
     for profile, port in AB_PORTS.items():
-        cmd = ["hybrid-build", "serve", str(hb / "inc"), "--profile", profile, "--recipe", str(recipe),
-               "--port", str(port), "--source", str(src), "--ready-timeout", str(int(limit)), "--no-smoke",
-               "--log", str(work / f"serve_{profile}.log"), "--json"]
-        if profile in ("dense", "dflash"):
-            cmd += ["--drafter", str(hb / "drafter-dflash")]
+        cmd = serve_command(hb, src, recipe, profile, port, limit, work / f"serve_{profile}.log",
+                            hb / "drafter-dflash" if profile in ("dense", "dflash") else None)
         with open(work / f"serve_{profile}.out", "w") as so:
             proc = subprocess.Popen(cmd, stdout=so, stderr=subprocess.STDOUT, start_new_session=True)
         pids[profile] = {"pid": proc.pid, "command": " ".join(cmd)}
@@ -658,7 +656,7 @@ def ab_start(out: Path, hb: Path, src: Path, recipe: Path, work: Path, limit: fl
     record(out, "ab_start", res)
 
 
-def ab_command(out: Path, key: str, cmd: list[str], limit: float, env: dict | None = None) -> dict:
+def ab_command(out: Path, key: str, cmd: list[str], limit: float) -> dict:
     """One hybrid-build command against the servers, its output kept in results.json."""
     t0 = now()
     res: dict = {"command": " ".join(cmd)}
@@ -667,11 +665,10 @@ def ab_command(out: Path, key: str, cmd: list[str], limit: float, env: dict | No
         record(out, key, res)
         return res
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=dict(os.environ, **(env or {})))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
         res.update(rc=p.returncode, stdout=p.stdout[-6000:], stderr=p.stderr[-4000:])
-    except subprocess.TimeoutExpired as e:
-        res.update(error=f"timed out after {limit:.0f} s", stdout=(e.stdout or b"")[-3000:].decode(errors="replace")
-                   if isinstance(e.stdout, bytes) else (e.stdout or "")[-3000:])
+    except subprocess.TimeoutExpired as e:  # its captured output is bytes, text=True or not
+        res.update(error=f"timed out after {limit:.0f} s", stdout=(e.stdout or b"").decode(errors="replace")[-3000:])
     res["wall_s"] = round(now() - t0, 1)
     record(out, key, res)
     return res
@@ -679,12 +676,12 @@ def ab_command(out: Path, key: str, cmd: list[str], limit: float, env: dict | No
 
 def ab_bench(out: Path, pair: tuple[str, str], runs: int, max_tokens: int, workloads: str, limit: float) -> None:
     a, b = pair
-    before = {p: spec_lines(p) for p in pair}
+    before = {p: spec_lines(AB_PORTS[p]) for p in pair}
     res = ab_command(out, f"bench_{a}_vs_{b}", ["hybrid-build", "bench", ab_url(a), ab_url(b), "--runs", str(runs),
                                                  "--max-tokens", str(max_tokens), "--workloads", workloads, "--out",
                                                  str(out / f"bench_{a}_vs_{b}.json")], limit)
     res["spec_metrics_before"] = before
-    res["spec_metrics_after"] = {p: spec_lines(p) for p in pair}
+    res["spec_metrics_after"] = {p: spec_lines(AB_PORTS[p]) for p in pair}
     record(out, f"bench_{a}_vs_{b}", res)
 
 
