@@ -84,6 +84,9 @@ class GemvConfig:
     dots: int = 1
     x_cache: str = ""
     w_evict: str = ""
+    x_narrow: bool = False
+    o_evict: str = ""
+    carveout: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -151,6 +154,15 @@ def config_for(batch: int, device: torch.device | None = None,
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
         return dataclasses.replace(cfg, dequant="cvt")
     return cfg
+
+
+def tile_weight(w_int8: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """``w_int8`` [N, K] stored tile by tile: [ceil(N / block_n), ceil(K / block_k), block_n, block_k],
+    zero-padded, so that each K step of a program reads one contiguous block."""
+    n, k = w_int8.shape
+    n_pad, k_pad = -(-n // block_n) * block_n, -(-k // block_k) * block_k
+    w = torch.nn.functional.pad(w_int8, (0, k_pad - k, 0, n_pad - n))
+    return w.view(n_pad // block_n, block_n, k_pad // block_k, block_k).permute(0, 2, 1, 3).contiguous()
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -228,15 +240,18 @@ def int8_linear(
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, cfg: GemvConfig, *,
-            stage: str = "full") -> None:
-    """One launch over all rows of ``x`` (at most 64).
+            stage: str = "full"):
+    """One launch over all rows of ``x`` (at most 64); returns Triton's compiled kernel (the
+    benchmarks read its registers and shared memory).
 
     ``stage`` and ``dequant="none"`` (with a ``w`` of x's dtype) are the benchmark's diagnostics:
     "no_dot" dequantizes and adds the tile up without the dot, "load" only xors the loaded
     bytes together; both write meaningless values.
     """
     batch, k = x.shape
-    n = w.shape[0]
+    n = s.numel()
+    if w.dim() == 4 and (w.shape[2], w.shape[3]) != (cfg.block_n, cfg.block_k):
+        raise ValueError(f"weight tiled {tuple(w.shape[2:])} does not match the config's {cfg.block_n} x {cfg.block_k}")
     if cfg.dequant not in _DEQUANT_CODE:
         raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
     if x.dtype not in ACTIVATION_DTYPES or out.dtype != x.dtype:
@@ -247,11 +262,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
     kernel = _kernel(_interpreting())
     block_h, dots = cfg.rows(batch)
     grid = (-(-n // cfg.block_n),)
-    kernel[grid](
+    return kernel[grid](
         x, w, s, out, batch, n, k, x.stride(0), out.stride(0),
         BLOCK_H=block_h, N_DOTS=dots, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0), X_F16=(x.dtype == torch.float16),
-        STAGE={"full": 0, "no_dot": 1, "load": 2}[stage], X_CACHE=cfg.x_cache, W_EVICT=cfg.w_evict,
+        STAGE={"full": 0, "no_dot": 1, "load": 2, "no_store": 3}[stage], X_CACHE=cfg.x_cache, W_EVICT=cfg.w_evict,
+        X_NARROW=cfg.x_narrow, W_TILED=(w.dim() == 4), O_EVICT=cfg.o_evict,
         # The interpreter (triton 3.9) multiplies bf16 dot operands as their raw uint16 bits;
         # upcasting both is exact (bf16, fp16 and int8 values are fp32 values) and keeps the
         # dequant arithmetic under test.
@@ -287,7 +303,8 @@ def _int8_gemv_kernel(
     B, N, K, stride_xb, stride_ob,
     BLOCK_H: tl.constexpr, N_DOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr, EVEN_K: tl.constexpr, STAGE: tl.constexpr, DOT_F32: tl.constexpr,
-    X_F16: tl.constexpr, X_CACHE: tl.constexpr, W_EVICT: tl.constexpr,
+    X_F16: tl.constexpr, X_CACHE: tl.constexpr, W_EVICT: tl.constexpr, X_NARROW: tl.constexpr,
+    W_TILED: tl.constexpr, O_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -295,12 +312,24 @@ def _int8_gemv_kernel(
     # 16-byte vectors; their results are dropped by the masked store.
     rows = tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
+    if W_TILED:
+        # The weight stored tile by tile ([N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K], zero-padded,
+        # tile_weight()): each K step of a program reads one contiguous BLOCK_N * BLOCK_K block.
+        w_ptrs = (w_ptr + pid.to(tl.int64) * (tl.cdiv(K, BLOCK_K) * BLOCK_N * BLOCK_K)
+                  + tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + offs_k[None, :])
+    else:
+        w_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
     # N_DOTS dots of BLOCK_H x rows each share one dequantized tile: dot j covers rows
     # [j * BLOCK_H, (j + 1) * BLOCK_H) (e.g. four M = 16 dots stay on mma.sync where one
     # M = 64 dot is wgmma). Unused accumulators are dead code and cost nothing.
     offs_h = tl.arange(0, BLOCK_H)
-    x_ptrs = x_ptr + offs_h[:, None] * stride_xb + offs_k[None, :]
+    if X_NARROW:
+        # 8-byte x copies: Triton 3.6 lowers every 16-byte cp.async to .cg (L2 only); an 8-byte one
+        # is .ca, so x is cached in L1 and read from L2 once per SM instead of once per program.
+        offs_kx = tl.max_contiguous(tl.arange(0, BLOCK_K), 4)
+    else:
+        offs_kx = offs_k
+    x_ptrs = x_ptr + offs_h[:, None] * stride_xb + offs_kx[None, :]
     x_step = BLOCK_H * stride_xb
     h_ok = offs_h[:, None] < B
     h1_ok = (offs_h[:, None] + BLOCK_H) < B
@@ -318,8 +347,9 @@ def _int8_gemv_kernel(
         # Masks only along rows when K needs no tail, so loads stay 16-byte vectors.
         # X_CACHE / W_EVICT are cache hints only (every program reads all of x, so x is the one
         # operand worth keeping close; the weight is streamed once).
-        if EVEN_K:
+        if EVEN_K or W_TILED:
             q = tl.load(w_ptrs, eviction_policy=W_EVICT)
+        if EVEN_K:
             xa = tl.load(x_ptrs, mask=h_ok, other=0.0, cache_modifier=X_CACHE)
             if N_DOTS > 1:
                 xa1 = tl.load(x_ptrs + x_step, mask=h1_ok, other=0.0, cache_modifier=X_CACHE)
@@ -328,7 +358,8 @@ def _int8_gemv_kernel(
                 xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok, other=0.0, cache_modifier=X_CACHE)
         else:
             k_ok = (k0 + offs_k[None, :]) < K
-            q = tl.load(w_ptrs, mask=k_ok, other=0, eviction_policy=W_EVICT)
+            if not W_TILED:
+                q = tl.load(w_ptrs, mask=k_ok, other=0, eviction_policy=W_EVICT)
             xa = tl.load(x_ptrs, mask=h_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
             if N_DOTS > 1:
                 xa1 = tl.load(x_ptrs + x_step, mask=h1_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
@@ -416,19 +447,26 @@ def _int8_gemv_kernel(
                 if N_DOTS > 2:
                     acc2 = tl.dot(xa2, wt, acc2)
                     acc3 = tl.dot(xa3, wt, acc3)
-        w_ptrs += BLOCK_K
+        if W_TILED:
+            w_ptrs += BLOCK_N * BLOCK_K
+        else:
+            w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if STAGE != 0:
+    if STAGE == 1 or STAGE == 2:
         # Keep the loads alive for the stage-drop timings; the values are meaningless.
         acc += tl.sum(acc_w.to(tl.float32), axis=1)[None, :]
     # One scale per output row, applied once to the fp32 sum.
     s = tl.load(s_ptr + rows).to(tl.float32)[None, :]
     n_ok = offs_n[None, :] < N
     o_ptrs = o_ptr + offs_h[:, None] * stride_ob + offs_n[None, :]
-    tl.store(o_ptrs, (acc * s).to(o_ptr.dtype.element_ty), mask=h_ok & n_ok)
+    o_ok = h_ok & n_ok
+    if STAGE == 3:
+        # the diagnostic without the output write: stores nothing unless the result is NaN
+        o_ok = o_ok & (acc != acc)
+    tl.store(o_ptrs, (acc * s).to(o_ptr.dtype.element_ty), mask=o_ok, eviction_policy=O_EVICT)
     o_step = BLOCK_H * stride_ob
     if N_DOTS > 1:
-        tl.store(o_ptrs + o_step, (acc1 * s).to(o_ptr.dtype.element_ty), mask=h1_ok & n_ok)
+        tl.store(o_ptrs + o_step, (acc1 * s).to(o_ptr.dtype.element_ty), mask=h1_ok & n_ok, eviction_policy=O_EVICT)
     if N_DOTS > 2:
-        tl.store(o_ptrs + 2 * o_step, (acc2 * s).to(o_ptr.dtype.element_ty), mask=h2_ok & n_ok)
-        tl.store(o_ptrs + 3 * o_step, (acc3 * s).to(o_ptr.dtype.element_ty), mask=h3_ok & n_ok)
+        tl.store(o_ptrs + 2 * o_step, (acc2 * s).to(o_ptr.dtype.element_ty), mask=h2_ok & n_ok, eviction_policy=O_EVICT)
+        tl.store(o_ptrs + 3 * o_step, (acc3 * s).to(o_ptr.dtype.element_ty), mask=h3_ok & n_ok, eviction_policy=O_EVICT)
