@@ -1,16 +1,17 @@
 """Benchmark the int8 lm-head GEMV (serve/int8_gemv.py) against F.linear on one GPU.
 
 For the lm-head shape [N=248320, K=3072], each batch B and each activation dtype (bf16, fp16)
-it reports the time of the config that ships (``config_for``), the bytes it must move over that
-time (GB/s), the ratio to the read bandwidth measured in the same run (a 2 GiB bf16 sum), the
-weight bytes over the time against the 4 GiB fp32 sum (issue 17's ceiling: the goal is >= 90 %
-for every B <= 16), and the speed-up over ``torch.nn.functional.linear`` of the dequantized
-weight in the same dtype. Every timed variant is first checked against the dequantized fp32
-reference (max error within the fp32 accumulation + output rounding bound, argmax equal), and
-every dequant mode in both dtypes on odd shapes. ``--sweep`` also times candidate launch configs
-per table class (bf16; ``--classes`` picks some), the dequant variants and stage-drop variants;
-``--ab`` times, at B = 1..16 and in each dtype, the shipped B <= 16 tiling against the sweep's
-best of the 1-8 and 9-16 classes in interleaved rounds. Writes one JSON file.
+it reports the time of what ships (``config_for`` on the weight tiled by ``tile_weight``), the
+bytes it must move over that time (GB/s), the ratio to the read bandwidth measured in the same run
+(a 2 GiB bf16 sum), the weight bytes over the time against the 4 GiB fp32 sum (issue 17's ceiling:
+the goal is >= 90 % for every B <= 16), and the speed-up over ``torch.nn.functional.linear`` of the
+dequantized weight in the same dtype. Every timed variant is first checked against the
+dequantized fp32 reference (max error within the fp32 accumulation + output rounding bound,
+argmax equal), and every dequant mode in both dtypes and both weight layouts on odd shapes.
+``--sweep`` also times candidate configs per table class (bf16; ``--classes`` picks some), the
+dequant variants and stage-drop variants; ``--ab`` times, at B = 1..16 and in each dtype, the
+row-major weight with its table (the kernel before the tiled layout) against the tiled weight with
+its table, in interleaved rounds. Writes one JSON file.
 
     python benchmarks/bench_lmhead_gemv.py --sweep --ab --out benchmarks/results/lmhead_gemv_h200.json
 """
@@ -44,38 +45,32 @@ g = _load_gemv()
 BATCHES = (1, 2, 4, 8, 13, 16, 32, 64)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Candidates per table class (the largest batch of the class; the sweep times each at that B):
-# (block_n, block_k, num_warps, num_stages, block_m, dots, x_cache, w_evict). Earlier sweeps on
-# the same H200 (docs/kernel.md) dropped the configs that lost everywhere; the first candidate of
-# the B <= 8 and 9-16 classes is the measured B <= 16 config of that sweep (the control).
-_CONTROL = (128, 256, 4, 3, 16, 1, "", "")
-_B16_CANDIDATES = [
-    _CONTROL,
-    (128, 256, 4, 3, 16, 1, ".ca", ""),  # x through L1 (the shipped 9-16 entry)
-    (128, 256, 4, 3, 16, 1, "", "evict_first"),  # the streamed weight first out of L2
-    (128, 256, 4, 3, 16, 1, ".ca", "evict_first"),
-    (256, 128, 4, 3, 16, 1, "", ""),  # half the programs, so half the x reads from L2
-    (256, 128, 4, 3, 16, 1, ".ca", ""),
-    (128, 128, 4, 4, 16, 1, "", ""),
-    (64, 256, 4, 3, 16, 1, "", ""),
-    # 64 KB weight tiles per stage, the byte geometry of the bf16-weight control that reads at
-    # ~98 % (docs/kernel.md): fewer, larger copies per byte, and with block_n 256 half the x reads.
-    # Registers and shared memory from triton 3.6's sm_90a compile (ptxas -v, no spills). On the
-    # H200 every one was 4-20 % slower than the control at B = 8 and 16
-    # (benchmarks/results/lmhead_gemv_h200_issue17_tiles.json):
-    (256, 256, 4, 3, 16, 1, "", ""),  # 166 regs, 144 KB: one program per SM
-    (256, 256, 8, 3, 16, 1, "", ""),  # 102 regs, 144 KB
-    (256, 256, 8, 2, 16, 1, "", ""),  # 102 regs, 72 KB: two per SM
-    (128, 512, 8, 3, 16, 1, "", ""),  # 95 regs, 160 KB
-    (128, 512, 8, 2, 16, 1, "", ""),  # 96 regs, 80 KB
-]
-SWEEP = {
-    8: _B16_CANDIDATES,
-    16: _B16_CANDIDATES + [(128, 128, 4, 4, 16, 1, ".ca", ""), (256, 128, 8, 3, 16, 1, "", "")],
-    32: [(128, 128, 4, 4, 32, 1, "", ""), (64, 128, 4, 4, 32, 1, "", ""), (128, 256, 4, 3, 32, 1, "", ""),
-         (128, 128, 4, 4, 16, 2, "", ""), (128, 128, 4, 4, 16, 2, ".ca", ""), (128, 128, 4, 3, 64, 1, "", "")],
-    64: [(128, 128, 4, 3, 64, 1, "", ""), (128, 128, 4, 4, 64, 1, "", ""), (64, 128, 4, 3, 64, 1, "", ""),
-         (128, 128, 4, 4, 32, 2, "", ""), (128, 128, 8, 3, 16, 4, "", ""), (64, 128, 4, 4, 16, 4, "", "")],
-}
+# (weight layout, config). "rows" is the row-major [N, K] weight, "tiled" the weight stored by
+# tile_weight() in the config's tile. Earlier sweeps and probes on the same H200 (docs/kernel.md,
+# benchmarks/results/lmhead_gemv_h200_issue17*.json) dropped what lost everywhere: other hints, x
+# through L1, 64 KB tiles, 256-row tiles, persistent grids. The first candidate of each class is
+# the row-major table's entry (the control), the second the tiled table's (what ships).
+def _candidates() -> dict[int, list[tuple[str, object]]]:
+    G, rows_t, tiled_t = g.GemvConfig, g._H200_ROWS_TABLE, g._H200_TABLE
+    R = g.dataclasses.replace
+    small = [
+        ("rows", rows_t[16]),
+        ("tiled", tiled_t[16]),
+        ("tiled", R(tiled_t[16], o_evict="")),  # the logits written back as the weight streams by
+        ("rows", R(rows_t[16], o_evict="evict_last")),
+        ("tiled", G(64, 128, 4, 3, block_m=16, o_evict="evict_last")),
+        ("tiled", G(128, 128, 4, 4, block_m=16, o_evict="evict_last")),
+        ("tiled", G(128, 256, 4, 3, block_m=16, o_evict="evict_last")),
+    ]
+    return {
+        8: small,
+        16: small,
+        32: [("rows", rows_t[32]), ("tiled", tiled_t[32]), ("tiled", R(tiled_t[32], o_evict=""))],
+        64: [("rows", rows_t[64]), ("tiled", tiled_t[64]), ("tiled", R(tiled_t[64], o_evict=""))],
+    }
+
+
+SWEEP = _candidates()
 # --ab: the B <= 16 question (issue 17: >= 90 % of the read ceiling for every B <= 16), the
 # configs compared in interleaved rounds at each of these batches.
 AB_BATCHES = (1, 4, 8, 9, 12, 13, 16)
@@ -84,11 +79,6 @@ U32 = 2.0**-24  # fp32 unit roundoff
 # bits; fp16 11 (10-bit mantissa), absolute half the spacing of its subnormals below 2^-14.
 OUT_ROUNDING = {torch.bfloat16: (2.0**-8, 2.0**-133), torch.float16: (2.0**-11, 2.0**-25)}
 SMOKE = False  # --cpu-smoke: CPU + Triton interpreter, tiny shapes, one untimed-quality call
-
-
-def cfg_of(c: tuple, mode: str = "asm"):
-    bn, bk, nw, ns, bm, dots, xc, we = c
-    return g.GemvConfig(bn, bk, nw, ns, dq(mode), bm, dots, xc, we)
 
 
 def dq(mode: str) -> str:
@@ -247,11 +237,25 @@ def main(argv: list[str] | None = None) -> int:
     def frac_ceiling(ms: float) -> float:
         return n * k / ms / 1e6 / ceiling_gbs
 
-    def run_variant(b: int, cfg, dtype=torch.bfloat16, stage="full", weight=None, verify=True) -> dict:
+    tiled_cache: dict = {}
+
+    def weight_in(layout: str, cfg):
+        """The weight as the config reads it: row-major, or tiled in the config's tile (cached)."""
+        if layout == "rows":
+            return w
+        key = (cfg.block_n, cfg.block_k)
+        if key not in tiled_cache:
+            tiled_cache.clear()  # one tiled copy at a time (763 MB each)
+            tiled_cache[key] = g.tile_weight(w, key)
+        return tiled_cache[key]
+
+    def run_variant(b: int, cfg, dtype=torch.bfloat16, stage="full", weight=None, verify=True,
+                    layout="rows") -> dict:
         x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
         out = torch.full((b, n), float("nan"), device=dev, dtype=dtype)
-        wt = w if weight is None else weight
-        rec = {"B": b, "dtype": str(dtype).replace("torch.", ""), "config": cfg.as_dict(), "stage": stage}
+        wt = weight_in(layout, cfg) if weight is None else weight
+        rec = {"B": b, "dtype": str(dtype).replace("torch.", ""), "layout": layout, "config": cfg.as_dict(),
+               "stage": stage}
         try:
             g._launch(x, wt, s, out, cfg, stage=stage)
             if not SMOKE:
@@ -276,87 +280,93 @@ def main(argv: list[str] | None = None) -> int:
         sweep_rows = []
         classes = [int(c) for c in args.classes.split(",")] if args.classes else list(SWEEP)
         for cls, cands in ((c, SWEEP[c]) for c in classes):
-            for c in cands:
-                cfg = cfg_of(c)
-                rec = run_variant(cls, cfg)
+            for layout, c in cands:
+                cfg = g.dataclasses.replace(c, dequant=dq(c.dequant))
+                rec = run_variant(cls, cfg, layout=layout)
                 sweep_rows.append(rec)
-                log(f"sweep B={cls:2d} {c} -> {rec.get('ms', rec.get('error'))}")
+                log(f"sweep B={cls:2d} {layout} {cfg} -> {rec.get('ms', rec.get('error'))}")
                 if "ms" in rec and rec["check"]["within_bound"] and (cls not in best or rec["ms"] < best[cls]["ms"]):
                     best[cls] = rec
         result["sweep"] = sweep_rows
-        result["sweep_best"] = {str(c): r["config"] for c, r in best.items()}
+        result["sweep_best"] = {str(c): dict(r["config"], layout=r["layout"]) for c, r in best.items()}
         save()
-        # Diagnostics at B=16 with the best config: dequant variants (both dtypes), stage drops,
-        # a bf16 weight through the same kernel.
-        base = best[16]["config"] if 16 in best else g._H200_TABLE[16].as_dict()
+        # Diagnostics at B=16 with the best config: dequant variants (both dtypes), stage drops
+        # (no dot, loads only, no output store), a bf16 weight (row-major) through the same kernel.
+        base, lay = (best[16]["config"], best[16]["layout"]) if 16 in best else (g._H200_TABLE[16].as_dict(), "tiled")
         diag = []
         for dtype in dtypes:
             for mode in ("cvt", "bits", "asm"):
-                diag.append(dict(run_variant(16, g.GemvConfig(**{**base, "dequant": dq(mode)}), dtype),
+                diag.append(dict(run_variant(16, g.GemvConfig(**{**base, "dequant": dq(mode)}), dtype, layout=lay),
                                  variant=f"{str(dtype)[6:]} dequant={mode}"))
-        for stage in ("no_dot", "load"):
-            diag.append(dict(run_variant(16, g.GemvConfig(**base), stage=stage), variant=f"stage={stage}"))
+        for stage in ("no_dot", "load", "no_store"):
+            diag.append(dict(run_variant(16, g.GemvConfig(**base), stage=stage, layout=lay), variant=f"stage={stage}"))
         w_bf16 = (w.float() * s[:, None]).to(torch.bfloat16)
         diag.append(dict(run_variant(16, g.GemvConfig(**{**base, "dequant": "none"}), weight=w_bf16),
-                         variant="bf16 weight, same kernel"))
+                         variant="bf16 weight (row-major), same kernel"))
         del w_bf16
         for d in diag:
             log(f"diag {d['variant']:28s} {d.get('ms', d.get('error'))} ms  {d.get('GBps', 0):.0f} GB/s")
         result["diagnostics_B16"] = diag
         save()
 
-    # Odd shapes through the kernel (masking, K tail, batch chunking past 64), every dequant mode
-    # and dtype, each batch chunk with the shipped config of its class.
+    # Odd shapes through the kernel (masking, K tail, batch chunking past 64), every dequant mode,
+    # dtype and weight layout, each batch chunk with the config of its class for that layout.
     odd = []
     shapes = [(13, 1000, 272), (33, 517, 3072), (64, 4097, 48), (100, 300, 160), (1, n, k), (16, n, k)]
     for b, nn, kk in shapes if not SMOKE else [(13, 40, 48), (100, 30, 32)]:
         ws = torch.randint(-127, 128, (nn, kk), dtype=torch.int8, device=dev, generator=gen)
         ss = torch.rand(nn, device=dev, generator=gen) * 0.01 + 1e-3
-        for dtype in dtypes:
+        w_tiled = g.tile_weight(ws)
+        for dtype, layout, mode in ((d, lay, m) for d in dtypes for lay in ("rows", "tiled") for m in ("cvt", "bits", "asm")):
             x = torch.randn(b, kk, device=dev, dtype=dtype, generator=gen)
             ref = torch.nn.functional.linear(x.float(), ws.float() * ss[:, None])
-            for mode in ("cvt", "bits", "asm"):
-                out = torch.full((b, nn), float("nan"), device=dev, dtype=dtype)
-                rec = {"B": b, "N": nn, "K": kk, "dtype": str(dtype)[6:], "dequant": mode}
-                try:
-                    for b0 in range(0, b, 64):
-                        xb = x[b0:b0 + 64]
-                        cfg = g.dataclasses.replace(g.config_for(xb.shape[0], dev, dtype), dequant=dq(mode))
-                        g._launch(xb, ws, ss, out[b0:b0 + 64], cfg)
-                except Exception as exc:
-                    odd.append({**rec, "within_bound": False, "argmax_equal": False,
-                                "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                    continue
-                odd.append({**rec, **check(out, x, ws, ss, ref)})
+            out = torch.full((b, nn), float("nan"), device=dev, dtype=dtype)
+            rec = {"B": b, "N": nn, "K": kk, "dtype": str(dtype)[6:], "layout": layout, "dequant": mode}
+            tile = g.TILE if layout == "tiled" else None
+            try:
+                for b0 in range(0, b, 64):
+                    xb = x[b0:b0 + 64]
+                    cfg = g.dataclasses.replace(g.config_for(xb.shape[0], dev, dtype, tile=tile), dequant=dq(mode))
+                    g._launch(xb, w_tiled if tile else ws, ss, out[b0:b0 + 64], cfg)
+            except Exception as exc:
+                odd.append({**rec, "within_bound": False, "argmax_equal": False,
+                            "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                continue
+            odd.append({**rec, **check(out, x, ws, ss, ref)})
     result["odd_shapes"] = odd
     log("odd shapes: " + ("all within bound, argmax equal" if all(
         o["within_bound"] and o["argmax_equal"] for o in odd) else json.dumps(odd)))
     save()
 
     if args.ab:
-        # The B <= 16 question: the shipped B <= 16 tiling (the control) against each sweep class's
-        # best (8 and 16) in interleaved rounds, so that drift (clocks, temperature) hits every
-        # config alike, in every dtype: the median per config, the spread (max - min) of its rounds,
-        # and each candidate first checked against the reference at B = 16.
-        cands = {"control": g._H200_TABLE[8]}
-        for cls in (8, 16):
-            if cls in best and g.GemvConfig(**best[cls]["config"]) not in cands.values():
-                cands[f"sweep_best{cls}"] = g.GemvConfig(**best[cls]["config"])
+        # The B <= 16 question: the row-major weight with its table (the control: the kernel as it
+        # was before the tiled layout) against the tiled weight with its table (what ships), and
+        # the sweep's B <= 16 best where it is neither, in interleaved rounds, so that drift (clocks,
+        # temperature) hits every config alike, in every dtype: the median per config, the spread
+        # (max - min) of its rounds, and each candidate first checked against the reference.
+        cands = {"control": ("rows", g._H200_ROWS_TABLE[16]), "tiled": ("tiled", g._H200_TABLE[16])}
+        if 16 in best:
+            bc = (best[16]["layout"], g.GemvConfig(**best[16]["config"]))
+            if (bc[0], g.dataclasses.replace(bc[1], dequant="asm")) not in [
+                    (lay, g.dataclasses.replace(c, dequant="asm")) for lay, c in cands.values()]:
+                cands["sweep_best16"] = bc
         ab = []
         for dtype in dtypes:
             checks = {}
-            for name, c in cands.items():
+            for name, (lay, c) in cands.items():
                 c = g.dataclasses.replace(c, dequant=dq(g.config_for(16, dev, dtype).dequant))
-                cands[name] = c
-                checks[name] = run_variant(16 if not SMOKE else 13, c, dtype).get("check")
+                cands[name] = (lay, c)
+                checks[name] = run_variant(16 if not SMOKE else 13, c, dtype, layout=lay).get("check")
             for b in AB_BATCHES if not SMOKE else (1, 13):
                 x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
                 out = torch.empty((b, n), device=dev, dtype=dtype)
                 times: dict[str, list[float]] = {name: [] for name in cands}
                 for _ in range(args.ab_rounds if not SMOKE else 1):
-                    for name, cfg in cands.items():
-                        times[name].append(bench_ms(lambda: g._launch(x, w, s, out, cfg)))
-                row = {"B": b, "dtype": str(dtype)[6:], "configs": {name: c.as_dict() for name, c in cands.items()},
+                    for name, (lay, cfg) in cands.items():
+                        wl = weight_in(lay, cfg)
+                        times[name].append(bench_ms(lambda: g._launch(x, wl, s, out, cfg)))
+                row = {"B": b, "dtype": str(dtype)[6:], "configs": {name: dict(c.as_dict(), layout=lay)
+                                                                    for name, (lay, c) in cands.items()},
                        "checks_B16": checks}
                 for name, t in times.items():
                     row[name] = {"ms_median": median(t), "ms_spread": max(t) - min(t), "ms": t,
@@ -369,24 +379,26 @@ def main(argv: list[str] | None = None) -> int:
         result["ab_b16"] = ab
         save()
 
-    # What ships: config_for's config per batch and dtype (the table's), against F.linear of a
-    # dequantized weight in the same dtype.
+    # What ships: the weight tiled by tile_weight, config_for's config per batch and dtype (the
+    # tiled table's), against F.linear of a dequantized weight in the same dtype.
     table = []
+    tiled_cache.clear()
+    w_t = g.tile_weight(w)
     for dtype in dtypes:
         w_lin = (w.float() * s[:, None]).to(dtype)
         for b in batches:
-            cfg = g.config_for(b, dev, dtype)
+            cfg = g.config_for(b, dev, dtype, tile=g.TILE)
             cfg = g.dataclasses.replace(cfg, dequant=dq(cfg.dequant))
             x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
             out = torch.full((b, n), float("nan"), device=dev, dtype=dtype)
-            g.int8_linear(x, w, s, out=out, config=cfg)
+            g.int8_linear(x, w_t, s, out=out, config=cfg)
             chk = check(out, x, w, s, reference(x, w, s, w32_cache))
-            t_int8 = bench_ms(lambda: g.int8_linear(x, w, s, out=out, config=cfg))
+            t_int8 = bench_ms(lambda: g.int8_linear(x, w_t, s, out=out, config=cfg))
             t_lin = bench_ms(lambda: torch.nn.functional.linear(x, w_lin))
             gbs = kernel_bytes(b) / t_int8 / 1e6
             gbs_lin = kernel_bytes(b, 2) / t_lin / 1e6
             dname = str(dtype)[6:]
-            row = {"B": b, "dtype": dname, "config": cfg.as_dict(), "int8_ms": t_int8, "int8_GBps": gbs,
+            row = {"B": b, "dtype": dname, "layout": "tiled", "config": cfg.as_dict(), "int8_ms": t_int8, "int8_GBps": gbs,
                    "int8_frac_read_bw": gbs / read_gbs, "int8_frac_ceiling": frac_ceiling(t_int8),
                    "linear_ms": t_lin, "linear_GBps": gbs_lin, "linear_frac_read_bw": gbs_lin / read_gbs,
                    "speedup_vs_linear": t_lin / t_int8, "check": chk}

@@ -1,17 +1,21 @@
 """Weight-only int8 x bf16/fp16 GEMV for the lm-head: one Triton launch, weight read once per call.
 
 Owns the Triton kernel ``out[B, N] = x[B, K] @ (W_int8[N, K] * s[N]).T``, its launch-config
-table, the torch wrapper :func:`int8_linear`, and the pure-torch reference
-:func:`int8_linear_reference` that the tests and the runtime fall back to. Triton is imported
-lazily, so this module imports on machines without it. It imports nothing from hybrid_build:
-the docker runtime patch copies this file into vLLM as it is.
+tables, the weight layout it reads fastest (:func:`tile_weight`), the torch wrapper
+:func:`int8_linear`, and the pure-torch reference :func:`int8_linear_reference` that the tests and
+the runtime fall back to. Triton is imported lazily, so this module imports on machines without
+it. It imports nothing from hybrid_build: the docker runtime patch copies this file into vLLM as
+it is.
 
 Design (docs/kernel.md has the numbers): every program owns ``BLOCK_N`` output rows and all
 batch rows at once, so each weight byte is read exactly once whatever B is. The int8 tile is
 turned into x's dtype (bf16 or fp16, both hold every int8 exactly) in registers and fed to
 ``tl.dot`` as the right operand of ``x`` (B padded to 16/32/64), which keeps the reduction on
 the tensor cores with fp32 accumulation; the per-row scale is applied once to the fp32
-accumulator after the K loop, and the result is stored in x's dtype.
+accumulator after the K loop, and the result is stored in x's dtype. The weight is best stored
+tile by tile (``tile_weight``: each K step of a program reads one contiguous 16 KB block, not 128
+strided row pieces), and the logits are stored with L2 priority "evict last", so they stay in L2
+(where the sampler reads them next) instead of being written back while the weight streams by.
 """
 from __future__ import annotations
 
@@ -34,10 +38,14 @@ __all__ = [
     "GemvConfig",
     "DEQUANT_MODES",
     "ACTIVATION_DTYPES",
+    "TILE",
     "config_for",
     "int8_linear",
     "int8_linear_reference",
     "kernel_available",
+    "prepare_weight",
+    "tile_weight",
+    "untile_weight",
 ]
 
 # The activation (x) dtypes the kernel takes; the logits come back in the same dtype.
@@ -57,9 +65,14 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 DEQUANT_MODES = ("cvt", "bits", "asm")
 # "none" (code 3) is the benchmark's control: a bf16/fp16 weight through the same kernel.
 _DEQUANT_CODE = {"cvt": 0, "bits": 1, "asm": 2, "none": 3}
-# Cache hints (Triton's own spellings) a config may put on the x and weight loads.
-X_CACHE_MODES = ("", ".ca")  # "": Triton's default (16-byte cp.async.cg: L2 only); ".ca": L1 too
-W_EVICT_MODES = ("", "evict_first")  # L2 eviction priority of the streamed weight
+# L2 eviction priorities (Triton's spellings) a config may put on the weight loads and the
+# output stores; "" is the default (evict normal). Triton 3.6 lowers every 16-byte cp.async to
+# .cg (L2 only) whatever cache modifier a load asks for, so x has no L1 hint here
+# (docs/kernel.md, "x through L1").
+EVICT_MODES = ("", "evict_first", "evict_last")
+# The tiled weight layout (block_n, block_k) that tile_weight() writes by default and the tables'
+# configs read: [ceil(N / 128), ceil(K / 128), 128, 128].
+TILE = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -70,9 +83,10 @@ class GemvConfig:
     mma.sync with the dequantized weight straight from registers, and M = 64 on wgmma with
     the weight staged through shared memory. ``dots`` (1, 2 or 4) dots of ``block_m`` rows
     share one dequantized tile, covering ``dots * block_m`` batch rows. ``block_m=None``
-    pads the batch to 16, 32 or 64. ``x_cache`` and ``w_evict`` are cache hints on the x and
-    weight loads (``X_CACHE_MODES``, ``W_EVICT_MODES``): they change where bytes are cached,
-    never the result.
+    pads the batch to 16, 32 or 64. ``w_evict`` and ``o_evict`` are the L2 eviction priorities
+    of the weight loads and the output stores (``EVICT_MODES``): they change what L2 keeps,
+    never the result. With a tiled weight (:func:`tile_weight`), ``block_n`` x ``block_k`` must be
+    its tile.
     """
 
     block_n: int
@@ -82,11 +96,8 @@ class GemvConfig:
     dequant: str = "asm"
     block_m: int | None = None
     dots: int = 1
-    x_cache: str = ""
     w_evict: str = ""
-    x_narrow: bool = False
     o_evict: str = ""
-    carveout: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -101,13 +112,21 @@ class GemvConfig:
         return m, self.dots
 
 
-# Fixed table per batch class (key: the largest batch of the class: B <= 8, 9-16, 17-32, 33-64),
-# chosen by benchmarks/bench_lmhead_gemv.py on an H200 (benchmarks/results/lmhead_gemv_h200.json,
-# lmhead_gemv_h200_issue17.json). B <= 16 is one tiling: the issue-17 sweep timed 10 candidates at
-# B = 16 (x through L1, the weight evicted first, other tile shapes) and interleaved the ".ca"
-# variant against it at B = 1-16: every hint was within the rounds' spread (+-1-3 us), the other
-# tilings 1-8% slower (docs/kernel.md, "B = 9-16").
+# Fixed tables per batch class (key: the largest batch of the class: B <= 8, 9-16, 17-32, 33-64),
+# chosen by benchmarks/bench_lmhead_gemv.py and benchmarks/probe_lmhead_sched.py on an H200.
+# _H200_TABLE is for the tiled weight (TILE), what the runtime serves: every class reads the same
+# 128 x 128 tiles; B <= 16 is one config (the issue-17 probes: 5 programs per SM, logits kept in L2;
+# benchmarks/results/lmhead_gemv_h200_issue17_sched.json, docs/kernel.md "Tiles and the output").
+_LOGITS_IN_L2 = "evict_last"
 _H200_TABLE: dict[int, GemvConfig] = {
+    8: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
+    16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
+    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16, dots=2, o_evict=_LOGITS_IN_L2),
+    64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64, o_evict=_LOGITS_IN_L2),
+}
+# For a row-major [N, K] weight: the earlier sweeps' tiling (lmhead_gemv_h200.json,
+# lmhead_gemv_h200_issue17.json), kept for callers that cannot re-lay the weight out.
+_H200_ROWS_TABLE: dict[int, GemvConfig] = {
     8: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
     16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
     32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16, dots=2),
@@ -137,8 +156,10 @@ def table_class(batch: int) -> int:
 
 
 def config_for(batch: int, device: torch.device | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """Launch config for ``batch`` rows of ``dtype`` activations on ``device``.
+               dtype: torch.dtype = torch.bfloat16, *, tile: tuple[int, int] | None = None) -> GemvConfig:
+    """Launch config for ``batch`` rows of ``dtype`` activations on ``device``, for a weight tiled
+    as ``tile`` (:func:`tile_weight`; the table's configs read ``TILE``, another tile gets the
+    same config with its block shape) or, with ``tile=None``, for a row-major [N, K] weight.
 
     The bf16 inline-PTX dequant needs sm_90 (``sub.bf16x2``): older CUDA GPUs get Triton's own
     cast for bf16. fp16 takes its inline PTX (``sub.f16x2``, sm_53+) everywhere: on the H200 it
@@ -148,7 +169,12 @@ def config_for(batch: int, device: torch.device | None = None,
     """
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"x must be bfloat16 or float16, got {dtype}")
-    cfg = _H200_TABLE[table_class(batch)]
+    if tile is None:
+        cfg = _H200_ROWS_TABLE[table_class(batch)]
+    else:
+        cfg = _H200_TABLE[table_class(batch)]
+        if tuple(tile) != (cfg.block_n, cfg.block_k):
+            cfg = dataclasses.replace(cfg, block_n=tile[0], block_k=tile[1])
     if _interpreting() or device is None or device.type != "cuda":
         return dataclasses.replace(cfg, dequant="bits")
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
@@ -156,13 +182,40 @@ def config_for(batch: int, device: torch.device | None = None,
     return cfg
 
 
-def tile_weight(w_int8: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """``w_int8`` [N, K] stored tile by tile: [ceil(N / block_n), ceil(K / block_k), block_n, block_k],
-    zero-padded, so that each K step of a program reads one contiguous block."""
+def tiled_shape(n: int, k: int, tile: tuple[int, int] = TILE) -> tuple[int, int, int, int]:
+    """Shape of an [N, K] weight stored tile by tile: [ceil(N / bn), ceil(K / bk), bn, bk]."""
+    bn, bk = tile
+    return (-(-n // bn), -(-k // bk), bn, bk)
+
+
+def tile_weight(w_int8: torch.Tensor, tile: tuple[int, int] = TILE) -> torch.Tensor:
+    """``w_int8`` [N, K] stored tile by tile for :func:`int8_linear`: ``tiled_shape(N, K, tile)``,
+    tile (i, j) = rows [i*bn, (i+1)*bn) x columns [j*bk, (j+1)*bk), zero-padded past N and K.
+
+    Each K step of a program then reads one contiguous block instead of ``bn`` row pieces of
+    ``bk`` bytes ``K`` bytes apart (on the H200: 1.5-2 % faster at B <= 16, docs/kernel.md). Made
+    once when the head is loaded; the copy is the weight's size plus its padding."""
+    if w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got {w_int8.dtype} {tuple(w_int8.shape)}")
     n, k = w_int8.shape
-    n_pad, k_pad = -(-n // block_n) * block_n, -(-k // block_k) * block_k
-    w = torch.nn.functional.pad(w_int8, (0, k_pad - k, 0, n_pad - n))
-    return w.view(n_pad // block_n, block_n, k_pad // block_k, block_k).permute(0, 2, 1, 3).contiguous()
+    tn, tk, bn, bk = tiled_shape(n, k, tile)
+    w = w_int8
+    if (tn * bn, tk * bk) != (n, k):
+        w = torch.nn.functional.pad(w_int8, (0, tk * bk - k, 0, tn * bn - n))
+    return w.reshape(tn, bn, tk, bk).permute(0, 2, 1, 3).contiguous()
+
+
+def prepare_weight(w_int8: torch.Tensor) -> torch.Tensor:
+    """The head's int8 [N, K] weight as :func:`int8_linear` reads it fastest on its device: tiled
+    (``tile_weight``, ``TILE``) where the Triton kernel runs, row-major elsewhere (the torch
+    reference reads that as it is)."""
+    return tile_weight(w_int8) if kernel_available(w_int8.device) else w_int8
+
+
+def untile_weight(w_tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The row-major [N, K] weight back from :func:`tile_weight`'s layout."""
+    tn, tk, bn, bk = w_tiled.shape
+    return w_tiled.permute(0, 2, 1, 3).reshape(tn * bn, tk * bk)[:n, :k]
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -173,20 +226,46 @@ def kernel_available(device: torch.device) -> bool:
 
 
 def int8_linear_reference(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (w_int8 * scale[:, None]).T`` through a dequantized fp32 weight, cast to x's dtype."""
+    """``x @ (w_int8 * scale[:, None]).T`` through a dequantized fp32 weight, cast to x's dtype
+    (``w_int8`` row-major [N, K] or tiled by :func:`tile_weight`)."""
     _check_shapes(x, w_int8, scale)
+    if w_int8.dim() == 4:
+        w_int8 = untile_weight(w_int8, scale.numel(), x.shape[-1])
     w = w_int8.to(torch.float32) * scale.reshape(-1, 1).to(torch.float32)
     return torch.nn.functional.linear(x.to(torch.float32), w).to(x.dtype)
 
 
 def _check_shapes(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) -> None:
-    if w_int8.dtype != torch.int8 or w_int8.dim() != 2:
-        raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got {w_int8.dtype} {tuple(w_int8.shape)}")
-    n, k = w_int8.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has K={x.shape[-1]} but w_int8 is [N={n}, K={k}]")
+    """N comes from the scale and K from x for a tiled weight, which must be ``tiled_shape(N, K)``
+    of its own tile."""
+    if w_int8.dtype != torch.int8 or w_int8.dim() not in (2, 4):
+        raise ValueError(f"w_int8 must be an int8 tensor [N, K] or tiled by tile_weight, "
+                         f"got {w_int8.dtype} {tuple(w_int8.shape)}")
+    k = x.shape[-1]
+    if w_int8.dim() == 4:
+        n = scale.numel()
+        want = tiled_shape(n, k, tuple(w_int8.shape[2:]))
+        if tuple(w_int8.shape) != want:
+            raise ValueError(f"tiled w_int8 {tuple(w_int8.shape)} does not hold [N={n}, K={k}] "
+                             f"(N from the scale, K from x): expected {want}")
+        return
+    n, kw = w_int8.shape
+    if k != kw:
+        raise ValueError(f"x has K={k} but w_int8 is [N={n}, K={kw}]")
     if scale.numel() != n:
         raise ValueError(f"scale has {scale.numel()} elements, expected one per output row (N={n})")
+
+
+def _check_config(cfg: GemvConfig, w: torch.Tensor, batch: int) -> None:
+    """A config that cannot run ``batch`` rows over ``w`` (its tile, its hints) fails here."""
+    cfg.rows(batch)
+    if w.dim() == 4 and (w.shape[2], w.shape[3]) != (cfg.block_n, cfg.block_k):
+        raise ValueError(f"weight tiled {tuple(w.shape[2:])} does not match the config's {cfg.block_n} x {cfg.block_k}")
+    if cfg.dequant not in _DEQUANT_CODE:
+        raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
+    if cfg.w_evict not in EVICT_MODES or cfg.o_evict not in EVICT_MODES:
+        raise ValueError(f"unknown eviction priority w_evict={cfg.w_evict!r} / o_evict={cfg.o_evict!r}; "
+                         f"valid: {EVICT_MODES}")
 
 
 def int8_linear(
@@ -199,8 +278,9 @@ def int8_linear(
 ) -> torch.Tensor:
     """``out[..., N] = x[..., K] @ (w_int8[N, K] * scale[N]).T`` with fp32 accumulation.
 
-    ``x`` is bf16 or fp16 (the output has x's dtype), ``w_int8`` int8 [N, K] row-major with K a
-    multiple of 16, ``scale`` any float dtype with N elements ([N], [N, 1] or [1, N]). Up to 64
+    ``x`` is bf16 or fp16 (the output has x's dtype), ``w_int8`` int8 [N, K] row-major or, faster,
+    tiled by :func:`tile_weight`, K a multiple of 16, ``scale`` any float dtype with N elements
+    ([N], [N, 1] or [1, N]). Up to 64
     rows of ``x`` run in one launch that reads the weight once; larger batches run in chunks of
     64. Without Triton, or on a device that is neither CUDA nor the Triton interpreter, this
     computes the reference.
@@ -208,7 +288,8 @@ def int8_linear(
     _check_shapes(x, w_int8, scale)
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
-    n, k = w_int8.shape
+    n, k = scale.numel(), x.shape[-1]
+    tile = tuple(w_int8.shape[2:]) if w_int8.dim() == 4 else None
     if k % 16:
         raise ValueError(f"K must be a multiple of 16, got {k}")
     lead = x.shape[:-1]
@@ -226,8 +307,8 @@ def int8_linear(
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(*lead, n)}")
         out2 = out.view(-1, n)
 
-    if config is not None:
-        config.rows(min(x2.shape[0], MAX_BLOCK_B))  # reject a config that cannot cover the batch
+    if config is not None:  # rejected on every device, also where the reference runs
+        _check_config(config, w, min(x2.shape[0], MAX_BLOCK_B))
     if not kernel_available(x.device):
         log.debug("int8_linear: no Triton kernel for device %s, using the torch reference", x.device)
         out2.copy_(int8_linear_reference(x2, w, s))
@@ -235,7 +316,8 @@ def int8_linear(
 
     for b0 in range(0, x2.shape[0], MAX_BLOCK_B):
         xb = x2[b0 : b0 + MAX_BLOCK_B]
-        _launch(xb, w, s, out2[b0 : b0 + MAX_BLOCK_B], config or config_for(xb.shape[0], x.device, x.dtype))
+        cfg = config or config_for(xb.shape[0], x.device, x.dtype, tile=tile)
+        _launch(xb, w, s, out2[b0 : b0 + MAX_BLOCK_B], cfg)
     return out2.view(*lead, n)
 
 
@@ -246,19 +328,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
 
     ``stage`` and ``dequant="none"`` (with a ``w`` of x's dtype) are the benchmark's diagnostics:
     "no_dot" dequantizes and adds the tile up without the dot, "load" only xors the loaded
-    bytes together; both write meaningless values.
+    bytes together (both write meaningless values); "no_store" computes everything and stores
+    nothing but NaN results (the cost of writing the logits, by difference).
     """
     batch, k = x.shape
     n = s.numel()
-    if w.dim() == 4 and (w.shape[2], w.shape[3]) != (cfg.block_n, cfg.block_k):
-        raise ValueError(f"weight tiled {tuple(w.shape[2:])} does not match the config's {cfg.block_n} x {cfg.block_k}")
-    if cfg.dequant not in _DEQUANT_CODE:
-        raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
+    _check_config(cfg, w, batch)
     if x.dtype not in ACTIVATION_DTYPES or out.dtype != x.dtype:
         raise ValueError(f"x and out must both be bfloat16 or both float16, got {x.dtype} and {out.dtype}")
-    if cfg.x_cache not in X_CACHE_MODES or cfg.w_evict not in W_EVICT_MODES:
-        raise ValueError(f"unknown cache hint x_cache={cfg.x_cache!r} / w_evict={cfg.w_evict!r}; "
-                         f"valid: {X_CACHE_MODES} / {W_EVICT_MODES}")
     kernel = _kernel(_interpreting())
     block_h, dots = cfg.rows(batch)
     grid = (-(-n // cfg.block_n),)
@@ -266,8 +343,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
         x, w, s, out, batch, n, k, x.stride(0), out.stride(0),
         BLOCK_H=block_h, N_DOTS=dots, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0), X_F16=(x.dtype == torch.float16),
-        STAGE={"full": 0, "no_dot": 1, "load": 2, "no_store": 3}[stage], X_CACHE=cfg.x_cache, W_EVICT=cfg.w_evict,
-        X_NARROW=cfg.x_narrow, W_TILED=(w.dim() == 4), O_EVICT=cfg.o_evict,
+        STAGE={"full": 0, "no_dot": 1, "load": 2, "no_store": 3}[stage], W_EVICT=cfg.w_evict,
+        W_TILED=(w.dim() == 4), O_EVICT=cfg.o_evict,
         # The interpreter (triton 3.9) multiplies bf16 dot operands as their raw uint16 bits;
         # upcasting both is exact (bf16, fp16 and int8 values are fp32 values) and keeps the
         # dequant arithmetic under test.
@@ -303,8 +380,7 @@ def _int8_gemv_kernel(
     B, N, K, stride_xb, stride_ob,
     BLOCK_H: tl.constexpr, N_DOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr, EVEN_K: tl.constexpr, STAGE: tl.constexpr, DOT_F32: tl.constexpr,
-    X_F16: tl.constexpr, X_CACHE: tl.constexpr, W_EVICT: tl.constexpr, X_NARROW: tl.constexpr,
-    W_TILED: tl.constexpr, O_EVICT: tl.constexpr,
+    X_F16: tl.constexpr, W_EVICT: tl.constexpr, W_TILED: tl.constexpr, O_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -323,13 +399,7 @@ def _int8_gemv_kernel(
     # [j * BLOCK_H, (j + 1) * BLOCK_H) (e.g. four M = 16 dots stay on mma.sync where one
     # M = 64 dot is wgmma). Unused accumulators are dead code and cost nothing.
     offs_h = tl.arange(0, BLOCK_H)
-    if X_NARROW:
-        # 8-byte x copies: Triton 3.6 lowers every 16-byte cp.async to .cg (L2 only); an 8-byte one
-        # is .ca, so x is cached in L1 and read from L2 once per SM instead of once per program.
-        offs_kx = tl.max_contiguous(tl.arange(0, BLOCK_K), 4)
-    else:
-        offs_kx = offs_k
-    x_ptrs = x_ptr + offs_h[:, None] * stride_xb + offs_kx[None, :]
+    x_ptrs = x_ptr + offs_h[:, None] * stride_xb + offs_k[None, :]
     x_step = BLOCK_H * stride_xb
     h_ok = offs_h[:, None] < B
     h1_ok = (offs_h[:, None] + BLOCK_H) < B
@@ -344,28 +414,27 @@ def _int8_gemv_kernel(
     else:
         acc_w = tl.full((BLOCK_N, BLOCK_K), 0, dtype=tl.int8)
     for k0 in range(0, K, BLOCK_K):
-        # Masks only along rows when K needs no tail, so loads stay 16-byte vectors.
-        # X_CACHE / W_EVICT are cache hints only (every program reads all of x, so x is the one
-        # operand worth keeping close; the weight is streamed once).
+        # Masks only along rows when K needs no tail, so loads stay 16-byte vectors (a tiled
+        # weight is zero-padded: never masked).
         if EVEN_K or W_TILED:
             q = tl.load(w_ptrs, eviction_policy=W_EVICT)
         if EVEN_K:
-            xa = tl.load(x_ptrs, mask=h_ok, other=0.0, cache_modifier=X_CACHE)
+            xa = tl.load(x_ptrs, mask=h_ok, other=0.0)
             if N_DOTS > 1:
-                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok, other=0.0, cache_modifier=X_CACHE)
+                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok, other=0.0)
             if N_DOTS > 2:
-                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok, other=0.0, cache_modifier=X_CACHE)
-                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok, other=0.0, cache_modifier=X_CACHE)
+                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok, other=0.0)
+                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok, other=0.0)
         else:
             k_ok = (k0 + offs_k[None, :]) < K
             if not W_TILED:
                 q = tl.load(w_ptrs, mask=k_ok, other=0, eviction_policy=W_EVICT)
-            xa = tl.load(x_ptrs, mask=h_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
+            xa = tl.load(x_ptrs, mask=h_ok & k_ok, other=0.0)
             if N_DOTS > 1:
-                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
+                xa1 = tl.load(x_ptrs + x_step, mask=h1_ok & k_ok, other=0.0)
             if N_DOTS > 2:
-                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
-                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok & k_ok, other=0.0, cache_modifier=X_CACHE)
+                xa2 = tl.load(x_ptrs + 2 * x_step, mask=h2_ok & k_ok, other=0.0)
+                xa3 = tl.load(x_ptrs + 3 * x_step, mask=h3_ok & k_ok, other=0.0)
         if STAGE == 2:
             acc_w = acc_w ^ q
         else:

@@ -164,11 +164,13 @@ def _triton_int8_head_method(inner):
             if not (hasattr(layer, "qweight") and hasattr(layer, "scales")):
                 raise RuntimeError(f"hybrid-build: the int8 head's GPTQ method ({type(inner).__name__}) did not "
                                    f"create qweight/scales; unset {ENV_HEAD_KERNEL} to use vLLM's own kernel")
+            from hybrid_build.serve.int8_gemv import prepare_weight
+
             rows, scale = gptq_int8_rows(layer.qweight.data, layer.scales.data)
             for name in ("qweight", "qzeros", "scales", "g_idx"):
                 if hasattr(layer, name):
                     delattr(layer, name)
-            layer.weight_int8 = torch.nn.Parameter(rows, requires_grad=False)
+            layer.weight_int8 = torch.nn.Parameter(prepare_weight(rows), requires_grad=False)
             layer.weight_scale_row = torch.nn.Parameter(scale, requires_grad=False)
 
         def apply(self, layer, x, bias=None):
@@ -188,10 +190,12 @@ def _load_time_int8_head_method():
         def process_weights_after_loading(self, layer) -> None:
             import torch
 
+            from hybrid_build.serve.int8_gemv import prepare_weight
+
             w = layer.weight.data
             scale = (w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
             q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-            layer.weight_int8 = torch.nn.Parameter(q, requires_grad=False)
+            layer.weight_int8 = torch.nn.Parameter(prepare_weight(q), requires_grad=False)
             layer.weight_scale_row = torch.nn.Parameter(scale, requires_grad=False)
             # the embedding of an untied head is separate, so the float copy can go
             layer.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)

@@ -71,6 +71,10 @@ def main(out: str) -> int:
     from hybrid_build.calibration.gptq import int8_gptq_qzeros, pack_int8_gptq
     from hybrid_build.calibration.int8_rows import quantize_int8_rows
     from hybrid_build.serve import vllm_plugin
+    from hybrid_build.serve.int8_gemv import untile_weight
+
+    def untile(w, n_, k_):
+        return untile_weight(w, n_, k_) if w.dim() == 4 else w
 
     # one rank, no process group: vLLM's parameters ask for their tensor-parallel rank and size
     vllm_parameter.get_tensor_model_parallel_rank = lambda: 0
@@ -86,7 +90,8 @@ def main(out: str) -> int:
         int8_math, b_int8, float_math, b_float = bounds(x, x_kernel, head, q, s_kernel, s_quant, kernel_dtype)
         return {"base": base in type(method).__mro__,
                 "params": sorted(name for name, p in layer.named_parameters() if p.numel()),
-                "codes_equal": bool(torch.equal(layer.weight_int8, q)),
+                # the codes, tiled by prepare_weight where the Triton kernel runs (interpreter too)
+                "codes_equal": bool(torch.equal(untile(layer.weight_int8, *q.shape), q)),
                 "out_dtype": str(y.dtype).replace("torch.", ""), "finite": bool(torch.isfinite(y).all()),
                 "max_err_over_bound_int8": ((y.double() - int8_math).abs() / b_int8).max().item(),
                 "max_err_over_bound_float": ((y.double() - float_math).abs() / b_float).max().item(),

@@ -87,7 +87,7 @@ def problem(b, n, k, seed, scale_dtype=torch.float32, dtype=torch.bfloat16):
 
 def run(x, w, s, cfg=None):
     """Kernel output on DEV (poisoned with NaN first), back on the CPU."""
-    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=DEV)
+    out = torch.full((x.shape[0], s.numel()), float("nan"), dtype=x.dtype, device=DEV)
     res = g.int8_linear(x.to(DEV), w.to(DEV), s.to(DEV), out=out, config=cfg)
     assert res.data_ptr() == out.data_ptr()
     return out.cpu()
@@ -108,10 +108,14 @@ CASES = [
 
 
 @DTYPES
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiled"])
 @pytest.mark.parametrize("b,n,k,cfg", CASES, ids=[f"B{c[0]}-N{c[1]}-K{c[2]}" for c in CASES])
-def test_matches_float64_within_bound(b, n, k, cfg, dtype):
+def test_matches_float64_within_bound(b, n, k, cfg, dtype, tiled):
+    """Row-major and tiled weights (tile_weight with the config's tile, or TILE for the table's
+    configs): the same bound over N and K tails, every batch class, split dots and chunking."""
     x, w, s = problem(b, n, k, seed=b * 1000 + n, dtype=dtype)
-    out = run(x, w, s, cfg)
+    wk = g.tile_weight(w, g.TILE if cfg is None else (cfg.block_n, cfg.block_k)) if tiled else w
+    out = run(x, wk, s, cfg)
     assert out.dtype == dtype
     exact, bound = exact_and_bound(x, w, s)
     assert torch.isfinite(out).all(), "some outputs were never written"
@@ -197,8 +201,47 @@ def test_rejects_out_of_another_dtype_and_unknown_hints():
     x, w, s = problem(2, 24, 48, seed=1, dtype=torch.float16)
     with pytest.raises(ValueError, match="out must be a contiguous torch.float16"):
         g.int8_linear(x, w, s, out=torch.empty(2, 24, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="cache hint"):
-        g.int8_linear(x, w, s, config=g.GemvConfig(32, 32, 4, 2, "bits", x_cache=".cs"))
+    with pytest.raises(ValueError, match="eviction priority"):
+        g.int8_linear(x, w, s, config=g.GemvConfig(32, 32, 4, 2, "bits", o_evict="evict_sometimes"))
+
+
+def test_tile_weight_layout():
+    """tile_weight puts tile (i, j) at [i, j], zero-pads past N and K, and untile_weight undoes it."""
+    w = torch.randint(-128, 128, (300, 272), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
+    t = g.tile_weight(w, (128, 64))
+    assert t.shape == g.tiled_shape(300, 272, (128, 64)) == (3, 5, 128, 64) and t.is_contiguous()
+    assert torch.equal(t[1, 2], w[128:256, 128:192])
+    assert torch.equal(t[2, 4, :44, :16], w[256:, 256:]) and not t[2, 4, 44:].any() and not t[2, 4, :, 16:].any()
+    assert torch.equal(g.untile_weight(t, 300, 272), w)
+    assert g.tile_weight(w).shape == (3, 3, 128, 128)  # TILE by default
+    with pytest.raises(ValueError, match="2-D int8"):
+        g.tile_weight(w.float())
+
+
+def test_tiled_weight_must_match_n_k_and_config():
+    x, w, s = problem(4, 200, 96, seed=6)
+    t = g.tile_weight(w, (64, 32))
+    with pytest.raises(ValueError, match="does not hold"):
+        g.int8_linear(x, t, s[:-70])  # N = 130 needs 3 row tiles, not 4
+    with pytest.raises(ValueError, match="does not hold"):
+        g.int8_linear(x[:, :64], t, s)  # K = 64 needs 2 column tiles, not 3
+    with pytest.raises(ValueError, match="does not match the config"):
+        g.int8_linear(x, t, s, config=g.GemvConfig(32, 32, 4, 2, "bits"))
+    # a tile other than TILE runs with the table's config in that block shape
+    assert g.config_for(4, torch.device("cpu"), tile=(64, 32)).block_n == 64
+
+
+def test_no_store_diagnostic_writes_nothing():
+    """The benchmark's "no_store" stage (the cost of the output write, by difference) computes and
+    stores nothing: a NaN-poisoned output stays NaN; the full stage overwrites all of it."""
+    x, w, s = problem(5, 130, 64, seed=8)
+    cfg = g.config_for(5, DEV, tile=(64, 32))
+    t = g.tile_weight(w, (64, 32)).to(DEV)
+    out = torch.full((5, 130), float("nan"), dtype=x.dtype, device=DEV)
+    g._launch(x.to(DEV), t, s.to(DEV), out, cfg, stage="no_store")
+    assert out.isnan().all()
+    g._launch(x.to(DEV), t, s.to(DEV), out, cfg)
+    assert torch.isfinite(out).all()
 
 
 def test_config_must_cover_the_batch():
@@ -210,35 +253,46 @@ def test_config_must_cover_the_batch():
 def test_config_table_covers_every_batch_class():
     for dtype in (torch.bfloat16, torch.float16):
         for b in range(1, 65):
-            cfg = g.config_for(b, torch.device("cpu"), dtype)
-            m, dots = cfg.rows(b)
-            assert m * dots >= b
-            assert cfg.dequant == "bits"  # neither PTX nor the interpreter's broken cast on CPU
+            for tile in (None, g.TILE):
+                cfg = g.config_for(b, torch.device("cpu"), dtype, tile=tile)
+                m, dots = cfg.rows(b)
+                assert m * dots >= b
+                assert cfg.dequant == "bits"  # neither PTX nor the interpreter's broken cast on CPU
+                if tile:  # every tiled config reads the layout tile_weight writes
+                    assert (cfg.block_n, cfg.block_k) == g.TILE
     assert [g.table_class(b) for b in (1, 8, 9, 16, 17, 32, 33, 64, 100)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         g.config_for(4, torch.device("cpu"), torch.float32)
 
 
 def test_b9_to_16_class_is_the_b8_tiling():
-    """The H200 A/B (docs/kernel.md, "B = 9-16") found no hint or tiling faster than the <= 8
-    config at B = 9-16: the table hands out that config; changing it needs a new measurement."""
+    """The H200 A/B and probes (docs/kernel.md, "B = 9-16", "Tiles and the output") found no
+    config faster than the <= 8 one at B = 9-16, for either layout: each table hands out that
+    config; changing it needs a new measurement."""
     assert g._H200_TABLE[16] == g._H200_TABLE[8]
+    assert g._H200_ROWS_TABLE[16] == g._H200_ROWS_TABLE[8]
 
 
 @DTYPES
 @pytest.mark.parametrize("b", [9, 12, 16])
 def test_b9_to_16_config_within_bound(b, dtype):
-    """The table's 9-16 config as config_for hands it out ("bits" dequant here), and the same
-    tiling with every cache-hint combination, over N and K tails."""
-    x, w, s = problem(b, 300, 784, seed=b, dtype=dtype)  # N: 2 blocks + tail; K: 3 blocks + tail
+    """The table's 9-16 config for the tiled weight as config_for hands it out ("bits" dequant
+    here), with every eviction priority on the weight loads and the output stores, over N and K
+    tails; and the row-major table's config on the untiled weight."""
+    x, w, s = problem(b, 300, 784, seed=b, dtype=dtype)  # N: 2 tiles + tail; K: 6 tiles + tail
     exact, bound = exact_and_bound(x, w, s)
-    cfg = g.config_for(b, DEV, dtype)
-    assert g.table_class(b) == 16 and cfg.block_n == 128 and cfg.block_k == 256 and cfg.x_cache == ""
-    for xc in g.X_CACHE_MODES:
-        for we in g.W_EVICT_MODES:
-            out = run(x, w, s, g.dataclasses.replace(cfg, x_cache=xc, w_evict=we))
-            assert ((out.double() - exact).abs() <= bound).all(), (xc, we)
-    assert torch.equal(g.int8_linear(x.to(DEV), w.to(DEV), s.to(DEV)).cpu(), out)  # the default path
+    t = g.tile_weight(w)
+    cfg = g.config_for(b, DEV, dtype, tile=g.TILE)
+    assert g.table_class(b) == 16 and (cfg.block_n, cfg.block_k) == g.TILE and cfg.o_evict == "evict_last"
+    for we in g.EVICT_MODES:
+        for oe in g.EVICT_MODES:
+            out = run(x, t, s, g.dataclasses.replace(cfg, w_evict=we, o_evict=oe))
+            assert ((out.double() - exact).abs() <= bound).all(), (we, oe)
+    assert torch.equal(g.int8_linear(x.to(DEV), t.to(DEV), s.to(DEV)).cpu(), out)  # the default path
+    rows_cfg = g.config_for(b, DEV, dtype)
+    assert (rows_cfg.block_n, rows_cfg.block_k) == (128, 256)
+    out = run(x, w, s, rows_cfg)
+    assert ((out.double() - exact).abs() <= bound).all()
 
 
 def _emulate_ptx(asm: str, word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,10 +384,12 @@ def test_gpu_modes(monkeypatch, mode):
             continue  # sub.bf16x2 needs sm_90; sub.f16x2 runs everywhere
         for b in (1, 8, 13, 16, 32, 64):
             x, w, s = problem(b, 1000, 272, seed=b, dtype=dtype)
-            cfg = g.dataclasses.replace(g.config_for(b, torch.device("cuda"), dtype), dequant=mode)
-            out = run(x.cuda(), w.cuda(), s.cuda(), cfg).cpu()
             exact, bound = exact_and_bound(x, w, s)
-            assert ((out.double() - exact).abs() <= bound).all(), (mode, dtype, b)
+            for tile in (None, g.TILE):
+                cfg = g.dataclasses.replace(g.config_for(b, torch.device("cuda"), dtype, tile=tile), dequant=mode)
+                wd = (w if tile is None else g.tile_weight(w, tile)).cuda()
+                out = run(x.cuda(), wd, s.cuda(), cfg).cpu()
+                assert ((out.double() - exact).abs() <= bound).all(), (mode, dtype, b, tile)
 
 
 def test_benchmark_script_smoke(tmp_path, monkeypatch):
