@@ -23,6 +23,7 @@ Steps, in the order the GPU takes them (the synthetic build runs beside them on 
   with the dense, dflash, base and mtp profiles side by side (their own process sessions, so a later
   call finds them), ``hybrid-build bench`` A/B on profile pairs (dflash vs dense: the same drafter on
   source and hybrid; base vs mtp), ``hybrid-build eval`` of base (the source) against dense (the hybrid).
+- nccl_lo / tp2 / tp1 / pp2 / tp2s (issue 20, a machine with two GPUs): ``multinode_steps.py``.
 - vcompare (issue 16): ``validate.vllm_compare.compare_in_vllm`` on the tiny source vs its hybrid, and
   on a synthetic 4-layer model with the Qwen3.5-35B-A3B widths (written and built here, on the CPUs,
   while the GPU warms up).
@@ -874,6 +875,14 @@ def main() -> int:
                 if not (a.out / seq.name).exists():
                     shutil.copy(seq, a.out / seq.name)
 
+    multinode = [s for s in steps if s in ("nccl_lo", "tp2", "tp1", "pp2", "tp2s")]
+    if multinode:  # issue 20, on a machine with two GPUs (multinode_steps.py)
+        import multinode_steps
+
+        multinode_steps.run(multinode, record, http, a.out, a.hb, a.src, recipe, a.work, left)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
     if any(s.startswith("ab_") for s in steps):  # issues 17-18: the tiny artifact behind four servers
         if "ab_start" in steps:
             ab_start(a.out, a.hb, a.src, recipe, a.work, min(240, left(30)))

@@ -18,14 +18,22 @@ if [ -d .gpufloor ]; then rm -rf "$HOME/floor"; cp -r .gpufloor "$HOME/floor"; f
 if [ -d .gpuev ] && [ ! -d "$HOME/evsite/lm_eval" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/evsite" .gpuev/*.whl
 fi
+# Ray (issue 20) travels as the unpacked ray wheel less its Java, dashboard client and libraries
+# vLLM does not import (.gpuray/ray-site.tar.xz, made by prepare.sh), possibly with an earlier call
+if [ -f .gpuray/ray-site.tar.xz ] && [ ! -d "$HOME/raysite/ray" ]; then
+  mkdir -p "$HOME/raysite"; tar -C "$HOME/raysite" -xJf .gpuray/ray-site.tar.xz
+fi
+ray=; [ -d "$HOME/raysite/ray" ] && ray=:$HOME/raysite
 hb=$HOME/hbsite
 if [ ! -d "$hb/hybrid_build" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$hb" "$HOME"/hb/hybrid_build-*.whl
 fi
 mkdir -p "$HOME/bin"
 printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > "$HOME/bin/vllm"; chmod +x "$HOME/bin/vllm"
+printf '#!/bin/sh\nexec python3 -c "import sys; from ray.scripts.scripts import main; sys.exit(main())" "$@"\n' \
+  > "$HOME/bin/ray"; chmod +x "$HOME/bin/ray"
 ev=; [ -d "$HOME/evsite/lm_eval" ] && ev=:$HOME/evsite
-export PYTHONPATH=$hb:$HOME/site$ev PATH=$hb/bin:$HOME/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
+export PYTHONPATH=$hb:$HOME/site$ev$ray PATH=$hb/bin:$HOME/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
   VLLM_TRITON_FORCE_FIRST_CONFIG=${VLLM_TRITON_FORCE_FIRST_CONFIG:-1} \
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
