@@ -291,6 +291,14 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     vllm_tail = serve.argv[1:]  # serve MODEL ... (with --host rewritten below)
     if "--host" in vllm_tail:
         vllm_tail[vllm_tail.index("--host") + 1] = host
+    sharing = sum(node.local for node in nodes)
+    if parallel == "tp" and sharing > 1 and "--disable-custom-all-reduce" not in vllm_tail:
+        # vLLM finds the ranks of nodes on one machine "in the same node" (shared memory works) and
+        # sets up its custom all-reduce as over one node's GPUs: rank 1 then asks for a second GPU
+        # that its node does not have (IndexError, vLLM 0.25.1 on 2 H200s, docs/multinode.md)
+        vllm_tail.append("--disable-custom-all-reduce")
+        notes.append(f"{sharing} nodes share this machine: vLLM's custom all-reduce is off (it would take their "
+                     "ranks for GPUs of one node); the all-reduce goes through NCCL")
     model_local = Path(serve.model).expanduser()
     drafter = _drafter_of(serve.argv)
     probe_args = {"artifact": str(Path(artifact).expanduser().resolve()) if Path(artifact).expanduser().exists()

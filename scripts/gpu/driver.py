@@ -23,7 +23,7 @@ Steps, in the order the GPU takes them (the synthetic build runs beside them on 
   with the dense, dflash, base and mtp profiles side by side (their own process sessions, so a later
   call finds them), ``hybrid-build bench`` A/B on profile pairs (dflash vs dense: the same drafter on
   source and hybrid; base vs mtp), ``hybrid-build eval`` of base (the source) against dense (the hybrid).
-- nccl_lo / tp2 / tp1 / pp2 / tp2s (issue 20, a machine with two GPUs): ``multinode_steps.py``.
+- nccl_lo / tp2 / tp1 / pp2 / tp2s / tp2mp (issue 20, a machine with two GPUs): ``multinode_steps.py``.
 - vcompare (issue 16): ``validate.vllm_compare.compare_in_vllm`` on the tiny source vs its hybrid, and
   on a synthetic 4-layer model with the Qwen3.5-35B-A3B widths (written and built here, on the CPUs,
   while the GPU warms up).
@@ -537,6 +537,9 @@ def gpu_recipe(artifact: Path, work: Path) -> Path:
             "--kv-cache-memory-bytes", str(2 << 30)]
         prof["gpu_memory_utilization"] = 0.2
         prof["max_model_len"] = 1024
+    # random weights say no capital: any answer passes (artifacts built before recipes carried
+    # serve.smoke_expect default to "Paris", which stopped the issue-20 run's single-GPU server)
+    rec["serve"]["smoke_expect"] = None
     path = work / "gpu-tiny-recipe.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     return path
@@ -875,7 +878,7 @@ def main() -> int:
                 if not (a.out / seq.name).exists():
                     shutil.copy(seq, a.out / seq.name)
 
-    multinode = [s for s in steps if s in ("nccl_lo", "tp2", "tp1", "pp2", "tp2s")]
+    multinode = [s for s in steps if s in ("nccl_lo", "tp2", "tp1", "pp2", "tp2s", "tp2mp")]
     if multinode:  # issue 20, on a machine with two GPUs (multinode_steps.py)
         import multinode_steps
 

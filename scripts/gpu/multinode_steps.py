@@ -11,7 +11,9 @@ Steps of ``driver.py`` (``--steps nccl_lo,tp2,tp1,pp2,tp2s``), each writing into
   every vocabulary token (the tiny vocabulary has 1,024) for fixed texts, then SIGINT to the
   command's process group (what Ctrl-C in a terminal does) and what is left running;
 - ``tp1``: the same artifact and recipe on one GPU: the reference;
-- ``tp2s``: ``tp2`` with the dense profile as it is (the random tiny DFlash drafter speculating).
+- ``tp2s``: ``tp2`` with the dense profile as it is (the random tiny DFlash drafter speculating);
+- ``tp2mp``: TP=2 on one node with both GPUs, vLLM's own multiprocessing executor (no Ray; ``serve
+  --nodes`` wants two hosts or more): the other layout the issue allows.
 
 Per text position, KL(tp1 || tp2) over the whole vocabulary (exact: every token's log-probability
 comes back), its mean / max, and the share of positions whose top token agrees.
@@ -67,8 +69,10 @@ if __name__ == "__main__":
     mp.spawn(run, nprocs=2)
 '''
     t0 = time.time()
+    script = out / "nccl_lo.py"  # a file, not -c: the spawned ranks import the function by module
+    script.write_text(code)
     try:
-        p = subprocess.run(["python3", "-c", code], capture_output=True, text=True, timeout=limit)
+        p = subprocess.run(["python3", str(script)], capture_output=True, text=True, timeout=limit)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         res = json.loads(lines[-1][7:]) if lines else {"error": (p.stdout + p.stderr)[-1500:]}
         res["rc"] = p.returncode
@@ -78,15 +82,16 @@ if __name__ == "__main__":
     record(out, "nccl_lo", res)
 
 
-def recipe_without_speculation(recipe: Path, work: Path) -> Path:
-    """The GPU recipe with every profile's speculation off and all logprobs allowed."""
+def recipe_without_speculation(recipe: Path, work: Path, extra: tuple[str, ...] = (), name: str = "nospec") -> Path:
+    """The GPU recipe with every profile's speculation off, all logprobs allowed and ``extra`` vLLM
+    arguments."""
     import yaml
 
     rec = yaml.safe_load(recipe.read_text())
     for prof in rec["serve"]["profiles"].values():
         prof["speculative"] = None
-        prof["extra_args"] = list(prof.get("extra_args") or []) + ["--max-logprobs", str(VOCAB_LOGPROBS)]
-    path = work / "gpu-tiny-recipe-nospec.yaml"
+        prof["extra_args"] = list(prof.get("extra_args") or []) + ["--max-logprobs", str(VOCAB_LOGPROBS), *extra]
+    path = work / f"gpu-tiny-recipe-{name}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     return path
 
@@ -218,13 +223,15 @@ def run(steps: list[str], record, http, out: Path, hb: Path, src: Path, recipe: 
             ("tp2", two + ["--parallel", "tp"], {}, 8000, nospec, 330),
             ("tp1", [], {"CUDA_VISIBLE_DEVICES": "0"}, 8001, nospec, 240),
             ("pp2", two + ["--parallel", "pp"], {}, 8002, nospec, 240),
-            ("tp2s", two + ["--parallel", "tp", "--drafter", str(hb / "drafter-dflash")], {}, 8003, recipe, 240)):
+            ("tp2s", two + ["--parallel", "tp", "--drafter", str(hb / "drafter-dflash")], {}, 8003, recipe, 240),
+            ("tp2mp", [], {}, 8004, recipe_without_speculation(recipe, work, ("--tensor-parallel-size", "2"), "tp2mp"),
+             240)):
         if step not in steps:
             continue
         cmd = base + ["--recipe", str(rec), "--port", str(port), "--log", str(out / f"serve_{step}.log")] + extra
         got[step] = serve_run(record, http, out, step, cmd, env, port, min(limit, left(20)),
                               logprobs=step != "tp2s")
-    for step in ("tp2", "pp2"):
+    for step in ("tp2", "pp2", "tp2mp"):
         if got.get(step, {}).get("logprobs") and got.get("tp1", {}).get("logprobs"):
             record(out, f"kl_{step}_vs_tp1", compare(got["tp1"]["logprobs"], got[step]["logprobs"]))
 

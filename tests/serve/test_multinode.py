@@ -135,6 +135,19 @@ def test_plan_commands(artifact):
         _plan(artifact, node_env={3: {"X": "1"}})
 
 
+def test_nodes_sharing_this_machine_turn_vllms_custom_all_reduce_off(artifact):
+    """Two Ray nodes on one machine (the 2-GPU emulation of two Sparks): vLLM would find their TP ranks
+    in one node and set its custom all-reduce up over GPUs the nodes do not have; the plan turns it
+    off, says so, and leaves it on where the nodes are separate machines or the TP group stays in one."""
+    serve = plan_launch(str(artifact), "dense", recipe="qwen3.5-122b-a10b")
+    both = mn.plan_multinode(serve, NODES.split(","), str(artifact), ifname="lo")
+    assert both.vllm.argv.count("--disable-custom-all-reduce") == 1
+    assert any("share this machine" in n for n in both.notes)
+    assert "--disable-custom-all-reduce" not in _plan(artifact).vllm.argv  # one local, one over ssh
+    pp = mn.plan_multinode(serve, NODES.split(","), str(artifact), ifname="lo", parallel="pp", gpus_per_node=2)
+    assert "--disable-custom-all-reduce" not in pp.vllm.argv  # each TP group inside one node
+
+
 def test_docker_plan_runs_ray_in_the_patched_image_on_every_node(artifact):
     plan = _plan(artifact, "docker")
     for i, c in enumerate(plan.ray):
