@@ -193,7 +193,7 @@ def tile_weight(w_int8: torch.Tensor, tile: tuple[int, int] = TILE) -> torch.Ten
     tile (i, j) = rows [i*bn, (i+1)*bn) x columns [j*bk, (j+1)*bk), zero-padded past N and K.
 
     Each K step of a program then reads one contiguous block instead of ``bn`` row pieces of
-    ``bk`` bytes ``K`` bytes apart (on the H200: 1.5-2 % faster at B <= 16, docs/kernel.md). Made
+    ``bk`` bytes ``K`` bytes apart (on the H200: 0.5-2.5 % faster at B <= 16, docs/kernel.md). Made
     once when the head is loaded; the copy is the weight's size plus its padding."""
     if w_int8.dtype != torch.int8 or w_int8.dim() != 2:
         raise ValueError(f"w_int8 must be a 2-D int8 tensor [N, K], got {w_int8.dtype} {tuple(w_int8.shape)}")
