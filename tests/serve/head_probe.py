@@ -92,6 +92,7 @@ def main(out: str) -> int:
                 "params": sorted(name for name, p in layer.named_parameters() if p.numel()),
                 # the codes, tiled by prepare_weight where the Triton kernel runs (interpreter too)
                 "codes_equal": bool(torch.equal(untile(layer.weight_int8, *q.shape), q)),
+                "weight_layout": "tiled" if layer.weight_int8.dim() == 4 else "rows",
                 "out_dtype": str(y.dtype).replace("torch.", ""), "finite": bool(torch.isfinite(y).all()),
                 "max_err_over_bound_int8": ((y.double() - int8_math).abs() / b_int8).max().item(),
                 "max_err_over_bound_float": ((y.double() - float_math).abs() / b_float).max().item(),
