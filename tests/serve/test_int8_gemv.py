@@ -392,6 +392,20 @@ def test_gpu_modes(monkeypatch, mode):
                 assert ((out.double() - exact).abs() <= bound).all(), (mode, dtype, b, tile)
 
 
+def test_probe_script_compares_the_two_tables():
+    """benchmarks/probe_lmhead_sched.py (GPU only) imports what it needs from the bench script, and
+    its before / after pair is each layout's B <= 16 table entry on that layout."""
+    path = ROOT / "benchmarks" / "probe_lmhead_sched.py"
+    spec = importlib.util.spec_from_file_location("probe_lmhead_sched", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    v = probe.variants()
+    assert v["control"] == ("rows", g._H200_ROWS_TABLE[16], "full")
+    assert v["tiled"] == ("tiled", g._H200_TABLE[16], "full")
+    assert {stage for _, _, stage in v.values()} <= {"full", "no_store"}
+    assert probe.main(["--out", "/dev/null"]) == 2 or torch.cuda.is_available()  # no GPU: one line, exit 2
+
+
 def test_benchmark_script_smoke(tmp_path, monkeypatch):
     """The H200 benchmark runs end to end on the CPU interpreter (numbers meaningless)."""
     if not INTERPRETER_OK:
