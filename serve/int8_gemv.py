@@ -68,7 +68,7 @@ _DEQUANT_CODE = {"cvt": 0, "bits": 1, "asm": 2, "none": 3}
 # L2 eviction priorities (Triton's spellings) a config may put on the weight loads and the
 # output stores; "" is the default (evict normal). Triton 3.6 lowers every 16-byte cp.async to
 # .cg (L2 only) whatever cache modifier a load asks for, so x has no L1 hint here
-# (docs/kernel.md, "x through L1").
+# (docs/kernel.md, "Tiles and the output": x through L1 measured slower anyway).
 EVICT_MODES = ("", "evict_first", "evict_last")
 # The tiled weight layout (block_n, block_k) that tile_weight() writes by default and the tables'
 # configs read: [ceil(N / 128), ceil(K / 128), 128, 128].
