@@ -256,9 +256,10 @@ def _check_shapes(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) ->
         raise ValueError(f"scale has {scale.numel()} elements, expected one per output row (N={n})")
 
 
-def _check_config(cfg: GemvConfig, w: torch.Tensor, batch: int) -> None:
-    """A config that cannot run ``batch`` rows over ``w`` (its tile, its hints) fails here."""
-    cfg.rows(batch)
+def _check_config(cfg: GemvConfig, w: torch.Tensor, batch: int) -> tuple[int, int]:
+    """A config that cannot run ``batch`` rows over ``w`` (its tile, its hints) fails here; returns
+    its (dot M, dots) for that batch."""
+    rows = cfg.rows(batch)
     if w.dim() == 4 and (w.shape[2], w.shape[3]) != (cfg.block_n, cfg.block_k):
         raise ValueError(f"weight tiled {tuple(w.shape[2:])} does not match the config's {cfg.block_n} x {cfg.block_k}")
     if cfg.dequant not in _DEQUANT_CODE:
@@ -266,6 +267,7 @@ def _check_config(cfg: GemvConfig, w: torch.Tensor, batch: int) -> None:
     if cfg.w_evict not in EVICT_MODES or cfg.o_evict not in EVICT_MODES:
         raise ValueError(f"unknown eviction priority w_evict={cfg.w_evict!r} / o_evict={cfg.o_evict!r}; "
                          f"valid: {EVICT_MODES}")
+    return rows
 
 
 def int8_linear(
@@ -307,9 +309,9 @@ def int8_linear(
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(*lead, n)}")
         out2 = out.view(-1, n)
 
-    if config is not None:  # rejected on every device, also where the reference runs
-        _check_config(config, w, min(x2.shape[0], MAX_BLOCK_B))
     if not kernel_available(x.device):
+        if config is not None:  # refused here too, not only by the launch
+            _check_config(config, w, min(x2.shape[0], MAX_BLOCK_B))
         log.debug("int8_linear: no Triton kernel for device %s, using the torch reference", x.device)
         out2.copy_(int8_linear_reference(x2, w, s))
         return out2.view(*lead, n)
@@ -333,11 +335,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
     """
     batch, k = x.shape
     n = s.numel()
-    _check_config(cfg, w, batch)
+    block_h, dots = _check_config(cfg, w, batch)
     if x.dtype not in ACTIVATION_DTYPES or out.dtype != x.dtype:
         raise ValueError(f"x and out must both be bfloat16 or both float16, got {x.dtype} and {out.dtype}")
     kernel = _kernel(_interpreting())
-    block_h, dots = cfg.rows(batch)
     grid = (-(-n // cfg.block_n),)
     return kernel[grid](
         x, w, s, out, batch, n, k, x.stride(0), out.stride(0),

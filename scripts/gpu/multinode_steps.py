@@ -224,10 +224,11 @@ def run(steps: list[str], record, http, out: Path, hb: Path, src: Path, recipe: 
             ("tp1", [], {"CUDA_VISIBLE_DEVICES": "0"}, 8001, nospec, 240),
             ("pp2", two + ["--parallel", "pp"], {}, 8002, nospec, 240),
             ("tp2s", two + ["--parallel", "tp", "--drafter", str(hb / "drafter-dflash")], {}, 8003, recipe, 240),
-            ("tp2mp", [], {}, 8004, recipe_without_speculation(recipe, work, ("--tensor-parallel-size", "2"), "tp2mp"),
-             240)):
+            ("tp2mp", [], {}, 8004, None, 240)):
         if step not in steps:
             continue
+        if rec is None:  # tp2mp: TP=2 through vLLM's own executor, asked for in the recipe
+            rec = recipe_without_speculation(recipe, work, ("--tensor-parallel-size", "2"), "tp2mp")
         cmd = base + ["--recipe", str(rec), "--port", str(port), "--log", str(out / f"serve_{step}.log")] + extra
         got[step] = serve_run(record, http, out, step, cmd, env, port, min(limit, left(20)),
                               logprobs=step != "tp2s")

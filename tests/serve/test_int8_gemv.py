@@ -403,7 +403,8 @@ def test_probe_script_compares_the_two_tables():
     assert v["control"] == ("rows", g._H200_ROWS_TABLE[16], "full")
     assert v["tiled"] == ("tiled", g._H200_TABLE[16], "full")
     assert {stage for _, _, stage in v.values()} <= {"full", "no_store"}
-    assert probe.main(["--out", "/dev/null"]) == 2 or torch.cuda.is_available()  # no GPU: one line, exit 2
+    if not torch.cuda.is_available():  # without a GPU: one line and exit 2, nothing timed
+        assert probe.main(["--out", "/dev/null"]) == 2
 
 
 def test_benchmark_script_smoke(tmp_path, monkeypatch):
