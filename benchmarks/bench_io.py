@@ -22,8 +22,8 @@ from _measure import best_of, folder_bytes, make_synthetic, measure  # noqa: E40
 COPY = r"""
 import sys
 from pathlib import Path
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.safetensors_io import ByteRange, OutTensor, plan_shards, write_index, write_shard
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.safetensors_io import ByteRange, OutTensor, plan_shards, write_index, write_shard
 src, dst = Checkpoint.read_folder(Path(sys.argv[1])), Path(sys.argv[2])
 dst.mkdir()
 tensors = [OutTensor(t.name, t.dtype, t.shape, ByteRange(src.path_of(t), t.start, t.nbytes)) for t in src.tensors.values()]

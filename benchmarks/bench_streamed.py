@@ -13,7 +13,7 @@ whose peak RSS is the kernel's rusage of that child alone (measured, page cache 
 use: both checkpoints layer by layer (INT4 modules dequantized once for both), then both heads,
 read once in vocabulary chunks, folded into the divergence statistics. Token ids are random (the
 synthetic checkpoint has no tokenizer), --texts texts of --tokens each: the bundled texts'
-length under `validate/e2e.py`'s cap. The synthetic folders are deleted at the end.
+length under `validate/transformers_forward.py`'s cap. The synthetic folders are deleted at the end.
 
 48-layer extrapolation: embedding + 48 x (mean of the measured layers that ran the most routed
 experts: all 256 in a real model, see ``extrapolate``) + head. Peak RSS is also sampled after

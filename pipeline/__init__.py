@@ -1,7 +1,4 @@
-"""hybrid-build's pipeline: CLI, checkpoint reading, safetensors I/O, stages, manifests, publish."""
-from importlib.metadata import PackageNotFoundError, version
+"""hybrid-build's top floor: the CLI, the build (stages, runner, manifests), publish and the model card."""
+from hybrid_build.core import __version__
 
-try:
-    __version__ = version("hybrid-build")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
+__all__ = ["__version__"]

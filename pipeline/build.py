@@ -15,11 +15,11 @@ from pathlib import Path
 
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
-from .checkpoint import Checkpoint
+from hybrid_build.core.checkpoint import Checkpoint
 from .context import BuildContext
-from .conversion import plan_conversion
-from .errors import RecipeError, SourceError, UserError
-from .progress import ProgressFactory, null_progress
+from hybrid_build.recipes.conversion import plan_conversion
+from hybrid_build.core.errors import RecipeError, SourceError, UserError
+from hybrid_build.core.progress import ProgressFactory, null_progress
 from .stages import WORK_DIR
 
 

@@ -14,9 +14,9 @@ import importlib
 import logging
 import sys
 
-from . import __version__
-from .cli_support import ExampleFormatter, describe_os_error
-from .errors import HybridBuildError
+from hybrid_build.core import __version__
+from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error
+from hybrid_build.core.errors import HybridBuildError
 
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {
@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "demo-checkpoint": "hybrid_build.pipeline.commands.demo",
     "run": "hybrid_build.pipeline.commands.run",
     "validate": "hybrid_build.validate.command",
-    "eval": "hybrid_build.pipeline.commands.eval",
+    "eval": "hybrid_build.validate.eval_command",
     "plan": "hybrid_build.pipeline.commands.plan",
     "publish": "hybrid_build.pipeline.commands.publish",
     "serve": "hybrid_build.serve.command",
@@ -65,10 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in COMMANDS.items():
         try:
             mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name == module:  # that command has not landed yet
-                continue
-            raise
+        except ImportError as e:  # a broken install or a bug, never "not landed yet": say which
+            sys.stderr.write(f"error: the `{name}` command's module {module} does not import: {e}\n")
+            raise SystemExit(1) from e
         mod.register(sub, common)
     return parser
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from hybrid_build.recipes.schema import Recipe
 
-from . import __version__
-from .checkpoint import Checkpoint
-from .conversion import ConversionPlan
-from .manifest import sha256_json
-from .progress import ProgressFactory, null_progress
-from .source_identity import DIGEST_CACHE, SourceDigests, SourceRecord, record_for
+from hybrid_build.core import __version__
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.recipes.conversion import ConversionPlan
+from hybrid_build.core.manifest import sha256_json
+from hybrid_build.core.progress import ProgressFactory, null_progress
+from hybrid_build.core.source_identity import DIGEST_CACHE, SourceDigests, SourceRecord, record_for
 from .stages import WORK_DIR
 
 

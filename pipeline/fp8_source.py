@@ -19,10 +19,10 @@ from pathlib import Path
 from hybrid_build.calibration.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from hybrid_build.calibration.metrics import error_metrics
 
-from .checkpoint import HUB_ID, Checkpoint
-from .errors import SourceError
-from .safetensors_io import INDEX_NAME, ByteRange, OutTensor
-from .weights import read_tensor
+from hybrid_build.core.checkpoint import HUB_ID, Checkpoint
+from hybrid_build.core.errors import SourceError
+from hybrid_build.core.safetensors_io import INDEX_NAME, ByteRange, OutTensor
+from hybrid_build.core.weights import read_tensor
 
 log = logging.getLogger(__name__)
 PREFIXES = ("model.language_model.", "model.", "language_model.model.")

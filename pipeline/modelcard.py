@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .checkpoint import HUB_ID
-from .safetensors_io import INDEX_NAME, read_header
+from hybrid_build.core.checkpoint import HUB_ID
+from hybrid_build.core.safetensors_io import INDEX_NAME, read_header
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +566,7 @@ def _eval_section(inp: CardInputs) -> list[str]:
     if not ev.current:
         return lines + [f"`hybrid_build/eval.json` is in this repository but its figures are not shown: {ev.reason}. "
                         "Run `hybrid-build eval` on this build to measure them.", ""]
-    from hybrid_build.validate.accuracy import markdown_rows, settings_line
+    from hybrid_build.validate.task_eval import markdown_rows, settings_line
 
     rep = ev.report
     try:

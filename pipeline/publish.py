@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_bench, \
     read_evaluation, read_frontmatter, render_card
-from .progress import null_progress
-from .safetensors_io import INDEX_NAME, TMP_SUFFIX
+from hybrid_build.core.progress import null_progress
+from hybrid_build.core.safetensors_io import INDEX_NAME, TMP_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
     artifact = Path(artifact)
     if not artifact.is_dir():
         raise UserError(f"{artifact}: no such artifact folder")
-    from .checkpoint import HUB_ID
+    from hybrid_build.core.checkpoint import HUB_ID
 
     if not HUB_ID.match(repo_id):
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
@@ -304,7 +304,7 @@ def _one_line(exc: BaseException, redact: Redactor) -> str:
 def hub_error(exc: BaseException, what: str, repo_id: str, redact: Redactor) -> Exception:
     """One of our errors, with one line naming the cause (``hub_errors``' mapping: offline, not
     found, gated, unauthorized, forbidden...), for a Hub failure that retrying did not cure."""
-    from .hub_errors import hub_error as mapped
+    from hybrid_build.core.hub_errors import hub_error as mapped
 
     # a Publisher refuses to start without a token, so one was sent
     return mapped(exc, f"{what} ({repo_id})", upload=True, repo_id=repo_id, redact=redact, has_token=True,

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import __version__
+from hybrid_build.core import __version__
 from .context import BuildContext, output_bytes
-from .errors import HybridBuildError, StageFailed, StorageError, UserError
-from .inspection import human_bytes
-from .manifest import StageManifest, describe_outputs, sha256_json
+from hybrid_build.core.errors import HybridBuildError, StageFailed, StorageError, UserError
+from hybrid_build.recipes.inventory import human_bytes
+from hybrid_build.core.manifest import StageManifest, describe_outputs, sha256_json
 from .stages import STAGES, load_stage
 from .stages.base import Finished, Handover, Pending, Stage, StageIO, StageOutput
 

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hybrid_build.pipeline.errors import RecipeError
-from hybrid_build.serve.profiles import SMOKE_EXPECT, ServeProfile
+from hybrid_build.core.errors import RecipeError
+from hybrid_build.recipes.profiles import SMOKE_EXPECT, ServeProfile
 
 RECIPE_DIR = Path(__file__).resolve().parent
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.conversion import ConversionPlan, int8_row_bytes
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.recipes.conversion import ConversionPlan, int8_row_bytes
 
 PROFILES = ("base", "fp8", "int8_head", "dense")
 PROFILE_LABELS = {

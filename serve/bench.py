@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
-from hybrid_build.pipeline.errors import ExternalToolError, UserError
+from hybrid_build.core.errors import ExternalToolError, UserError
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, describe_os_error, emit_json, progress
-from hybrid_build.pipeline.errors import UserError
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, describe_os_error, emit_json, progress
+from hybrid_build.core.errors import UserError
 
 from .bench import (LOW_ACCEPTANCE_FRACTION, LOW_ACCEPTANCE_MIN_GAP, MIN_RUNS_FOR_VERDICT, WORKLOADS, bench,
                     bench_pair, compare, compare_table, load_report, table)

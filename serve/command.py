@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
-from hybrid_build.pipeline.errors import UserError
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.core.errors import UserError
 
 from .engine import GPU_PRESETS
-from .profiles import DOCKER_IMAGE, PROFILE_NAMES
+from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
 
 
 def register(sub, common) -> None:

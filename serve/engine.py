@@ -12,10 +12,10 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.pipeline.errors import UserError
+from hybrid_build.core.errors import UserError
 from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
 
-from .profiles import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER, ServeProfile
+from hybrid_build.recipes.profiles import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER, ServeProfile
 
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
@@ -108,7 +108,7 @@ def _local_source(artifact: str, config: dict | None, source: str | None) -> Pat
         return Path(artifact).expanduser().resolve()  # serving a source folder directly
     if not hybrid:
         return None
-    from hybrid_build.pipeline.source_identity import read_record
+    from hybrid_build.core.source_identity import read_record
 
     prov_path = Path(artifact) / "hybrid_build" / "provenance.json"
     provenance = _read_json(prov_path) if prov_path.exists() else {"source": hybrid.get("source")}
@@ -178,7 +178,7 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
         return artifact, None
     if not hybrid:
         return source or artifact, None  # the source checkpoint itself
-    from hybrid_build.pipeline.source_identity import open_recorded_source, read_record
+    from hybrid_build.core.source_identity import open_recorded_source, read_record
 
     prov_path = Path(artifact) / "hybrid_build" / "provenance.json"
     provenance = _read_json(prov_path) if prov_path.exists() else {"source": hybrid.get("source")}
@@ -216,8 +216,8 @@ def detect_hardware() -> str | None:
 def _lever_note(artifact: Path, hardware: str | None) -> str | None:
     if hardware is None:
         return None
-    from hybrid_build.pipeline.checkpoint import Checkpoint
-    from hybrid_build.pipeline.errors import HybridBuildError
+    from hybrid_build.core.checkpoint import Checkpoint
+    from hybrid_build.core.errors import HybridBuildError
 
     from .speed_plan import lever_gain_note
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybrid_build.pipeline.errors import ArtifactError, ExternalToolError
+from hybrid_build.core.errors import ArtifactError, ExternalToolError
 
 from .engine import LaunchPlan
-from .profiles import SMOKE_EXPECT, SMOKE_PROMPT
+from hybrid_build.recipes.profiles import SMOKE_EXPECT, SMOKE_PROMPT
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.pipeline.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 
 from .engine import CONTAINER_DRAFTER, CONTAINER_MODEL, CONTAINER_SERVE, LaunchPlan, apply_patches_command
 
@@ -51,7 +51,7 @@ CONTAINER_PREFIX = "hybrid-build-ray"
 SSH = ["ssh", "-o", "BatchMode=yes"]
 PARALLEL = ("tp", "pp")
 # the hybrid-build code that changes vLLM at run time: every node must run the same
-RUNTIME_FILES = ("patches/*.py", "vllm_plugin.py", "vllm_fixes.py", "int8_gemv.py")
+RUNTIME_FILES = ("patches/*.py", "vllm_plugin.py", "upstream_fixes.py", "int8_gemv.py")
 # asked on the head: the nodes Ray knows, by address (the Ray API, as a driver that leaves at once)
 NODES_SCRIPT = ('import json,sys,ray;ray.init(address=sys.argv[1],logging_level="ERROR",log_to_driver=False);'
                 'print(json.dumps([{"ip":n["NodeManagerAddress"],"alive":n["Alive"],'
@@ -404,8 +404,8 @@ def runtime_fingerprint() -> str:
 def artifact_identity(artifact: Path) -> dict:
     """The artifact's identity from its provenance (source fingerprint + every file's sha256) and
     whether this node's files have those bytes (sha256 cached in ``.hybrid-build/``)."""
-    from hybrid_build.pipeline.manifest import sha256_file, sha256_json
-    from hybrid_build.pipeline.source_identity import DigestCache, SourceDigests
+    from hybrid_build.core.manifest import sha256_file, sha256_json
+    from hybrid_build.core.source_identity import DigestCache, SourceDigests
 
     prov_path = artifact / "hybrid_build" / "provenance.json"
     if not prov_path.is_file():  # a source folder served directly: its content is its identity
@@ -455,7 +455,7 @@ def probe(args: dict) -> dict:
     another folder), vLLM (version, or the image's id), Ray, hybrid-build runtime patches."""
     from importlib import metadata
 
-    from hybrid_build.pipeline import __version__
+    from hybrid_build.core import __version__
 
     out: dict = {"host": socket.gethostname(), "hybrid_build": __version__, "runtime": runtime_fingerprint()}
     try:

@@ -12,9 +12,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.errors import UserError
-from hybrid_build.pipeline.inspection import build_report, bytes_per_token
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.errors import UserError
+from hybrid_build.recipes.inventory import build_report, bytes_per_token
 
 from . import bandwidth as bw
 from . import multinode_plan as mnp

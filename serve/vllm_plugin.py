@@ -15,7 +15,7 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
   in fp16) and returns logits in that dtype; any other dtype (a float32 engine) is cast to bf16
   for the kernel and the logits back;
 - everything else: INC's own answer, unchanged.
-``register()`` also installs the upstream bug fixes in ``vllm_fixes`` (Marlin MoE scale layout).
+``register()`` also installs the upstream bug fixes in ``upstream_fixes`` (Marlin MoE scale layout).
 It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
 head, or the launcher set ``HYBRID_BUILD_LM_HEAD=quantize-at-load``. Works with vLLM 0.25.x and
 0.33.x; nothing here is imported before vLLM calls ``register``.
@@ -258,7 +258,7 @@ def register() -> None:
     global _registered
     if _registered is not None:
         return
-    from hybrid_build.serve.vllm_fixes import fix_marlin_moe_scale_layout
+    from hybrid_build.serve.upstream_fixes import fix_marlin_moe_scale_layout
 
     fix_marlin_moe_scale_layout()
     try:

@@ -22,11 +22,11 @@ from safetensors import safe_open
 from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block
 from hybrid_build.calibration.gptq import SYM_ZERO_WORD, dequantize_gptq
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
-from hybrid_build.pipeline.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
-from hybrid_build.pipeline.checkpoint import Checkpoint, TensorInfo
-from hybrid_build.pipeline.conversion import ConversionPlan
-from hybrid_build.pipeline.layout import layer_index, split_module
-from hybrid_build.pipeline.safetensors_io import INDEX_NAME, TMP_SUFFIX
+from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
+from hybrid_build.core.checkpoint import Checkpoint, TensorInfo
+from hybrid_build.recipes.conversion import ConversionPlan
+from hybrid_build.core.tensor_classes import layer_index, split_module
+from hybrid_build.core.safetensors_io import INDEX_NAME, TMP_SUFFIX
 from hybrid_build.recipes.schema import Recipe, ValidateSpec
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from hybrid_build.pipeline.cli_support import emit_json, progress
-    from hybrid_build.pipeline.errors import UserError
+    from hybrid_build.core.cli_support import emit_json, progress
+    from hybrid_build.core.errors import UserError
     from hybrid_build.recipes.schema import load_recipe
 
     from .report import validate_artifact
@@ -48,7 +48,7 @@ def _first_failure(report, where: Path) -> str:
 
 
 def register(sub, common) -> None:
-    from hybrid_build.pipeline.cli_support import ExampleFormatter, add_json_flag
+    from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
 
     p = sub.add_parser(
         "validate", parents=[common], formatter_class=ExampleFormatter,

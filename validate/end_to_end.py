@@ -22,10 +22,10 @@ import logging
 import time
 from pathlib import Path
 
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.errors import ExternalToolError, HybridBuildError, UserError
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.errors import ExternalToolError, HybridBuildError, UserError
 
-from .e2e import MAX_TOKENS_PER_TEXT, bundled_texts
+from .transformers_forward import MAX_TOKENS_PER_TEXT, bundled_texts
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def tokenize(source: Checkpoint, texts: dict[str, str], max_tokens: int = MAX_TO
     import torch
     from transformers import AutoTokenizer
 
-    from .e2e import _tokenize, _Unavailable
+    from .transformers_forward import _tokenize, _Unavailable
 
     try:
         ids = _tokenize(str(source.root), texts, max_tokens, AutoTokenizer, torch)
@@ -90,7 +90,7 @@ def estimate_seconds(source: Checkpoint) -> tuple[float, str]:
     import torch
 
     from hybrid_build.calibration.gptq import dequantize_gptq
-    from hybrid_build.pipeline.weights import read_tensor
+    from hybrid_build.core.weights import read_tensor
 
     from .streamed import default_device
 

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.conversion import plan_conversion
-from hybrid_build.pipeline.errors import ArtifactError, HybridBuildError, SourceError, UserError
-from hybrid_build.pipeline.source_identity import open_recorded_source
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.recipes.conversion import plan_conversion
+from hybrid_build.core.errors import ArtifactError, HybridBuildError, SourceError, UserError
+from hybrid_build.core.source_identity import open_recorded_source
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
 from . import checks
@@ -180,7 +180,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
 
 def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str, str], announce=None) -> dict:
     from . import end_to_end
-    from .e2e import run_end_to_end, strip_ansi
+    from .transformers_forward import run_end_to_end, strip_ansi
 
     spec = inp.spec
     modules = [c.module for c in inp.plan.conversions if c.kind == "fp8" or inp.head_quantized()]
@@ -235,7 +235,7 @@ def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str
 
 
 def write_report(report: ValidationReport, folder: Path) -> list[Path]:
-    from hybrid_build.pipeline.safetensors_io import write_text_atomic
+    from hybrid_build.core.safetensors_io import write_text_atomic
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = [write_text_atomic(folder / "validation.json", json.dumps(report.to_json(), indent=2) + "\n"),

@@ -38,8 +38,8 @@ from hybrid_build.calibration.fp8_block import BLOCK as FP8_BLOCK
 from hybrid_build.calibration.fp8_block import dequantize_fp8_block
 from hybrid_build.calibration.gptq import dequantize_gptq
 from hybrid_build.calibration.int8_rows import dequantize_int8_rows
-from hybrid_build.pipeline.checkpoint import Checkpoint, TensorInfo
-from hybrid_build.pipeline.errors import ArtifactError, UserError
+from hybrid_build.core.checkpoint import Checkpoint, TensorInfo
+from hybrid_build.core.errors import ArtifactError, UserError
 
 from .divergence import BOOTSTRAP_RESAMPLES, DivergenceAccumulator, PositionStats, divergence_report
 

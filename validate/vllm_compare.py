@@ -5,7 +5,7 @@ own (``python -m hybrid_build.validate.vllm_compare --child ...``) so that the G
 first is returned before the second loads. Both run with the hybrid-build plugin registered (the
 environment has ``VLLM_PLUGINS=hybrid_build`` and the child calls ``register()`` itself), as
 ``hybrid-build serve`` runs them: the hybrid's FP8 shared experts and int8 head are served
-quantized, and the fixes of ``serve.vllm_fixes`` apply to both (they touch the routed experts,
+quantized, and the fixes of ``serve.upstream_fixes`` apply to both (they touch the routed experts,
 which the two share).
 
 What a child computes, exactly and with bounded memory: vLLM runs in-process
@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hybrid_build.pipeline.errors import ExternalToolError, UserError
+from hybrid_build.core.errors import ExternalToolError, UserError
 
 from .divergence import BOOTSTRAP_RESAMPLES, DivergenceAccumulator, PositionStats, divergence_report
 
@@ -203,7 +203,7 @@ def compare_in_vllm(source: Path, artifact: Path, token_ids: dict[str, list[int]
     memory profiling, which other processes on the same GPU can upset). ``progress`` is a
     ``pipeline.progress`` factory (``progress(total=, desc=, unit=)`` -> a bar). ``work_dir``
     keeps the children's logs and logits there instead of in a temporary folder."""
-    from hybrid_build.pipeline.progress import close_bar, null_progress
+    from hybrid_build.core.progress import close_bar, null_progress
 
     source, artifact = Path(source), Path(artifact)
     for label, folder in (("source", source), ("artifact", artifact)):
@@ -352,6 +352,16 @@ def _engine_kwargs(model: str, req: dict) -> dict:
     return kw
 
 
+def _register_plugin() -> None:
+    """Call the hybrid-build vLLM plugin through its installed entry point, the way vLLM loads
+    plugins (validate sits below serve and does not import it)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="vllm.general_plugins"):
+        if ep.name == "hybrid_build":
+            ep.load()()
+
+
 def child_main(model: str, request: str, out: str, label: str) -> int:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -360,9 +370,7 @@ def child_main(model: str, request: str, out: str, label: str) -> int:
         for k, v in CHILD_ENV.items():
             os.environ.setdefault(k, v)
         req = json.loads(Path(request).read_text())
-        from hybrid_build.serve.vllm_plugin import register
-
-        register()  # the entry point does this too; in-process it must be there before LLM()
+        _register_plugin()  # vLLM does this too; in-process it must be there before LLM()
         import vllm
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..errors import UserError
+from hybrid_build.core.errors import UserError
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -28,7 +28,7 @@ def _handle(args: argparse.Namespace) -> int:
 def register(sub, common) -> None:
     from pathlib import Path
 
-    from ..cli_support import ExampleFormatter
+    from hybrid_build.core.cli_support import ExampleFormatter
 
     p = sub.add_parser(
         "demo-checkpoint", parents=[common], formatter_class=ExampleFormatter,

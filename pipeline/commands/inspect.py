@@ -5,10 +5,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ..cli_support import ExampleFormatter, add_json_flag, emit_json
-from ..errors import SourceError
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json
+from hybrid_build.core.errors import SourceError
 from ..generators.sources import open_source
-from ..inspection import build_report, render_text
+from hybrid_build.recipes.inventory import build_report, render_text
 
 
 def _handle(args: argparse.Namespace) -> int:

@@ -16,8 +16,8 @@ from hybrid_build.serve.speed_plan import (
     DEFAULT_ACCEPT, KV_DTYPES, STATE_DTYPES, PlanOptions, build_plan, drafter_of, render_text, write_plot,
 )
 
-from ..cli_support import ExampleFormatter, add_json_flag, emit_json
-from ..errors import UserError
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json
+from hybrid_build.core.errors import UserError
 from ..generators.sources import open_source
 
 

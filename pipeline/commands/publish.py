@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli_support import ExampleFormatter, add_json_flag, emit_json
-from ..errors import UserError
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json
+from hybrid_build.core.errors import UserError
 
 EPILOG = """examples:
   hybrid-build publish out/ --repo-id my-org/Qwen3.5-122B-A10B-hybrid --dry-run

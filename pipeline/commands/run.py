@@ -9,7 +9,7 @@ import logging
 import time
 from pathlib import Path
 
-from ..inspection import human_bytes
+from hybrid_build.recipes.inventory import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ def _demo_source(args) -> Path:
 
 def _handle(args: argparse.Namespace) -> int:
     from ..build import RecipeOverrides, check_output_folder, prepare
-    from ..errors import UserError
+    from hybrid_build.core.errors import UserError
     from ..generators.sources import SYNTHETIC_PREFIX, open_source
-    from ..cli_support import emit_json, progress
+    from hybrid_build.core.cli_support import emit_json, progress
     from ..runner import run_build, select_stages
     from ..stages import WORK_DIR
 
@@ -124,7 +124,7 @@ def _stage_json(r) -> dict:
 
 
 def _dry_run(args, ctx, source, stages: list[str]) -> int:
-    from ..cli_support import emit_json
+    from hybrid_build.core.cli_support import emit_json
     from ..runner import dry_run
 
     data = {"source": ctx.source.source_id or str(ctx.source.root), **dry_run(ctx, stages)}
@@ -146,7 +146,7 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
 
 
 def register(sub, common) -> None:
-    from ..cli_support import ExampleFormatter, add_json_flag
+    from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
     from ..stages import STAGES
 
     p = sub.add_parser(

@@ -24,8 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..checkpoint import Checkpoint
-from ..safetensors_io import ByteRange, OutTensor, plan_shards, write_index, write_shard
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.safetensors_io import ByteRange, OutTensor, plan_shards, write_index, write_shard
 
 log = logging.getLogger(__name__)
 

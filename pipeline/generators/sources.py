@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint import Checkpoint
-from ..errors import UserError
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.errors import UserError
 
 SYNTHETIC_PREFIX = "synthetic:"
 

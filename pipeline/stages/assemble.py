@@ -22,17 +22,17 @@ import torch
 
 from hybrid_build.calibration.gptq import zeros_are_symmetric
 
-from .. import __version__
-from ..checkpoint import TensorInfo
+from hybrid_build.core import __version__
+from hybrid_build.core.checkpoint import TensorInfo
 from ..context import BuildContext, output_bytes
-from ..errors import ArtifactError
-from ..layout import split_module
-from ..manifest import sha256_file
-from ..safetensors_io import (
+from hybrid_build.core.errors import ArtifactError
+from hybrid_build.core.tensor_classes import split_module
+from hybrid_build.core.manifest import sha256_file
+from hybrid_build.core.safetensors_io import (
     INDEX_NAME, TMP_SUFFIX, ByteRange, OutTensor, ShardHasher, ShardPlan, plan_shards, write_shard, write_text_atomic,
 )
-from ..source_identity import LOCATION_FILE
-from ..weights import read_tensor
+from hybrid_build.core.source_identity import LOCATION_FILE
+from hybrid_build.core.weights import read_tensor
 from .base import Stage, StageIO, StageOutput
 
 log = logging.getLogger(__name__)

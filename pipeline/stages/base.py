@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ArtifactError
-from ..safetensors_io import ByteRange, ShardPlan, TensorHeader, read_header
+from hybrid_build.core.errors import ArtifactError
+from hybrid_build.core.safetensors_io import ByteRange, ShardPlan, TensorHeader, read_header
 
 if TYPE_CHECKING:
     import torch

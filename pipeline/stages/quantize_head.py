@@ -13,8 +13,8 @@ from hybrid_build.calibration.gptq import int8_gptq_qzeros
 from hybrid_build.calibration.int8_rows import RowChunkQuantizer
 
 from ..context import BuildContext
-from ..safetensors_io import OutTensor, ShardPlan, write_shard
-from ..weights import iter_row_chunks
+from hybrid_build.core.safetensors_io import OutTensor, ShardPlan, write_shard
+from hybrid_build.core.weights import iter_row_chunks
 from .base import Handover, Stage, StageIO
 
 HEAD_FILE = "lm_head_int8.safetensors"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..context import BuildContext
-from ..errors import ArtifactError, StageFailed
+from hybrid_build.core.errors import ArtifactError, StageFailed
 from .base import Stage, StageIO
 
 

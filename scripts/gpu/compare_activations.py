@@ -9,7 +9,7 @@ runner's output is the whole block (routed + gated shared), so the routed part i
 
 The routed experts are also computed with the gate/up scales laid out as stock vLLM 0.23-0.33 lays
 them out for Marlin when ``moe_intermediate_size <= group_size < hidden_size`` (channel-wise
-permutation, read by the kernel as grouped; ``serve/vllm_fixes.py``): a capture made without the
+permutation, read by the kernel as grouped; ``serve/upstream_fixes.py``): a capture made without the
 fix matches that line, one made with it matches the line above.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from hybrid_build.calibration.gptq import dequantize_gptq
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.weights import load_weight, read_tensor
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.weights import load_weight, read_tensor
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -929,7 +929,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "texts":  # here: the bundled texts as token ids (tiny tokenizer)
         from transformers import AutoTokenizer
 
-        from hybrid_build.validate.e2e import MAX_TOKENS_PER_TEXT, bundled_texts
+        from hybrid_build.validate.transformers_forward import MAX_TOKENS_PER_TEXT, bundled_texts
 
         tok = AutoTokenizer.from_pretrained(sys.argv[2])
         ids = {n: tok(t)["input_ids"][:MAX_TOKENS_PER_TEXT] for n, t in bundled_texts().items()}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.weights import load_weight
-from hybrid_build.validate.e2e import _find_module, _forward, _upcast, bundled_texts
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.weights import load_weight
+from hybrid_build.validate.transformers_forward import _find_module, _forward, _upcast, bundled_texts
 
 MAX_TOKENS = 64  # per prompt: enough positions for a KL estimate, small enough to carry
 

@@ -1,10 +1,12 @@
-"""The shape of the house: every module imports, no import cycles, arrows that point one way.
+"""The shape of the house: every module imports, no import cycles, folders in layers, arrows
+that point one way.
 
 The graph counts every ``import`` statement among ``hybrid_build`` modules, at module level or
-inside a function: a lazy import still makes the two modules depend on each other. The arrows:
-commands (``pipeline/commands``, ``*command.py``, ``cli``) -> the library (build, runner) ->
-stages -> shared machinery -> pure transforms in ``calibration``. Only commands, and modules run
-as their own process, parse arguments.
+inside a function: a lazy import still makes the two modules depend on each other. The top-level
+folders are layers (``LAYERS``, ground first); a module imports only from its own folder or a
+folder below it. Within the folders: commands (``pipeline/commands``, ``*command.py``, ``cli``) ->
+the library (build, runner) -> stages -> shared machinery -> pure transforms in ``calibration``.
+Only commands, and modules run as their own process, parse arguments.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OPTIONAL = {"vllm"}  # imported by the vLLM plugin inside vLLM's process only
+OPTIONAL = {"vllm"}
+# the top-level folders, ground first: each may import itself and the folders before it
+LAYERS = ("calibration", "core", "recipes", "validate", "serve", "pipeline")  # imported by the vLLM plugin inside vLLM's process only
 
 
 def _modules() -> dict[str, Path]:
@@ -142,3 +146,40 @@ def _stdlib_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             out.add(node.module.split(".")[0])
     return out
+
+
+def _layer(name: str) -> int:
+    return LAYERS.index(name.split(".")[1])
+
+
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, deps in graph.items() for b in deps if _layer(b) > _layer(a))
+
+
+def test_every_folder_is_a_layer():
+    assert {name.split(".")[1] for name in MODULES} == set(LAYERS)
+
+
+def test_folders_import_downward_only():
+    assert _upward(GRAPH) == []
+
+
+def test_an_upward_import_between_folders_is_caught(monkeypatch):
+    """Caught as an upward edge whether or not it also closes a cycle."""
+    for a, b in [("hybrid_build.core.checkpoint", "hybrid_build.pipeline.runner"),
+                 ("hybrid_build.recipes.schema", "hybrid_build.serve.engine"),
+                 ("hybrid_build.validate.checks", "hybrid_build.serve.vllm_plugin")]:
+        monkeypatch.setitem(GRAPH, a, GRAPH[a] | {b})
+        assert (a, b) in _upward(GRAPH)
+        monkeypatch.undo()
+
+
+def test_a_command_module_that_does_not_import_is_an_error_naming_it(monkeypatch, capsys):
+    from hybrid_build.pipeline import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "frobnicate", "hybrid_build.pipeline.commands.frobnicate")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "`frobnicate`" in err[0] and "hybrid_build.pipeline.commands.frobnicate" in err[0]

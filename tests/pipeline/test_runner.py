@@ -17,11 +17,11 @@ from hybrid_build.pipeline import build, runner
 from hybrid_build.pipeline.stages import assemble as asm
 from hybrid_build.pipeline.stages import base as stage_base
 from hybrid_build.pipeline.stages import quantize_head
-from hybrid_build.pipeline.checkpoint import Checkpoint
+from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.errors import UserError
-from hybrid_build.pipeline.layout import split_module
-from hybrid_build.pipeline.weights import load_weight, read_tensor
+from hybrid_build.core.errors import UserError
+from hybrid_build.core.tensor_classes import split_module
+from hybrid_build.core.weights import load_weight, read_tensor
 
 
 def _bytes(ckpt, t):
@@ -152,8 +152,8 @@ def test_compressed_tensors_artifact_loads_in_transformers(tiny_checkpoint, ct_a
 
 FORWARD_SCRIPT = r'''
 import sys, torch, transformers
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.weights import load_weight
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.weights import load_weight
 tag, path, dest = sys.argv[1:4]
 ids = torch.tensor([[5, 17, 99, 300, 12, 7, 800, 44, 3, 9, 10, 11, 40, 41, 42, 43]])
 kw = {"quantization_config": transformers.CompressedTensorsConfig(run_compressed=False)} if tag == "ct" else {}
@@ -332,7 +332,7 @@ def test_head_is_quantized_while_assemble_writes_other_shards(tiny_checkpoint, i
     head_shard = index["lm_head.qweight"]
     assert head_shard not in finished_before_head
     # the head's tensors are the last ones of their shard
-    from hybrid_build.pipeline.safetensors_io import read_header
+    from hybrid_build.core.safetensors_io import read_header
 
     in_shard = [t.name for t in sorted(read_header(out / head_shard).tensors.values(), key=lambda t: t.start)]
     assert len(in_shard) > 3 and set(in_shard[-3:]) == {"lm_head.qweight", "lm_head.qzeros", "lm_head.scales"}

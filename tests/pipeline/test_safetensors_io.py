@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybrid_build.pipeline.checkpoint import Checkpoint
-from hybrid_build.pipeline.errors import ArtifactError, SourceError
-from hybrid_build.pipeline.safetensors_io import (
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.errors import ArtifactError, SourceError
+from hybrid_build.core.safetensors_io import (
     INDEX_NAME, ByteRange, OutTensor, plan_shards, read_header, write_index, write_shard,
 )
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from hybrid_build.pipeline import build, runner
 from hybrid_build.pipeline import source_identity
-from hybrid_build.pipeline.checkpoint import Checkpoint
+from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.build import RecipeOverrides
 from hybrid_build.recipes.schema import load_recipe, select_recipe
@@ -199,7 +199,7 @@ def test_a_family_member_without_a_recipe_gets_targets_from_its_structure(tiny_c
     other_size = {**ckpt.text_config, "hidden_size": 2304, "num_hidden_layers": 28}
     assert select_recipe(other_size, ckpt.model_type).name == "qwen3.5-moe"
     assert select_recipe(ckpt.text_config, ckpt.model_type).name == "tiny"  # its own recipe still wins
-    from hybrid_build.pipeline.conversion import plan_conversion
+    from hybrid_build.recipes.conversion import plan_conversion
 
     family = plan_conversion(ckpt, load_recipe("qwen3.5-moe"))
     shared = {m for m in ckpt.modules if m.startswith(ckpt.lm_prefix + "layers.") and ".mlp.shared_expert." in m}

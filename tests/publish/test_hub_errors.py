@@ -17,10 +17,10 @@ from huggingface_hub.utils import hf_raise_for_status
 
 from hub_standin import FAKE_TOKEN
 from hybrid_build.pipeline.commands import publish as publish_command
-from hybrid_build.pipeline.checkpoint import resolve_source
+from hybrid_build.core.checkpoint import resolve_source
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.errors import ExternalToolError, UserError
-from hybrid_build.pipeline.hub_errors import classify, hub_message
+from hybrid_build.core.errors import ExternalToolError, UserError
+from hybrid_build.core.hub_errors import classify, hub_message
 
 REPO = "some-org/some-model"
 

@@ -17,7 +17,7 @@ from hub_standin import FAKE_TOKEN, StandInHub, http_error
 
 from hybrid_build.pipeline.commands import publish as publish_command
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.errors import ArtifactError, UserError
+from hybrid_build.core.errors import ArtifactError, UserError
 from hybrid_build.pipeline.publish import Publisher, RetryPolicy, plan_publish, verify_remote
 
 REPO = "my-org/tiny-hybrid"

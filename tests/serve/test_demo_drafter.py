@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from hybrid_build.pipeline.generators.demo import build_demo_drafter, demo_drafter_path
-from hybrid_build.serve.profiles import DrafterSpec
+from hybrid_build.recipes.profiles import DrafterSpec
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.errors import SourceMismatch, UserError
+from hybrid_build.core.errors import SourceMismatch, UserError
 from hybrid_build.serve.engine import plan_launch
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

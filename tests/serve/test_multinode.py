@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from hybrid_build.serve import bandwidth as bw
 from hybrid_build.serve import multinode as mn
 from hybrid_build.serve import multinode_plan as mnp
@@ -378,7 +378,7 @@ def test_a_failed_start_stops_the_nodes_it_started(tiny_artifact, cluster_env):
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
-    from hybrid_build.pipeline.checkpoint import Checkpoint
+    from hybrid_build.core.checkpoint import Checkpoint
     from hybrid_build.pipeline.generators.synthetic import (
         qwen35_122b_config, qwen35_397b_config, write_synthetic_checkpoint,
     )

@@ -10,9 +10,9 @@ import pytest
 
 from hybrid_build.serve import bandwidth as bw
 from hybrid_build.serve.speed_plan import PlanOptions, build_plan
-from hybrid_build.pipeline.checkpoint import Checkpoint
+from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.pipeline.cli import main
-from hybrid_build.pipeline.inspection import build_report, bytes_per_token
+from hybrid_build.recipes.inventory import build_report, bytes_per_token
 from hybrid_build.pipeline.generators.synthetic import (
     SyntheticTensor, qwen35_122b_config, synthetic_tensors, write_synthetic_checkpoint,
 )

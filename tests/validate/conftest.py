@@ -65,7 +65,7 @@ def artifact_copy(built_artifact, tmp_path) -> Path:
 
 def locate(artifact: Path, name: str) -> tuple[Path, int, int]:
     """(file, absolute byte offset, nbytes) of one tensor in an artifact."""
-    from hybrid_build.pipeline.checkpoint import Checkpoint
+    from hybrid_build.core.checkpoint import Checkpoint
 
     t = Checkpoint.read_folder(artifact).tensors[name]
     return artifact / t.file, t.start, t.nbytes

@@ -13,7 +13,7 @@ import pytest
 
 from hybrid_build.pipeline.cli import main
 from hybrid_build.validate import accuracy, eval_taskset
-from hybrid_build.validate.accuracy import EvalSettings, ServerModel, compare_pairs, mcnemar_exact
+from hybrid_build.validate.task_eval import EvalSettings, ServerModel, compare_pairs, mcnemar_exact
 
 ROW_KEYS = {"task", "metric", "n", "source", "hybrid", "difference", "ci95", "recovery_pct", "only_source",
             "only_hybrid", "p_value", "test", "verdict", "source_stderr", "hybrid_stderr", "dataset", "num_fewshot"}
@@ -108,7 +108,7 @@ def test_pairs_come_from_the_first_filter_by_document():
     hyb["samples"]["t"].reverse()  # order does not matter, documents do
     ex = accuracy.paired_examples(src, hyb)["t"]
     assert ex["filter"] == "strict-match" and ex["pairs"] == [[0, 1, 1], [1, 0, 1], [2, 1, 0], [3, 1, 1]]
-    from hybrid_build.pipeline.errors import ArtifactError
+    from hybrid_build.core.errors import ArtifactError
 
     with pytest.raises(ArtifactError, match="example 2 differs between the two runs"):
         accuracy.paired_examples(src, _fake({"strict-match": [1, 1, 0, 1]}, hashes={2: "other"}))
@@ -333,7 +333,7 @@ def test_one_line_errors(built_artifact, standin, capsys, tmp_path):
 
 def test_a_task_that_needs_the_network_offline():
     """HF_HUB_OFFLINE is set for every test: gsm8k's dataset is not cached, so it cannot load."""
-    from hybrid_build.pipeline.errors import UserError
+    from hybrid_build.core.errors import UserError
 
     manager = accuracy.task_manager(["gsm8k"])
     with pytest.raises(UserError, match=r"^task gsm8k needs its dataset from the Hugging Face Hub and HF_HUB_OFFLINE "

@@ -73,7 +73,7 @@ def test_bad_texts_are_one_line(artifact_copy, tiny_checkpoint, tmp_path, capsys
 
 
 def test_unknown_engine_is_a_usage_error(artifact_copy, tiny_checkpoint):
-    from hybrid_build.pipeline.errors import UserError
+    from hybrid_build.core.errors import UserError
 
     with pytest.raises(UserError, match="unknown end-to-end engine"):
         validate_artifact(artifact_copy, tiny_checkpoint, engine="nonsense", write=False)

@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hybrid_build.pipeline.errors import UserError
+from hybrid_build.core.errors import UserError
 from hybrid_build.validate.divergence import (PositionStats, bootstrap_mean_ci, divergence_report, position_stats,
                                               summarize)
 
-MAX_TOKENS = 256  # per text, as the transformers end-to-end check (validate/e2e.py) uses
+MAX_TOKENS = 256  # per text, as the transformers end-to-end check (validate/transformers_forward.py) uses
 SE = "model.language_model.layers.{}.mlp.shared_expert.{}_proj"
 
 
@@ -98,7 +98,7 @@ def _reference_model(folder: Path):
 def tiny_token_ids(tiny_checkpoint) -> dict[str, list[int]]:
     from transformers import AutoTokenizer
 
-    from hybrid_build.validate.e2e import bundled_texts
+    from hybrid_build.validate.transformers_forward import bundled_texts
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     return {name: tok(text)["input_ids"][:MAX_TOKENS] for name, text in bundled_texts().items()}
@@ -166,7 +166,7 @@ def test_streamed_forward_of_each_format_agrees(tiny_checkpoint, built_artifact,
     head read in vocabulary chunks: GPTQ columns, pack-quantized rows) equal up to the heads'
     scale dtype; the INT4 modules shared with the source must be dequantized once, not per
     checkpoint."""
-    from hybrid_build.pipeline.conversion import plan_conversion
+    from hybrid_build.recipes.conversion import plan_conversion
     from hybrid_build.pipeline.build import prepare
     from hybrid_build.pipeline.runner import run_build
     from hybrid_build.validate.streamed import compare_streamed, streamed_hidden_states

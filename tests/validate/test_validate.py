@@ -156,8 +156,8 @@ def test_missing_artifact_is_a_usage_error(tmp_path, capsys):
 
 def test_end_to_end_measures_only_the_replaced_weights(tiny_checkpoint):
     """Null check: replacing the converted modules with the source's own weights changes nothing."""
-    from hybrid_build.pipeline.checkpoint import Checkpoint
-    from hybrid_build.validate.e2e import run_end_to_end
+    from hybrid_build.core.checkpoint import Checkpoint
+    from hybrid_build.validate.transformers_forward import run_end_to_end
 
     src = Checkpoint.open(tiny_checkpoint)
     modules = [m for m, parts in src.modules.items() if "weight" in parts and parts["weight"].klass in
@@ -176,7 +176,7 @@ def test_compressed_tensors_build_passes_and_repack_is_checked(tiny_checkpoint, 
     out = tmp_path / "ct"
     ctx = prepare(tiny_checkpoint, out, str(test_recipe))
     ctx.recipe.output.format = "compressed-tensors"
-    from hybrid_build.pipeline.conversion import plan_conversion
+    from hybrid_build.recipes.conversion import plan_conversion
 
     ctx.plan = plan_conversion(ctx.source, ctx.recipe)
     run_build(ctx, stages=["inspect", "calibrate", "quantize-head", "assemble"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_build.pipeline.errors import ExternalToolError, UserError
+from hybrid_build.core.errors import ExternalToolError, UserError
 from hybrid_build.validate import vllm_compare
 from hybrid_build.validate.divergence import divergence_report, position_stats
 

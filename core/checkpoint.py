@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import SourceError
-from .layout import classify, dtype_storage, module_storage, split_module
+from .tensor_classes import classify, dtype_storage, module_storage, split_module
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The child process of ``hybrid-build eval``'s Hugging Face backend: lm-eval on the source, then on
 the hybrid (the same model object with the artifact's converted modules dequantized into it).
 
-``python -m hybrid_build.validate.accuracy_hf --spec SPEC --out OUT``: the spec names the source,
+``python -m hybrid_build.validate.task_eval_hf --spec SPEC --out OUT``: the spec names the source,
 the artifact, the converted modules and the settings (``accuracy.EvalSettings``); the result is
 ``{"source": lm-eval results, "hybrid": lm-eval results, "modules_replaced": n, "seconds": s}``,
 or ``{"error": sentence, "kind": "user" | "artifact"}`` when it cannot run. Progress goes to
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .accuracy import PROGRESS_MARK, UNAVAILABLE_EXIT, EvalSettings, counting_lm, run_lm_eval, task_manager
+from .task_eval import PROGRESS_MARK, UNAVAILABLE_EXIT, EvalSettings, counting_lm, run_lm_eval, task_manager
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def _load(source: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .e2e import TOKENIZER_FILES, _upcast
+    from .transformers_forward import TOKENIZER_FILES, _upcast
 
     folder = Path(source)
     if folder.is_dir() and not any((folder / n).exists() for n in TOKENIZER_FILES):
@@ -52,10 +52,10 @@ def _load(source: str, device: str):
 
 def _swap_in(model, artifact: str, modules: list[str]) -> int:
     """Replace each converted module's weight by the artifact's, dequantized (as ``e2e`` does)."""
-    from hybrid_build.pipeline.checkpoint import Checkpoint
-    from hybrid_build.pipeline.weights import load_weight
+    from hybrid_build.core.checkpoint import Checkpoint
+    from hybrid_build.core.weights import load_weight
 
-    from .e2e import _find_module
+    from .transformers_forward import _find_module
 
     ckpt = Checkpoint.read_folder(Path(artifact))
     for name in modules:
@@ -68,7 +68,7 @@ def _swap_in(model, artifact: str, modules: list[str]) -> int:
 
 
 def _child(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybrid_build.validate.accuracy_hf")
+    ap = argparse.ArgumentParser(prog="python -m hybrid_build.validate.task_eval_hf")
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from hybrid_build.recipes.schema import Recipe, target_matches
 
-from .checkpoint import Checkpoint, TensorInfo
-from .errors import SourceError
+from hybrid_build.core.checkpoint import Checkpoint, TensorInfo
+from hybrid_build.core.errors import SourceError
 
 FP8_BLOCK = 128
 

@@ -6,8 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
-from ..cli_support import ExampleFormatter, add_json_flag, emit_json, progress
-from ..errors import UserError
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.core.errors import UserError
 
 EPILOG = """examples:
   hybrid-build eval out/ --limit 10                        # bundled offline tasks, source vs hybrid on CPU
@@ -24,7 +24,7 @@ to ARTIFACT/hybrid_build/eval.{json,md}, where `publish` puts it on the model ca
 
 
 def register(sub, common) -> None:
-    from hybrid_build.validate.accuracy import BACKENDS, DEFAULT_TASKS
+    from hybrid_build.validate.task_eval import BACKENDS, DEFAULT_TASKS
 
     p = sub.add_parser(
         "eval", parents=[common], formatter_class=ExampleFormatter, epilog=EPILOG,
@@ -69,7 +69,7 @@ def register(sub, common) -> None:
 
 
 def _settings(args):
-    from hybrid_build.validate.accuracy import EvalSettings
+    from hybrid_build.validate.task_eval import EvalSettings
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if args.limit is not None and args.limit <= 0:
@@ -89,7 +89,7 @@ def _settings(args):
 
 
 def _servers(args):
-    from hybrid_build.validate.accuracy import ServerModel
+    from hybrid_build.validate.task_eval import ServerModel
 
     if args.url and (args.source_url or args.hybrid_url):
         raise UserError("--url serves both models: give it alone, or --source-url and --hybrid-url")

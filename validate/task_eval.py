@@ -40,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hybrid_build.pipeline.errors import ArtifactError, ExternalToolError, UserError
-from hybrid_build.pipeline.progress import ProgressFactory, close_bar, null_progress
+from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
 
 from .eval_taskset import BUNDLED_TASKS, GROUPS, task_dir
 
@@ -373,7 +373,7 @@ def evaluate_hf(source_root: Path, artifact_root: Path, modules: list[str], sett
         spec.write_text(json.dumps({"source": str(source_root), "artifact": str(artifact_root), "modules": modules,
                                     "settings": settings.to_json()}))
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "hybrid_build.validate.accuracy_hf", "--spec", str(spec), "--out", str(out)]
+        cmd = [sys.executable, "-m", "hybrid_build.validate.task_eval_hf", "--spec", str(spec), "--out", str(out)]
         t0 = time.monotonic()
         with open(err, "w") as err_f:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_f, text=True, env=env)
@@ -403,7 +403,7 @@ def evaluate_hf(source_root: Path, artifact_root: Path, modules: list[str], sett
                 raise UserError(result["error"]) if result.get("kind") == "user" else ArtifactError(result["error"])
             if proc.returncode == 0:
                 return result
-        from .e2e import strip_ansi
+        from .transformers_forward import strip_ansi
 
         lines = [ln.strip() for ln in strip_ansi(stderr).splitlines() if ln.strip()]
         raise ExternalToolError(f"the Hugging Face evaluation failed (exit {proc.returncode}): "
@@ -597,7 +597,7 @@ def build_report(results: dict[str, dict], settings: EvalSettings, models: dict,
                  notes: list[str] | None = None, seconds: float = 0.0) -> AccuracyReport:
     """The comparison of two lm-eval runs (``results["source"]``, ``results["hybrid"]``) from their
     logged samples."""
-    from hybrid_build.pipeline import __version__
+    from hybrid_build.core import __version__
 
     src, hyb = results["source"], results["hybrid"]
     examples = paired_examples(src, hyb)
@@ -637,7 +637,7 @@ def _num(v) -> float | None:
 
 def write_report(report: AccuracyReport, path: Path) -> list[Path]:
     """``path`` (JSON) and the Markdown table beside it (same name, ``.md``)."""
-    from hybrid_build.pipeline.safetensors_io import write_text_atomic
+    from hybrid_build.core.safetensors_io import write_text_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -665,7 +665,7 @@ def evaluate_artifact(artifact: Path, source: str | None, settings: EvalSettings
                       progress: ProgressFactory = null_progress) -> tuple[AccuracyReport, dict]:
     """The hf backend on a built artifact and its source (given, or the one its provenance records,
     checked by content). Returns the report and the two raw lm-eval results."""
-    from hybrid_build.pipeline.source_identity import open_recorded_source
+    from hybrid_build.core.source_identity import open_recorded_source
 
     artifact = Path(artifact)
     prov = read_provenance(artifact)
@@ -723,7 +723,7 @@ def read_provenance(artifact: Path) -> dict:
 def artifact_identity(artifact: Path) -> dict:
     """Which build was evaluated: the folder's name and the sha256 of its provenance manifest (the
     model card shows a report only for the build it describes)."""
-    from hybrid_build.pipeline.manifest import sha256_file
+    from hybrid_build.core.manifest import sha256_file
 
     prov = Path(artifact) / META_DIR / "provenance.json"
     return {"name": Path(artifact).resolve().name,

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
-from .checkpoint import Checkpoint
+from hybrid_build.core.checkpoint import Checkpoint
 from .conversion import ConversionPlan, plan_conversion
-from .errors import RecipeError, SourceError
-from .layout import CLASSES
+from hybrid_build.core.errors import RecipeError, SourceError
+from hybrid_build.core.tensor_classes import CLASSES
 
 SCHEMA_VERSION = 1
 

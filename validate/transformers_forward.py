@@ -7,7 +7,7 @@ difference measures the conversion alone, not BF16 rounding in the forward.
 
 It runs in a child process: auto-round's loader patches transformers in ways that can break a
 later plain ``from_pretrained`` in the same process, it prints freely, and the model's memory is
-returned to the system when the child exits. ``python -m hybrid_build.validate.e2e`` is the child.
+returned to the system when the child exits. ``python -m hybrid_build.validate.transformers_forward`` is the child.
 
 A child that cannot run ends as one sentence for the report, saying what is missing and what to
 do: the child itself writes it when it knows the cause (texts that tokenize to nothing), the
@@ -81,7 +81,7 @@ def run_end_to_end(artifact: Path, source: Path, modules: list[str], max_tokens:
 
 def _child_command(source: Path, artifact: Path, spec: Path, out: Path, max_tokens: int) -> list[str]:
     """The child's command line (a function of its own, so that a test can stand in another child)."""
-    return [sys.executable, "-m", "hybrid_build.validate.e2e", "--source", str(source), "--artifact",
+    return [sys.executable, "-m", "hybrid_build.validate.transformers_forward", "--source", str(source), "--artifact",
             str(artifact), "--modules", str(spec), "--out", str(out), "--max-tokens", str(max_tokens)]
 
 
@@ -243,7 +243,7 @@ def _tokenize(source: str, texts: dict[str, str], max_tokens: int, auto_tokenize
 
 
 def _child(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybrid_build.validate.e2e")
+    ap = argparse.ArgumentParser(prog="python -m hybrid_build.validate.transformers_forward")
     ap.add_argument("--source", required=True)
     ap.add_argument("--artifact", required=True)
     ap.add_argument("--modules", required=True, help="JSON list of converted module names")
@@ -257,8 +257,8 @@ def _child(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybrid_build.pipeline.checkpoint import Checkpoint
-    from hybrid_build.pipeline.weights import load_weight
+    from hybrid_build.core.checkpoint import Checkpoint
+    from hybrid_build.core.weights import load_weight
 
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
