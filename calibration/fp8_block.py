@@ -79,10 +79,3 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
     s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return q.float() * s
 
-
-def dequantize_fp8_block_ct(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """The same through compressed-tensors (used by tests to cross-check our own expansion)."""
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-
-    args = fp8_block_args(block)
-    return dequantize(q, scale_inv, torch.zeros_like(scale_inv), args).float()

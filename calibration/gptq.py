@@ -59,9 +59,3 @@ def _pack_le(u8: torch.Tensor) -> torch.Tensor:
     w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
     return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
 
-
-def gptq_to_pack_quantized(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Symmetric INT4 GPTQ -> compressed-tensors pack-quantized, bit-exact:
-    ``weight_packed = qweight.T`` [N, K/8], ``weight_scale = scales.T`` [N, K/g], ``weight_shape = [N, K]``."""
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
-    return qweight.t().contiguous(), scales.t().contiguous(), torch.tensor([n, k], dtype=torch.int64)

@@ -134,6 +134,29 @@ def _quantization(config: dict) -> QuantizationInfo:
     return QuantizationInfo(method, raw)
 
 
+# config.json fields that planning reads as numbers; a wrong type is refused before anything is built
+_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "vocab_size",
+               "moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval")
+
+
+def _check_config_shape(config, path: Path) -> None:
+    """A config.json that parses but is not what transformers writes: one line naming the field."""
+    if not isinstance(config, dict):
+        raise SourceError(f"{path}: expected a JSON object, found a {type(config).__name__}")
+    text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise SourceError(f"{path}: text_config must be an object, found a {type(text).__name__}")
+    for where, block in (("", config), ("text_config.", text)):
+        for name in _INT_FIELDS:
+            v = block.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise SourceError(f"{path}: {where}{name} must be a non-negative integer, found {v!r}")
+    layer_types = text.get("layer_types")
+    if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(x, str) for x in layer_types)):
+        raise SourceError(f"{path}: text_config.layer_types must be a list of strings")
+
+
 @dataclass
 class Checkpoint:
     root: Path
@@ -177,14 +200,8 @@ class Checkpoint:
             out.setdefault(module, {})[part] = t
         return out
 
-    def by_class(self, klass: str) -> list[TensorInfo]:
-        return [t for t in self.tensors.values() if t.klass == klass]
-
     def path_of(self, t: TensorInfo) -> Path:
         return self.root / t.file
-
-    def header_of(self, t: TensorInfo) -> TensorHeader:
-        return TensorHeader(t.name, t.dtype, t.shape, t.start, t.nbytes)
 
     def errors(self) -> list[Problem]:
         return [p for p in self.problems if p.severity == "error"]
@@ -215,6 +232,7 @@ class Checkpoint:
             config = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
             raise SourceError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})")
+        _check_config_shape(config, cfg_path)
         quant = _quantization(config)
         problems: list[Problem] = []
 

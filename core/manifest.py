@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from .safetensors_io import write_text_atomic
@@ -20,33 +21,21 @@ HASH_CHUNK = 16 * 1024 * 1024
 QUICK_HASH_LIMIT = 64 * 1024 * 1024  # outputs up to this size are re-hashed when checking a manifest
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, on_bytes: Callable[[int], object] | None = None) -> str:
+    """sha256 of a file read in 16 MiB chunks; ``on_bytes`` (a progress bar's update) sees each."""
     h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
     with open(path, "rb") as f:
-        buf = bytearray(HASH_CHUNK)
-        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
+            if on_bytes:
+                on_bytes(n)
     return h.hexdigest()
 
 
 def sha256_json(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def source_fingerprint(root: Path, files: list[str]) -> dict:
-    """Cheap identity of a checkpoint: config hash, and per file its size and header hash."""
-    out: dict[str, Any] = {}
-    for name in ["config.json", *files]:
-        p = root / name
-        if not p.exists():
-            continue
-        with open(p, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 and name.endswith(".safetensors") else 0
-            blob = head + f.read(min(n, 100 * 1024 * 1024)) if n else (head + f.read() if name.endswith(".json") else head)
-        out[name] = {"bytes": p.stat().st_size, "head_sha256": hashlib.sha256(blob).hexdigest()}
-    return out
 
 
 @dataclass

@@ -548,12 +548,3 @@ def write_text_atomic(path: Path, text: str) -> Path:
     os.replace(tmp, path)
     return path
 
-
-def tensor_bytes(path: str | os.PathLike, header: TensorHeader) -> bytes:
-    """Read one tensor's raw bytes (for hashing and for the small tensors a stage changes)."""
-    with open(path, "rb") as f:
-        f.seek(header.start)
-        data = f.read(header.nbytes)
-    if len(data) != header.nbytes:
-        raise ArtifactError(f"{Path(path).name}: {header.name} is truncated")
-    return data

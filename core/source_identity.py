@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from .artifact import WORK_DIR
 from .errors import SourceMismatch, UserError
 from .manifest import sha256_file, sha256_json
 from .progress import ProgressFactory, close_bar, null_progress
@@ -226,7 +227,7 @@ def read_record(artifact: Path, provenance: dict | None) -> SourceRecord | None:
     if not src.get("id"):
         return None
     loc = {}
-    loc_path = Path(artifact) / ".hybrid-build" / LOCATION_FILE
+    loc_path = Path(artifact) / WORK_DIR / LOCATION_FILE
     if loc_path.exists():
         try:
             loc = json.loads(loc_path.read_text())
@@ -277,7 +278,7 @@ def open_recorded_source(artifact: Path, provenance: dict | None, given: str | o
 
     artifact = Path(artifact).resolve()
     record = read_record(artifact, provenance)
-    cache = artifact / ".hybrid-build" / DIGEST_CACHE
+    cache = artifact / WORK_DIR / DIGEST_CACHE
     if given is not None:
         ckpt = Checkpoint.open(given)
     elif record is None:

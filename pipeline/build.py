@@ -15,12 +15,13 @@ from pathlib import Path
 
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
+from hybrid_build.core import formats
 from hybrid_build.core.checkpoint import Checkpoint
 from .context import BuildContext
 from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.core.errors import RecipeError, SourceError, UserError
 from hybrid_build.core.progress import ProgressFactory, null_progress
-from .stages import WORK_DIR
+from hybrid_build.core.artifact import WORK_DIR
 
 
 @dataclass
@@ -34,7 +35,7 @@ class RecipeOverrides:
     def apply(self, recipe: Recipe) -> Recipe:
         recipe = recipe.model_copy(deep=True)
         if self.format:
-            recipe.output.format = self.format
+            recipe.output.format = formats.get(self.format).name  # an unknown name: one line listing the valid ones
         if self.observer:
             recipe.shared_experts.observer = self.observer
         if self.fp8_source:
@@ -43,7 +44,7 @@ class RecipeOverrides:
         return recipe
 
 
-def resolve_recipe(source: Checkpoint, recipe_arg: str | None, force: bool = False,
+def recipe_for_source(source: Checkpoint, recipe_arg: str | None, force: bool = False,
                    how: str = "given") -> tuple[Recipe, str]:
     """The recipe to build with, and a note saying how it was chosen. A recipe given by name or
     file must fit the source's config (its ``match`` block), unless ``force``."""
@@ -80,7 +81,7 @@ def prepare(source: str | Path | Checkpoint, out: Path, recipe_arg: str | None =
     ckpt.require_clean()
     if ckpt.hybrid_info:
         raise SourceError(f"{source}: already a hybrid-build artifact (config.json has a hybrid_build block)")
-    recipe, note = resolve_recipe(ckpt, recipe_arg, force, recipe_how)
+    recipe, note = recipe_for_source(ckpt, recipe_arg, force, recipe_how)
     recipe = (overrides or RecipeOverrides()).apply(recipe)
     check_output_folder(Path(out), ckpt.root)
     plan = plan_conversion(ckpt, recipe)

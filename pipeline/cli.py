@@ -15,7 +15,7 @@ import logging
 import sys
 
 from hybrid_build.core import __version__
-from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error
+from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error, interrupt_exit_code, stop_on_signals
 from hybrid_build.core.errors import HybridBuildError
 
 # name -> module with register(); order is the order of `hybrid-build --help`
@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "hybrid_build.pipeline.commands.inspect",
     "demo-checkpoint": "hybrid_build.pipeline.commands.demo",
     "run": "hybrid_build.pipeline.commands.run",
+    "status": "hybrid_build.pipeline.commands.status",
     "validate": "hybrid_build.validate.command",
     "eval": "hybrid_build.validate.eval_command",
     "plan": "hybrid_build.pipeline.commands.plan",
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.verbose, args.quiet)
+    restore_signals = stop_on_signals()
     try:
         return int(args.handler(args) or 0)
     except HybridBuildError as e:
@@ -105,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             logging.exception("failed")
         sys.stderr.write(f"error: {describe_os_error(e)}\n")
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         sys.stderr.write("interrupted: run the same command again to resume\n")
-        return 130
+        return interrupt_exit_code(e)
+    finally:
+        restore_signals()
 
 
 if __name__ == "__main__":

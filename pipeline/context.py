@@ -6,6 +6,8 @@ and never change it; the runner (``pipeline.runner``) owns what changes while a 
 """
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +19,11 @@ from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.recipes.conversion import ConversionPlan
 from hybrid_build.core.manifest import sha256_json
 from hybrid_build.core.progress import ProgressFactory, null_progress
-from hybrid_build.core.source_identity import DIGEST_CACHE, SourceDigests, SourceRecord, record_for
-from .stages import WORK_DIR
+from hybrid_build.core.source_identity import DIGEST_CACHE, LOCATION_FILE, SourceDigests, SourceRecord, record_for
+from hybrid_build.core.artifact import RUN_RECIPE, WORK_DIR
+from hybrid_build.core.safetensors_io import write_text_atomic
+
+_RECORD_LOCK = threading.Lock()  # a background stage may save its manifest while the main thread does
 
 
 @dataclass
@@ -57,6 +62,21 @@ class BuildContext:
     def source_record(self) -> SourceRecord:
         return record_for(self.source.root, self.source.source_id, self.source.revision,
                           self.digests.result(self.progress), self.in_artifact)
+
+    def record_recipe(self) -> None:
+        """The recipe of this run, in the work folder beside the stage manifests, and (``record_location``)
+        where the source is: ``hybrid-build status`` re-keys the stages from the output folder alone."""
+        self._record(self.out / RUN_RECIPE, self.recipe.to_yaml())
+
+    def record_location(self) -> None:
+        """Where the source is (it needs the source's digests: called once they are known)."""
+        self._record(self.work / LOCATION_FILE, json.dumps(self.source_record().to_location(), indent=2) + "\n")
+
+    @staticmethod
+    def _record(path: Path, text: str) -> None:
+        with _RECORD_LOCK:
+            if not path.is_file() or path.read_text() != text:
+                write_text_atomic(path, text)
 
     def assemble_marker(self) -> str:
         """Identifies an assemble in progress, so a resumed one keeps only its own complete shards.

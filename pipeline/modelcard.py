@@ -22,10 +22,15 @@ from pathlib import Path
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, report_state
+from hybrid_build.core import formats
 from hybrid_build.core.checkpoint import HUB_ID
+from hybrid_build.core.formats.base import OutputFormat
+from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.safetensors_io import INDEX_NAME, read_header
 
 log = logging.getLogger(__name__)
+VALIDATION, EVAL = REPORTS["validation"], REPORTS["eval"]
 
 UNKNOWN_LICENSE = "other"
 
@@ -101,7 +106,7 @@ def read_frontmatter(readme: Path) -> dict:
 def find_license(artifact: Path, config: dict) -> LicenseInfo:
     """The source's license: from the source card that ``run`` copied into the artifact, else from
     ``config.json``; ``other`` when neither says, which the card then states plainly."""
-    meta = read_frontmatter(artifact / "README.md")
+    meta = read_frontmatter(artifact / CARD)
     if isinstance(meta.get("license"), str) and meta["license"].strip():
         return LicenseInfo(meta["license"].strip(), "the source model card")
     for key in ("license", "license_name"):
@@ -144,25 +149,19 @@ def _json_object(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def read_evaluation(path: Path, provenance: Path) -> EvalStatus | None:
-    """The eval report at ``path``, checked against the build: its ``artifact.provenance_sha256``
-    must be the sha256 of ``provenance`` (None when there is no report)."""
-    import hashlib
-
+def read_evaluation(artifact: Path) -> EvalStatus | None:
+    """The artifact's eval report, checked against the build (``core.artifact.report_state``: its
+    provenance sha256 must be the build's). None when there is no report."""
+    evaluation = REPORTS["eval"]
+    path = evaluation.path(artifact)
     if not path.is_file():
         return None
     report = _json_object(path)
     if report is None or not isinstance(report.get("tasks"), list):
         return EvalStatus("stale", {}, f"{path.name} is not a report of `hybrid-build eval`")
-    recorded = (report.get("artifact") or {}).get("provenance_sha256")
-    try:
-        actual = hashlib.sha256(provenance.read_bytes()).hexdigest()
-    except OSError:
-        actual = None
-    if not recorded:
-        return EvalStatus("stale", report, "it names no build (run with ARTIFACT)")
-    if recorded != actual:
-        return EvalStatus("stale", report, "it was made for an earlier build of this folder (provenance differs)")
+    state, why = report_state(artifact, evaluation)
+    if state != "current":
+        return EvalStatus("stale", report, why if state == "stale" else f"{why} (run with ARTIFACT)")
     return EvalStatus("current", report)
 
 
@@ -235,26 +234,21 @@ def _g(v, spec: str = ".4g") -> str:
     return str(v)
 
 
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
+def _format_of(prov: dict) -> OutputFormat:
+    """The artifact's output format object (provenance written before formats were recorded: the default)."""
+    return formats.get(prov.get("format") or formats.DEFAULT)
 
 
 def card_data(inp: CardInputs) -> ModelCardData:
     prov = inp.provenance
     source = SourceView.of(prov)
     kinds = {c.get("kind") for c in prov.get("converted", [])}
-    fmt = prov.get("format", "inc-hybrid")
     tags = ["hybrid-build", "hybrid", "int4", "auto-round"]
     if "fp8" in kinds:
         tags.append("fp8")
     if "int8" in kinds:
         tags.append("int8")
-    if fmt == "compressed-tensors":
-        tags.append("compressed-tensors")
+    tags += _format_of(prov).card_tags
     tags.append("vllm")
     extra = {}
     if source.hub:
@@ -389,7 +383,7 @@ def _serve_section(inp: CardInputs) -> list[str]:
     profiles = serve.get("profiles") or {}
     dense = profiles.get("dense") or {}
     repo = inp.repo_id
-    fmt = inp.provenance.get("format", "inc-hybrid")
+    fmt = _format_of(inp.provenance)
     lines = ["## How to serve", "",
              "With hybrid-build, which picks the engine settings measured for this model (it is not on PyPI: "
              "install it from its source, `pip install -e .` in a clone of the project):", "", "```bash",
@@ -429,15 +423,8 @@ def _serve_section(inp: CardInputs) -> list[str]:
     if dense.get("tool_call_parser"):
         args.append("--enable-auto-tool-choice")
     lines += ["With plain vLLM:", ""]
-    if fmt == "compressed-tensors":
-        lines += ["This is a compressed-tensors mixed-precision checkpoint: stock vLLM (0.33 or later) loads it "
-                  "without a plugin.", ""]
-    else:
-        lines += ["Stock vLLM reads the quantization method of an auto-round checkpoint from its global config, so "
-                  "it would load the FP8 shared experts as INT4. Install hybrid-build next to vLLM: its vLLM plugin "
-                  "(entry point `vllm.general_plugins`) honours the per-layer FP8 entries"
-                  + (" and the int8 lm-head." if any(c.get("kind") == "int8" for c in inp.provenance.get("converted", []))
-                     else "."), ""]
+    int8_head = any(c.get("kind") == "int8" for c in inp.provenance.get("converted", []))
+    lines += [fmt.serving_note(int8_head), ""]
     lines += ["```bash", " ".join(shlex.quote(a) for a in args), "```", ""]
     if drafter_note:
         lines += [drafter_note, ""]
@@ -455,8 +442,8 @@ def _hybrid_build_serve(repo: str, recipe: dict) -> list[str]:
     if name in list_recipes():
         args = ["hybrid-build", "serve", repo, "--recipe", name, "--profile", "dense"]
     else:
-        lines.append(f"hf download {repo} hybrid_build/recipe.yaml --local-dir .")
-        args = ["hybrid-build", "serve", repo, "--recipe", "hybrid_build/recipe.yaml", "--profile", "dense"]
+        lines.append(f"hf download {repo} {RECIPE} --local-dir .")
+        args = ["hybrid-build", "serve", repo, "--recipe", RECIPE, "--profile", "dense"]
     spec = ((((recipe.get("serve") or {}).get("profiles") or {}).get("dense") or {}).get("speculative") or {})
     if spec.get("method") == "dflash" and not HUB_ID.match(str(spec.get("model") or "")):
         args += ["--drafter", "YOUR_DFLASH_DRAFTER"]
@@ -525,6 +512,23 @@ def render_body(inp: CardInputs) -> str:
     return "\n".join(lines)
 
 
+def _what_validation_ran(rep: dict) -> str:
+    """The checks the report says ran, in words: the card claims no check that did not run."""
+    from hybrid_build.validate.report import checks_that_ran
+
+    ran = checks_that_ran(rep)
+    said = ["every converted tensor dequantized and compared with the BF16 source"]
+    if {"activations", "lm_head"} & ran:
+        said.append("the shared-expert MLPs and the lm-head run on the same inputs")
+    if "end_to_end" in ran:
+        said.append("a teacher-forced end-to-end comparison with the source model")
+    else:
+        e2e = rep.get("end_to_end") or {}
+        why = "it could not run: " + e2e["could_not_run"] if e2e.get("could_not_run") else "it was skipped"
+        said.append(f"no end-to-end comparison with the source model ({why})")
+    return ", ".join(said[:-1]) + ", and " + said[-1]
+
+
 def _validation_section(inp: CardInputs) -> list[str]:
     v = inp.validation
     rep = v.report
@@ -532,9 +536,7 @@ def _validation_section(inp: CardInputs) -> list[str]:
     if v.state == "missing":
         return lines + ["No validation report: this artifact was published without being validated.", ""]
     state = {"passed": "passed", "failed": "**FAILED**", "stale": "from an earlier build (stale)"}.get(v.state, v.state)
-    lines += [f"Validation {state}: every converted tensor dequantized and compared with the BF16 source, the "
-              "shared-expert MLPs and the lm-head run on the same inputs, and a teacher-forced end-to-end "
-              "comparison with the source model.", ""]
+    lines += [f"Validation {state}: {_what_validation_ran(rep)}.", ""]
     rows = validation_figures(rep)
     if rows:
         lines += ["| figure | value | threshold |", "|---|---|---|"]
@@ -550,11 +552,11 @@ def _validation_section(inp: CardInputs) -> list[str]:
     if failures:
         lines += ["Failures:", ""] + [f"- {f}" for f in failures[:20]]
         if len(failures) > 20:
-            lines.append(f"- ... and {len(failures) - 20} more (see `hybrid_build/validation.json`)")
+            lines.append(f"- ... and {len(failures) - 20} more (see `{VALIDATION.main}`)")
         lines.append("")
     if inp.has_plot:
-        lines += ["![relative error per layer](hybrid_build/validation.png)", ""]
-    lines += ["Per-tensor figures: `hybrid_build/validation.md`; machine-readable: `hybrid_build/validation.json`.", ""]
+        lines += [f"![relative error per layer]({VALIDATION.named('.png')})", ""]
+    lines += [f"Per-tensor figures: `{VALIDATION.named('.md')}`; machine-readable: `{VALIDATION.main}`.", ""]
     return lines
 
 
@@ -564,7 +566,7 @@ def _eval_section(inp: CardInputs) -> list[str]:
         return []
     lines = ["## Task accuracy", ""]
     if not ev.current:
-        return lines + [f"`hybrid_build/eval.json` is in this repository but its figures are not shown: {ev.reason}. "
+        return lines + [f"`{EVAL.main}` is in this repository but its figures are not shown: {ev.reason}. "
                         "Run `hybrid-build eval` on this build to measure them.", ""]
     from hybrid_build.validate.task_eval import markdown_rows, settings_line
 
@@ -573,7 +575,7 @@ def _eval_section(inp: CardInputs) -> list[str]:
         rows = markdown_rows(rep)
         settings = settings_line(rep)
     except (KeyError, TypeError, ValueError) as e:
-        return lines + [f"`hybrid_build/eval.json` could not be read ({type(e).__name__}: {e}).", ""]
+        return lines + [f"`{EVAL.main}` could not be read ({type(e).__name__}: {e}).", ""]
     models = rep.get("models") or {}
     lines += [f"lm-evaluation-harness on the source and on this hybrid, same tasks and settings ({settings}). "
               "Accuracy in percent; difference = hybrid - source with a 95% interval over the paired examples; "
@@ -586,7 +588,7 @@ def _eval_section(inp: CardInputs) -> list[str]:
     elif backend:
         names = ", ".join(f"{role} `{(m or {}).get('name')}`" for role, m in models.items())
         lines += [f"Measured against running servers ({names}).", ""]
-    lines += ["Per-example results: `hybrid_build/eval.json`.", ""]
+    lines += [f"Per-example results: `{EVAL.main}`.", ""]
     return lines
 
 
@@ -607,7 +609,7 @@ def _bench_section(inp: CardInputs) -> list[str]:
         acc = (r.get("acceptance") or {}).get("mean_acceptance_length")
         lines.append(f"| {r.get('workload')} | {_g(r.get('decode_tok_s'), '.1f')} | {_g(r.get('e2e_tok_s'), '.1f')} | "
                      f"{_g(r.get('ttft_s'), '.3f')} | {_g(acc, '.2f')} |")
-    return lines + ["", "Raw figures: `hybrid_build/bench.json`.", ""]
+    return lines + ["", f"Raw figures: `{REPORTS['bench'].main}`.", ""]
 
 
 def _provenance_section(inp: CardInputs) -> list[str]:
@@ -625,9 +627,9 @@ def _provenance_section(inp: CardInputs) -> list[str]:
              f"- tool: {tool.get('name', 'hybrid-build')} {tool.get('version', '?')}",
              *([f"- built: {prov['created']}"] if prov.get("created") else []),
              src_line,
-             f"- recipe: `{(prov.get('recipe') or {}).get('name', '?')}` (resolved copy: `hybrid_build/recipe.yaml`)",
+             f"- recipe: `{(prov.get('recipe') or {}).get('name', '?')}` (resolved copy: `{RECIPE}`)",
              f"- format: `{prov.get('format', '?')}`",
-             "- manifest: `hybrid_build/provenance.json` (sha256 of every file below, every converted module and "
+             f"- manifest: `{PROVENANCE}` (sha256 of every file below, every converted module and "
              "its error metrics)", "",
              "<details><summary>Files and sha256</summary>", "", "| file | bytes | sha256 |", "|---|---|---|"]
     for path, f in sorted((prov.get("files") or {}).items()):

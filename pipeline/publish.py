@@ -20,22 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.artifact import CARD, CONFIG, META_DIR, PROVENANCE, REPORT_FILES, REPORTS, provenance_sha256, \
+    read_provenance, report_state, unexpected_files
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_bench, \
     read_evaluation, read_frontmatter, render_card
 from hybrid_build.core.progress import null_progress
-from hybrid_build.core.safetensors_io import INDEX_NAME, TMP_SUFFIX
+from hybrid_build.core.safetensors_io import INDEX_NAME
 
 log = logging.getLogger(__name__)
 
-META_DIR = "hybrid_build"
-PROVENANCE = f"{META_DIR}/provenance.json"
-VALIDATION_FILES = tuple(f"{META_DIR}/validation.{ext}" for ext in ("json", "md", "png"))
-EVAL_FILES = (f"{META_DIR}/eval.json", f"{META_DIR}/eval.md")  # `hybrid-build eval`
-BENCH_FILE = f"{META_DIR}/bench.json"  # `hybrid-build bench URL --out ARTIFACT/hybrid_build/bench.json`
-# reports written after the build (so not in the provenance manifest): published when present
-REPORT_FILES = (*VALIDATION_FILES, *EVAL_FILES, BENCH_FILE)
-CARD = "README.md"
 # Files the Hub creates itself; their presence on the remote is expected.
 HUB_OWN_FILES = {".gitattributes"}
 # A batch is one upload_folder call (one or more commits); bounded so a resume redoes little.
@@ -120,33 +114,21 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def read_validation(artifact: Path) -> ValidationStatus:
-    path = artifact / VALIDATION_FILES[0]
+    validation = REPORTS["validation"]
     try:
-        report = _read_json(path, VALIDATION_FILES[0])
+        report = _read_json(validation.path(artifact), validation.main)
     except FileNotFoundError:
-        return ValidationStatus("missing", reason=f"{VALIDATION_FILES[0]} does not exist")
+        return ValidationStatus("missing", reason=f"{validation.main} does not exist")
     except ArtifactError as e:
         return ValidationStatus("missing", reason=str(e))
-    prov = artifact / PROVENANCE
-    # validate writes its report after assemble writes provenance: an older report describes another build
-    if prov.exists() and path.stat().st_mtime < prov.stat().st_mtime:
-        return ValidationStatus("stale", report, f"{VALIDATION_FILES[0]} is older than {PROVENANCE}")
+    state, why = report_state(artifact, validation)  # made for the build there now?
+    if state == "stale":
+        return ValidationStatus("stale", report, f"{validation.main}: {why}")
     if report.get("passed") is True:
         return ValidationStatus("passed", report)
     failures = report.get("failures") or []
     reason = (f"{len(failures)} failure(s), first: {failures[0]}" if failures else "the report says passed: false")
     return ValidationStatus("failed", report, reason)
-
-
-def _artifact_paths(artifact: Path) -> list[str]:
-    """Every file of the artifact folder, except dot folders (the work dir) and half-written files."""
-    out = []
-    for p in sorted(artifact.rglob("*")):
-        rel = p.relative_to(artifact)
-        if p.is_dir() or any(part.startswith(".") for part in rel.parts) or p.name.endswith(TMP_SUFFIX):
-            continue
-        out.append(rel.as_posix())
-    return out
 
 
 def _pipeline_tag(artifact: Path, config: dict) -> str | None:
@@ -179,11 +161,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
     if not (artifact / INDEX_NAME).exists():
         raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
-    try:
-        prov = _read_json(artifact / PROVENANCE, PROVENANCE)
-    except FileNotFoundError:
-        raise ArtifactError(f"{artifact}: no {PROVENANCE}: not a hybrid-build artifact, or a build from an "
-                            "older version; rebuild it") from None
+    prov = read_provenance(artifact)
 
     validation = read_validation(artifact)
     if not validation.passed and not force:
@@ -196,9 +174,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         log.warning("publishing with --force although validation is %s", validation.state)
 
     recorded = prov.get("files") or {}
-    present = _artifact_paths(artifact)
-    covered = set(recorded) | {PROVENANCE}
-    extra = [p for p in present if p not in covered and p not in REPORT_FILES]
+    extra = unexpected_files(artifact, prov)  # reports written after the build are expected
     if extra:
         raise ArtifactError(f"{extra[0]} is in the artifact but not in {PROVENANCE} (added after the build?)"
                             + (f"; {len(extra) - 1} more" if len(extra) > 1 else "") + ": remove it or rebuild")
@@ -222,7 +198,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         if local.is_file():
             files.append(PublishFile(path, local.stat().st_size, _sha256_file(local), "local", local))
 
-    config = _read_json(artifact / "config.json", "config.json") if (artifact / "config.json").exists() else {}
+    config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
     lic = find_license(artifact, config)
     if not lic.known:
         notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
@@ -231,13 +207,13 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         repo_id=repo_id, provenance=prov, validation=validation, license=lic,
         converted_bytes=converted_sizes(artifact, prov),
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
-        forced=force and not validation.passed, has_plot=(artifact / VALIDATION_FILES[2]).is_file(),
-        evaluation=read_evaluation(artifact / EVAL_FILES[0], artifact / PROVENANCE),
-        bench=read_bench(artifact / BENCH_FILE))
+        forced=force and not validation.passed,
+        has_plot=(artifact / REPORTS["validation"].named(".png")).is_file(),
+        evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)))
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
-    artifact_id = hashlib.sha256((artifact / PROVENANCE).read_bytes()).hexdigest()[:12]
+    artifact_id = provenance_sha256(artifact)[:12]
     return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
                        artifact_id, lic, notes)
 

@@ -14,19 +14,25 @@ manifest is saved as soon as they are known, at the latest when the build ends.
 """
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from hybrid_build.core import __version__
 from .context import BuildContext, output_bytes
 from hybrid_build.core.errors import HybridBuildError, StageFailed, StorageError, UserError
-from hybrid_build.recipes.inventory import human_bytes
+from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.manifest import StageManifest, describe_outputs, sha256_json
 from .stages import STAGES, load_stage
 from .stages.base import Finished, Handover, Pending, Stage, StageIO, StageOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,6 +100,23 @@ def planned_writes(ctx: BuildContext, names: list[str]) -> dict[str, int]:
     return {n: stage.writes(ctx) for n in names if (stage := load_stage(n)).writes}
 
 
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent: where a folder not yet made will live."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def check_writable(out: Path) -> None:
+    """Refuse, before creating anything, an output on a read-only filesystem or in a folder this
+    user cannot write: the same error the first write would raise (``cli`` words it)."""
+    where = _existing(out)
+    if os.statvfs(where).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(out))
+    if not os.access(where, os.W_OK):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(out))
+
+
 def check_free_space(ctx: BuildContext, names: list[str]) -> None:
     """Refuse, before writing anything, a build that the output's filesystem cannot hold."""
     writes = planned_writes(ctx, names)
@@ -101,7 +124,7 @@ def check_free_space(ctx: BuildContext, names: list[str]) -> None:
     # files this build replaces give their space back (shards are renamed over them)
     need -= sum(p.stat().st_size for p in ctx.out.glob("*.safetensors"))
     need -= sum(p.stat().st_size for p in ctx.work.glob("*/*.safetensors"))
-    free = shutil.disk_usage(ctx.out).free
+    free = shutil.disk_usage(_existing(ctx.out)).free
     if need > free:
         parts = ", ".join(f"{n} ~{human_bytes(b)}" for n, b in writes.items() if b)
         raise StorageError(f"{ctx.out}: {human_bytes(free)} free on its filesystem, this build writes about "
@@ -154,12 +177,14 @@ class _Run:
 
     def run(self) -> list[StageResult]:
         ctx = self.ctx
-        ctx.out.mkdir(parents=True, exist_ok=True)
-        ctx.work.mkdir(exist_ok=True)
+        check_writable(ctx.out)
         check_free_space(ctx, self.names)
-        for stage in self.stages.values():  # every check before the first write
+        for stage in self.stages.values():  # every check before the first write (the folders included)
             if stage.check:
                 stage.check(ctx)
+        ctx.out.mkdir(parents=True, exist_ok=True)
+        ctx.work.mkdir(exist_ok=True)
+        ctx.record_recipe()  # `status` keys the stages with the last run's recipe
         if not ctx.digests.ready:
             # a manifest to reuse needs the digests now; otherwise they are hashed alongside the stages
             if any(n not in self.forced and (ctx.work / f"{n}.json").exists() for n in self.names):
@@ -175,6 +200,8 @@ class _Run:
                     continue
                 stage = self.stages[name]
                 m = None if name in self.forced else self._manifest_if_current(name)
+                log.debug("%s: %s", name, "forced" if name in self.forced else
+                          f"current (key {m.key[:12]})" if m else self._why_not_current(name))
                 if m is not None:
                     self.done[name] = _finished(ctx, m)
                     self.report(StageResult(name, "skipped", 0.0, m.details))
@@ -203,6 +230,16 @@ class _Run:
         if not (self.ctx.work / f"{name}.json").exists():
             return None  # nothing to reuse: no need to wait for the source's digests
         return _current_manifest(self.ctx, name)
+
+    def _why_not_current(self, name: str) -> str:
+        """For -vv: why a stage runs (the first cause found)."""
+        m = StageManifest.load(self.ctx.work / f"{name}.json")
+        if m is None:
+            return "no manifest"
+        key = stage_key(self.ctx, name)
+        if m.key != key:
+            return f"key {m.key[:12]} -> {key[:12]} (its inputs or an upstream stage changed)"
+        return "an output it recorded is missing or changed"
 
     def _will_run(self, name: str) -> bool:
         if name not in self.stages or name in self.done:
@@ -259,7 +296,9 @@ class _Run:
         def save() -> None:  # the key needs the source's digests: saved once they are known
             manifest.inputs = stage_inputs(ctx, stage.name)
             manifest.key = sha256_json(manifest.inputs)
+            ctx.record_location()  # `status` finds the source that this key hashes
             manifest.save(ctx.work / f"{stage.name}.json")
+            log.debug("%s: manifest saved (key %s, %d outputs)", stage.name, manifest.key[:12], len(manifest.outputs))
 
         if ctx.digests.ready or threading.current_thread() is not threading.main_thread():
             save()

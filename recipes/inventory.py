@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
 from hybrid_build.core.checkpoint import Checkpoint
@@ -97,14 +98,6 @@ def build_report(ckpt: Checkpoint, recipe_arg: str | None = None) -> InspectRepo
     if not ckpt.errors() and not ckpt.hybrid_info:
         plan = plan_conversion(ckpt, recipe)
     return InspectReport(ckpt, recipe, note, plan)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def render_text(data: dict) -> str:

@@ -13,8 +13,11 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
+from hybrid_build.core import formats
 from hybrid_build.core.errors import RecipeError
+from hybrid_build.core.formats.base import OutputFormat
 from hybrid_build.recipes.profiles import SMOKE_EXPECT, ServeProfile
 
 RECIPE_DIR = Path(__file__).resolve().parent
@@ -67,9 +70,25 @@ class HeadSpec(_Strict):
     _targets = field_validator("targets")(classmethod(lambda cls, v: _check_targets(v)))
 
 
+def _check_format(name: str) -> str:
+    """A registered output format (``core/formats``); the error lists them as a Literal's would."""
+    if name not in formats.REGISTRY:
+        quoted = [repr(n) for n in formats.names()]
+        expected = " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return name
+
+
 class OutputSpec(_Strict):
-    format: Literal["inc-hybrid", "compressed-tensors"] = "inc-hybrid"
+    format: str = Field(formats.DEFAULT, description="one of the registered output formats (core/formats)")
     max_shard_bytes: int = Field(5_000_000_000, ge=1_000_000)
+
+    _format = field_validator("format")(classmethod(lambda cls, v: _check_format(v)))
+
+    @property
+    def fmt(self) -> OutputFormat:
+        """The format object: every question about the output's layout goes to it."""
+        return formats.get(self.format)
 
 
 class ValidateSpec(_Strict):

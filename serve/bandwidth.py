@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.recipes.conversion import ConversionPlan, int8_row_bytes
+from hybrid_build.core.formats import inc_hybrid
+from hybrid_build.recipes.conversion import ConversionPlan
 
 PROFILES = ("base", "fp8", "int8_head", "dense")
 PROFILE_LABELS = {
@@ -234,9 +235,14 @@ def _savings_from_source(plan: ConversionPlan) -> tuple[int, int]:
     for c in plan.of_kind("int8"):
         served = c.out_bytes
         if plan.recipe.lm_head.storage == "bf16":
-            served = int8_row_bytes(*c.shape, storage="gptq-int8", fmt="inc-hybrid")
+            served = _served_at_load(*c.shape)
         head += c.in_bytes - served
     return fp8, head
+
+
+def _served_at_load(n: int, k: int) -> int:
+    """Bytes a BF16 head is served in: the serve plugin quantizes it at load to inc-hybrid's GPTQ int8."""
+    return inc_hybrid.FORMAT.head_bytes(n, k, storage="gptq-int8")
 
 
 def _savings_from_hybrid(ckpt: Checkpoint) -> tuple[int, int, int]:
@@ -255,7 +261,7 @@ def _savings_from_hybrid(ckpt: Checkpoint) -> tuple[int, int, int]:
             head += 2 * n * k - _module_bytes(ckpt, module)
         elif first.klass == "lm_head" and first.storage == "bf16" and \
                 (ckpt.hybrid_info or {}).get("lm_head") == "quantize-at-load":
-            served = int8_row_bytes(n, k, storage="gptq-int8", fmt="inc-hybrid")
+            served = _served_at_load(n, k)
             head += 2 * n * k - served
             stored_head_fix += _module_bytes(ckpt, module) - served
     return fp8, head, stored_head_fix
@@ -373,27 +379,6 @@ def spec_floor_ms(floor: StepFloor, target_layers: list[str], drafter: Drafter) 
     draft_layers = drafter.full_layers + drafter.sliding_layers
     draft = floor.ms(["full_attention"] * draft_layers) if draft_layers else 0.0  # its own fixed part too
     return floor.ms(target_layers) + draft
-
-
-def lever_uplift(reads: ProfileReads, accept: float, bandwidth_gbps: float, efficiency: float,
-                 drafter: Drafter = DFLASH_122B, context: int = DEFAULT_CONTEXT,
-                 verify_positions: float | None = None, floor_ms: float = 0.0) -> float:
-    """Speed of ``dense`` over ``base`` at one acceptance length (1.0 = no gain)."""
-    speeds = [speculative_tok_s(reads.parts[p], reads.experts, reads.top_k, accept, bandwidth_gbps, efficiency,
-                                drafter, context, verify_positions, floor_ms)[0] for p in ("dense", "base")]
-    return speeds[0] / speeds[1]
-
-
-def implied_experts(parts: dict[str, int], experts: int, top_k: int, accept: float, tok_s: float,
-                    bandwidth_gbps: float, efficiency: float, drafter: Drafter = DFLASH_122B,
-                    context: int = DEFAULT_CONTEXT) -> float:
-    """Distinct experts per layer per step that a measured speculative ``tok_s`` implies, all
-    other reads as modelled: how far real routing is from the uniform-union assumption."""
-    others = step_reads(parts, experts, top_k, accept, drafter, context)
-    routed = others.pop("routed_expert", 0.0)
-    budget = accept * bandwidth_gbps * 1e9 * efficiency / tok_s - sum(others.values())
-    per_expert = routed / expected_experts(experts, top_k, accept)
-    return budget / per_expert
 
 
 def published_comparison(reads: ProfileReads, hardware: Hardware, drafter: Drafter = DFLASH_122B,

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, interrupt_exit_code, progress
 from hybrid_build.core.errors import UserError
 
 from .engine import GPU_PRESETS
@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
         while server.process.poll() is None:
             time.sleep(1)
         return 0 if server.process.returncode == 0 else 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
     finally:
         server.stop()
 
@@ -152,8 +152,8 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
     try:
         cluster, info = bring_up(mplan, log_path.parent, log_path, join_timeout=args.join_timeout,
                                  ready_timeout=args.ready_timeout, smoke=not args.no_smoke, on_event=say)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
     try:
         if args.json:
             emit_json(info)
@@ -171,7 +171,7 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
                       file=sys.stderr)
                 return 1
             time.sleep(1)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
     finally:
         cluster.stop()

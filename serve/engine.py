@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_recipe_data
 from hybrid_build.core.errors import UserError
 from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
 
@@ -62,16 +63,14 @@ def resolve_recipe(artifact: str, recipe_arg: str | None) -> tuple[Recipe, dict 
     """The recipe (``--recipe``; else the artifact's own; else chosen from its config) and the
     artifact's config.json (None for a Hub id)."""
     path = Path(artifact).expanduser()
-    config = _read_json(path / "config.json") if (path / "config.json").exists() else None
+    config = _read_json(path / CONFIG) if (path / CONFIG).exists() else None
     if path.exists() and config is None:
         raise UserError(f"{artifact}: not a checkpoint folder (no config.json)")
     if recipe_arg:
         return load_recipe(recipe_arg), config
-    own = path / "hybrid_build" / "recipe.yaml"
-    if own.exists():
-        import yaml
-
-        return parse_recipe(yaml.safe_load(own.read_text()), str(own)), config
+    own = read_recipe_data(path, missing_ok=True)
+    if own is not None:
+        return parse_recipe(own, str(path / RECIPE)), config
     if config is None:
         raise UserError(f"{artifact}: a Hub id needs --recipe (shipped recipes hold the serve profiles)")
     text = config.get("text_config") or config
@@ -110,8 +109,7 @@ def _local_source(artifact: str, config: dict | None, source: str | None) -> Pat
         return None
     from hybrid_build.core.source_identity import read_record
 
-    prov_path = Path(artifact) / "hybrid_build" / "provenance.json"
-    provenance = _read_json(prov_path) if prov_path.exists() else {"source": hybrid.get("source")}
+    provenance = read_provenance(Path(artifact), missing_ok=True) or {"source": hybrid.get("source")}
     record = read_record(Path(artifact), provenance)
     if record is None or record.kind == "hub":
         return None
@@ -180,8 +178,7 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
         return source or artifact, None  # the source checkpoint itself
     from hybrid_build.core.source_identity import open_recorded_source, read_record
 
-    prov_path = Path(artifact) / "hybrid_build" / "provenance.json"
-    provenance = _read_json(prov_path) if prov_path.exists() else {"source": hybrid.get("source")}
+    provenance = read_provenance(Path(artifact), missing_ok=True) or {"source": hybrid.get("source")}
     record = read_record(Path(artifact), provenance)
     if source is None and record is not None and record.kind == "hub":
         return record.id, record.revision  # a commit pins the bytes; vLLM fetches it if needed

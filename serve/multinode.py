@@ -401,23 +401,24 @@ def runtime_fingerprint() -> str:
     return h.hexdigest()
 
 
-def artifact_identity(artifact: Path) -> dict:
-    """The artifact's identity from its provenance (source fingerprint + every file's sha256) and
-    whether this node's files have those bytes (sha256 cached in ``.hybrid-build/``)."""
-    from hybrid_build.core.manifest import sha256_file, sha256_json
-    from hybrid_build.core.source_identity import DigestCache, SourceDigests
+def node_identity(artifact: Path) -> dict:
+    """The model folder's identity on this node and whether this node's files have its bytes: for an
+    artifact, ``core.artifact.build_fingerprint`` of its provenance (the same on every node that
+    holds the same bytes), each file checked against it (sha256 cached in the work folder); for a
+    source folder served directly, its content fingerprint."""
+    from hybrid_build.core.artifact import ARTIFACT_DIGESTS, CONFIG, WORK_DIR, build_fingerprint, read_provenance
+    from hybrid_build.core.manifest import sha256_file
+    from hybrid_build.core.source_identity import DIGEST_CACHE, DigestCache, SourceDigests
 
-    prov_path = artifact / "hybrid_build" / "provenance.json"
-    if not prov_path.is_file():  # a source folder served directly: its content is its identity
-        if not (artifact / "config.json").is_file():
+    prov = read_provenance(artifact, missing_ok=True)
+    if prov is None:  # a source folder served directly: its content is its identity
+        if not (artifact / CONFIG).is_file():
             return {"fingerprint": None, "problem": f"{artifact} is not here"}
-        return {"fingerprint": SourceDigests(artifact, artifact / ".hybrid-build" / "source-sha256.json").fingerprint(),
+        return {"fingerprint": SourceDigests(artifact, artifact / WORK_DIR / DIGEST_CACHE).fingerprint(),
                 "problem": None}
-    prov = json.loads(prov_path.read_text())
     files = prov.get("files") or {}
-    ident = sha256_json({"source": (prov.get("source") or {}).get("fingerprint"),
-                         "files": {f: i.get("sha256") for f, i in sorted(files.items())}})
-    cache = DigestCache(artifact / ".hybrid-build" / "artifact-sha256.json")
+    ident = build_fingerprint(prov)
+    cache = DigestCache(artifact / ARTIFACT_DIGESTS)
 
     def problem_of(name: str) -> str | None:
         path = artifact / name
@@ -462,9 +463,9 @@ def probe(args: dict) -> dict:
         out["ray"] = metadata.version("ray")
     except metadata.PackageNotFoundError:
         out["ray"] = None
-    out["artifact"] = artifact_identity(Path(args["artifact"]))
+    out["artifact"] = node_identity(Path(args["artifact"]))
     if args.get("model") and Path(args["model"]).resolve() != Path(args["artifact"]).resolve():
-        out["model"] = artifact_identity(Path(args["model"]))
+        out["model"] = node_identity(Path(args["model"]))
     if args.get("engine") == "docker":  # the image's id pins its vLLM; Ray runs inside it too
         out["vllm"] = _version_of(["docker", "image", "inspect", "--format", "{{.Id}}", args["image"]])
         out["ray"] = out["vllm"] and _version_of(["docker", "run", "--rm", "--entrypoint", "python3", args["image"],

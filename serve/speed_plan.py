@@ -21,7 +21,7 @@ from . import multinode_plan as mnp
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: "recipe" is the name, "recipe_choice" the note; drafter.assumed
 DEFAULT_ACCEPT = (2.0, 4.0, 6.0, 8.0, 10.0)
 KV_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1}
 STATE_DTYPES = {"auto": None, "bf16": 2, "fp32": 4}
@@ -78,6 +78,24 @@ def _hardware(args: PlanOptions) -> bw.Hardware:
     return preset
 
 
+# the model whose DFlash drafter bw.DFLASH_122B measures (Qwen3.5-122B-A10B's widths and depth)
+_DRAFTER_MODEL = {"hidden_size": 3072, "num_hidden_layers": 48}
+
+
+def _drafter_assumed(ckpt: Checkpoint, args: PlanOptions) -> bool:
+    """True when the drafter's size is the 122B's, taken for a model of other widths or depth."""
+    return (args.drafter != "none" and args.drafter_gb is None
+            and any(ckpt.text_config.get(k) != v for k, v in _DRAFTER_MODEL.items()))
+
+
+def _drafter_notes(ckpt: Checkpoint, args: PlanOptions, drafter: bw.Drafter) -> list[str]:
+    if not _drafter_assumed(ckpt, args):
+        return []
+    return [f"the speculative rows assume the 122B's DFlash drafter ({drafter.weight_bytes / 1e9:.1f} GB of weights); "
+            "this model's drafter is not known here, and on a small model it dominates the step: pass "
+            "--drafter-gb GB for its size, or --drafter none"]
+
+
 def drafter_of(args: PlanOptions) -> bw.Drafter:
     if args.drafter == "none":
         return bw.NO_DRAFTER
@@ -106,10 +124,11 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
     drafter = drafter_of(args)
     hybrid = _is_hybrid(ckpt)
     if hybrid:
-        plan, recipe_note = None, "none (input is already a hybrid)"
+        plan, recipe_name, recipe_note = None, None, "none (input is already a hybrid)"
     else:
         report = build_report(ckpt, args.recipe)
         plan, recipe_note = report.plan, report.recipe_note
+        recipe_name = report.recipe.name if report.recipe else None
     reads = bw.profile_reads(ckpt, bytes_per_token(ckpt), plan, context=args.context,
                              kv_bytes=KV_DTYPES[args.kv_dtype], state_bytes=STATE_DTYPES[args.state_dtype])
     types = bw.layer_types(ckpt.text_config)
@@ -147,7 +166,8 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         "source": ckpt.source_id or str(ckpt.root),
         "model_type": ckpt.model_type,
         "input_state": reads.input_state,
-        "recipe": recipe_note,
+        "recipe": recipe_name,
+        "recipe_choice": recipe_note,
         "hardware": {"name": hw.name, "label": hw.label, "bandwidth_gbps": hw.bandwidth_gbps,
                      "efficiency": hw.efficiency, "calibration": hw.calibration, "calibrated": hw.calibrated,
                      "floor_source": hw.floor.source, "floor_measured": hw.floor.measured},
@@ -161,12 +181,13 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         "experts": reads.experts,
         "top_k": reads.top_k,
         "drafter": {"name": drafter.name, "weight_bytes": drafter.weight_bytes,
-                    "context_bytes": drafter.context_bytes(args.context), "shares_lm_head": drafter.shares_lm_head},
+                    "context_bytes": drafter.context_bytes(args.context), "shares_lm_head": drafter.shares_lm_head,
+                    "assumed": _drafter_assumed(ckpt, args)},
         "verify_positions": "accepted" if args.verify_block is None else args.verify_block,
         "bytes_per_token": reads.parts,
         "profiles": profiles,
         "speculative": spec,
-        "notes": reads.notes + lever_notes(profiles, hw, floor_ms, reads.total("base")),
+        "notes": reads.notes + lever_notes(profiles, hw, floor_ms, reads.total("base")) + _drafter_notes(ckpt, args, drafter),
     }
     if args.nodes is not None:
         data["multinode"] = _multinode(ckpt, args, reads, hw, floor_ms, hybrid)
@@ -229,7 +250,7 @@ def _gb(n: float) -> str:
 
 def render_text(data: dict) -> str:
     hw = data["hardware"]
-    lines = [f"{data['source']}: {data['model_type']} ({data['input_state']}); recipe: {data['recipe']}",
+    lines = [f"{data['source']}: {data['model_type']} ({data['input_state']}); recipe: {data['recipe_choice']}",
              f"{hw['label']}: {hw['bandwidth_gbps']:g} GB/s x efficiency {hw['efficiency']:.3f} "
              f"= {hw['bandwidth_gbps'] * hw['efficiency']:.0f} GB/s effective ({hw['calibration']})",
              f"per-step floor {data['step_floor_ms']:.2f} ms ({hw['floor_source']})",

@@ -8,11 +8,8 @@ raises, before any check runs.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,26 +17,20 @@ import torch
 from safetensors import safe_open
 
 from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block
-from hybrid_build.calibration.gptq import SYM_ZERO_WORD, dequantize_gptq
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
-from hybrid_build.core.checkpoint import Checkpoint, TensorInfo
+from hybrid_build.core.artifact import PROVENANCE, unexpected_files
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.formats.base import OutputFormat
+from hybrid_build.core.manifest import sha256_file
 from hybrid_build.recipes.conversion import ConversionPlan
 from hybrid_build.core.tensor_classes import layer_index, split_module
-from hybrid_build.core.safetensors_io import INDEX_NAME, TMP_SUFFIX
+from hybrid_build.core.safetensors_io import INDEX_NAME
 from hybrid_build.recipes.schema import Recipe, ValidateSpec
 
 log = logging.getLogger(__name__)
 
-HASH_CHUNK = 16 * 1024 * 1024
 COMPARE_CHUNK = 64 * 1024 * 1024
-META_DIR = "hybrid_build"
-WORK_DIR = ".hybrid-build"
-# files written after provenance.json, so it cannot list them
-UNHASHED = {f"{META_DIR}/provenance.json", f"{META_DIR}/validation.json", f"{META_DIR}/validation.md",
-            f"{META_DIR}/validation.png"}
-FP8_EXTRA_CONFIG = {"bits": 8, "data_type": "fp", "weight_block_size": [BLOCK, BLOCK]}
-HEAD_EXTRA_CONFIG = {"bits": 8, "group_size": -1, "sym": True}
 ACT_TOKENS = 128  # random inputs per shared-expert MLP
 HEAD_TOKENS = 256  # random hidden states for the lm-head check
 SEED = 1234
@@ -62,6 +53,12 @@ class Findings:
 
     details: dict[str, str] = field(default_factory=dict)
     failed: dict[str, list[str]] = field(default_factory=dict)
+    could_not_run: dict[str, str] = field(default_factory=dict)  # check -> why (engine, GPU, tool missing)
+
+    def cannot_run(self, check: str, why: str) -> None:
+        """The environment could not run ``check``: neither passed nor failed."""
+        self.could_not_run[check] = why
+        self.details[check] = f"could not run: {why}"
 
     def fail(self, check: str, line: str) -> None:
         self.failed.setdefault(check, []).append(f"{check}: {line}")
@@ -91,8 +88,8 @@ class ValidationInputs:
         return self.recipe.validate_
 
     @property
-    def fmt(self) -> str:
-        return self.recipe.output.format
+    def fmt(self) -> OutputFormat:
+        return self.recipe.output.fmt
 
     @property
     def head_storage(self) -> str:
@@ -102,33 +99,25 @@ class ValidationInputs:
         return [c.module for c in self.plan.of_kind(kind)]
 
     def head_quantized(self) -> bool:
-        return self.head_storage != "bf16" or self.fmt == "compressed-tensors"
+        """The head is stored int8 (a BF16 head is copied; the serve plugin quantizes it at load)."""
+        return self.head_storage != "bf16"
+
+    def stored_heads(self) -> list[str]:
+        return self.converted("int8") if self.head_quantized() else []
 
 
 # ------------------------------------------------------------------------------------- structure
 
 
 def expected_parts(inp: ValidationInputs, module: str, kind: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """part -> (dtype, shape) that the declared scheme requires for a converted module."""
-    n, k = inp.source.modules[module]["weight"].shape
-    blocks = (-(-n // BLOCK), -(-k // BLOCK))
+    """part -> (dtype, shape) that the output format requires for a converted module."""
+    src = inp.source.modules[module]["weight"]
+    n, k = src.shape
     if kind == "fp8":
-        scale = "weight_scale" if inp.fmt == "compressed-tensors" else "weight_scale_inv"
-        return {"weight": ("F8_E4M3", (n, k)), scale: ("F32", blocks)}
-    if inp.fmt == "compressed-tensors":  # 8-bit pack-quantized: four codes + 128 per int32 along K
-        return {"weight_packed": ("I32", (n, k // 4)), "weight_scale": ("F32", (n, 1)), "weight_shape": ("I64", (2,))}
-    if inp.head_storage == "bf16":
-        src = inp.source.modules[module]["weight"]
+        return inp.fmt.fp8_parts(n, k)
+    if not inp.head_quantized():
         return {"weight": (src.dtype, (n, k))}
-    return {"qweight": ("I32", (k // 4, n)), "qzeros": ("I32", (1, n // 4)), "scales": ("F16", (1, n))}
-
-
-def _int4_ct_parts(src_parts: dict[str, TensorInfo]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """compressed-tensors ``pack-quantized`` parts for a source auto_gptq INT4 module."""
-    qw, sc = src_parts["qweight"], src_parts["scales"]
-    k, n = qw.shape[0] * 8, qw.shape[1]
-    return {"weight_packed": ("I32", (n, k // 8)), "weight_scale": (sc.dtype, (n, sc.shape[0])),
-            "weight_shape": ("I64", (2,))}
+    return inp.fmt.head_parts(n, k)
 
 
 def check_index(inp: ValidationInputs, f: Findings) -> None:
@@ -154,31 +143,29 @@ def check_provenance(inp: ValidationInputs, f: Findings) -> None:
     """sha256 and size of every file against provenance.json; the converted list against the recipe."""
     prov = inp.provenance
     if prov is None:
-        f.fail("provenance", f"{META_DIR}/provenance.json is missing or not valid JSON")
+        f.fail("provenance", f"{PROVENANCE} is missing or not valid JSON")
         return
     root = inp.artifact.root
     listed: dict[str, dict] = prov.get("files") or {}
-    present = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
-                     and not p.relative_to(root).parts[0].startswith(".") and not p.name.endswith(TMP_SUFFIX))
-    for name in present:
-        if name not in listed and name not in UNHASHED:
-            f.fail("provenance", f"{name} is not listed in provenance.json")
+    # reports written after the build (validation, eval, bench) are known; anything else was added
+    for name in unexpected_files(root, prov):
+        f.fail("provenance", f"{name} is not listed in {PROVENANCE}")
     total = sum(int(v.get("bytes", 0)) for v in listed.values())
     bar = inp.progress(total=total, desc="sha256", unit="B", unit_scale=True)
     checked = 0
     for name, want in sorted(listed.items()):
         path = root / name
         if not path.is_file():
-            f.fail("provenance", f"{name}: listed in provenance.json but missing")
+            f.fail("provenance", f"{name}: listed in {PROVENANCE} but missing")
             continue
         size = path.stat().st_size
         if size != want.get("bytes"):
-            f.fail("provenance", f"{name}: {size} bytes, provenance.json recorded {want.get('bytes')}")
+            f.fail("provenance", f"{name}: {size} bytes, {PROVENANCE} recorded {want.get('bytes')}")
             bar.update(want.get("bytes") or 0)
             continue
         digest = sha256_file(path, bar.update)
         if digest != want.get("sha256"):
-            f.fail("provenance", f"{name}: sha256 {digest[:12]}.. does not match provenance.json ({str(want.get('sha256'))[:12]}..)")
+            f.fail("provenance", f"{name}: sha256 {digest[:12]}.. does not match {PROVENANCE} ({str(want.get('sha256'))[:12]}..)")
         else:
             checked += 1
     _close(bar)
@@ -187,25 +174,13 @@ def check_provenance(inp: ValidationInputs, f: Findings) -> None:
         if c.kind == "int8" and not inp.head_quantized():
             continue  # a BF16 head is copied, quantized later by the serve plugin
         if c.module not in conv:
-            f.fail("provenance", f"{c.module}: the recipe converts it but provenance.json does not list it")
+            f.fail("provenance", f"{c.module}: the recipe converts it but {PROVENANCE} does not list it")
         elif conv[c.module] != c.kind:
-            f.fail("provenance", f"{c.module}: provenance.json says {conv[c.module]}, the recipe {c.kind}")
+            f.fail("provenance", f"{c.module}: {PROVENANCE} says {conv[c.module]}, the recipe {c.kind}")
     planned = {c.module for c in inp.plan.conversions}
     for module in sorted(set(conv) - planned):
-        f.fail("provenance", f"{module}: listed as converted in provenance.json, but the recipe does not convert it")
+        f.fail("provenance", f"{module}: listed as converted in {PROVENANCE}, but the recipe does not convert it")
     f.note("provenance", f"{checked}/{len(listed)} files match their sha256")
-
-
-def sha256_file(path: Path, on_bytes: Callable[[int], object] | None = None) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb") as fh:
-        while n := fh.readinto(buf):
-            h.update(view[:n])
-            if on_bytes:
-                on_bytes(n)
-    return h.hexdigest()
 
 
 def check_tensors(inp: ValidationInputs, f: Findings) -> None:
@@ -219,8 +194,8 @@ def check_tensors(inp: ValidationInputs, f: Findings) -> None:
         kind = kinds.get(module)
         if kind is not None:
             expected.update({f"{module}.{p}": v for p, v in expected_parts(inp, module, kind).items()})
-        elif inp.fmt == "compressed-tensors" and "qweight" in parts:
-            expected.update({f"{module}.{p}": v for p, v in _int4_ct_parts(parts).items()})
+        elif (repacked := inp.fmt.int4_parts(parts)) is not None:
+            expected.update({f"{module}.{p}": v for p, v in repacked.items()})
         else:
             for part, t in parts.items():
                 expected[t.name] = (t.dtype, t.shape)
@@ -251,28 +226,28 @@ def check_tensors(inp: ValidationInputs, f: Findings) -> None:
     f.note("tensors", f"{len(src.tensors)} source tensors: {len(copied)} copied, "
                       f"{len(inp.plan.conversions)} modules converted; {len(art.tensors)} artifact tensors")
     _compare_copied(inp, f, [n for n in copied if n in art.tensors and art.tensors[n].nbytes == src.tensors[n].nbytes])
-    if inp.fmt == "compressed-tensors":
-        _compare_repacked(inp, f, expected)
+    _compare_repacked(inp, f, expected)
 
 
 def _compare_repacked(inp: ValidationInputs, f: Findings, expected: dict) -> None:
-    """compressed-tensors INT4 must be the source's codes and scales transposed, bit for bit."""
-    converted = {c.module for c in inp.plan.conversions}  # the int8 head is pack-quantized too
-    modules = sorted({split_module(n)[0] for n in expected if n.endswith(".weight_packed")} - converted)
-    bar = inp.progress(total=len(modules), desc="compare INT4 repack", unit="module")
+    """Repacked INT4 modules (a format whose ``int4_parts`` are not the source's) must hold the
+    source's codes and scales bit for bit; the format says how to read them back."""
+    converted = {c.module for c in inp.plan.conversions}
+    repacked = {m: p for m, parts in inp.source.modules.items() if m not in converted
+                and (p := inp.fmt.int4_parts(parts)) is not None}
+    if not repacked:
+        return
+    art, src = _Reader(inp.artifact), _Reader(inp.source)
+    bar = inp.progress(total=len(repacked), desc="compare INT4 repack", unit="module")
     bad = 0
-    for module in modules:
+    for module, parts in sorted(repacked.items()):
         bar.update(1)
-        if not _readable(inp.artifact, module, ["weight_packed", "weight_scale", "weight_shape"]):
+        if not _readable(inp.artifact, module, list(parts)):
             continue
-        same = (torch.equal(_read(inp.artifact, module + ".weight_packed"), _read(inp.source, module + ".qweight").t())
-                and torch.equal(_read(inp.artifact, module + ".weight_scale"), _read(inp.source, module + ".scales").t()))
-        qw = inp.source.tensors[module + ".qweight"].shape
-        same = same and _read(inp.artifact, module + ".weight_shape").tolist() == [qw[1], qw[0] * 8]
-        if not same:
+        if not inp.fmt.int4_matches(art, src, module, inp.source.tensors[module + ".qweight"].shape):
             bad += 1
             if bad <= 20:
-                f.fail("tensors", f"{module}: INT4 pack-quantized tensors are not the source's qweight/scales transposed")
+                f.fail("tensors", f"{module}: repacked INT4 tensors do not hold the source's qweight/scales")
     _close(bar)
 
 
@@ -321,34 +296,16 @@ def check_config(inp: ValidationInputs, f: Findings) -> None:
     if not info:
         f.fail("scheme", "config.json has no hybrid_build block")
     else:
-        if info.get("format") != inp.fmt:
-            f.fail("scheme", f"config.json hybrid_build.format is {info.get('format')!r}, the recipe says {inp.fmt!r}")
+        if info.get("format") != inp.fmt.name:
+            f.fail("scheme", f"config.json hybrid_build.format is {info.get('format')!r}, the recipe says {inp.fmt.name!r}")
         listed = set(info.get("fp8_modules") or [])
         if listed and listed != set(inp.converted("fp8")):
             f.fail("scheme", f"config.json hybrid_build.fp8_modules lists {len(listed)} modules, "
                              f"the recipe converts {len(inp.converted('fp8'))}")
-    if inp.fmt == "compressed-tensors":
-        if art.quant.method != "compressed-tensors":
-            f.fail("scheme", f"quantization_config.quant_method is {art.quant.method!r}, expected 'compressed-tensors'")
-        for module in inp.converted("fp8") + (inp.converted("int8") if inp.head_quantized() else []):
-            if art.quant.module_bits(module) != 8:
-                f.fail("scheme", f"{module}: no 8-bit config group targets it in quantization_config")
-        f.details.setdefault("scheme", "compressed-tensors config groups target every converted module")
-        return
-    if art.quant.method != "auto-round":
-        f.fail("scheme", f"quantization_config.quant_method is {art.quant.method!r}, expected 'auto-round'")
-    for module in inp.converted("fp8"):
-        entry = art.quant.layer_override(module) or {}
-        wrong = {k: entry.get(k) for k, v in FP8_EXTRA_CONFIG.items() if entry.get(k) != v}
-        if wrong:
-            f.fail("scheme", f"{module}: extra_config entry {wrong} must be {FP8_EXTRA_CONFIG}")
-    if inp.head_storage == "gptq-int8":
-        for module in inp.converted("int8"):
-            entry = art.quant.layer_override(module) or {}
-            wrong = {k: entry.get(k) for k, v in HEAD_EXTRA_CONFIG.items() if entry.get(k) != v}
-            if wrong:
-                f.fail("scheme", f"{module}: extra_config entry {wrong} must be {HEAD_EXTRA_CONFIG}")
-    f.details.setdefault("scheme", "extra_config declares FP8 block-128 and int8 per-row entries")
+    failures, detail = inp.fmt.config_problems(art.quant, inp.converted("fp8"), inp.stored_heads())
+    for line in failures:
+        f.fail("scheme", line)
+    f.details.setdefault("scheme", detail)
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -418,7 +375,7 @@ def row_rel_errors(ref: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
 def load_fp8(inp: ValidationInputs, module: str, f: Findings) -> torch.Tensor | None:
     """The converted module dequantized, or None (with findings) when its parts are missing or broken."""
     art = inp.artifact
-    scale_part = "weight_scale" if inp.fmt == "compressed-tensors" else "weight_scale_inv"
+    scale_part = inp.fmt.fp8_scale_part
     if not _readable(art, module, ["weight", scale_part]):
         f.fail("weights", f"{module}: cannot be checked, its tensors are missing")
         return None
@@ -484,47 +441,42 @@ def check_fp8_weights(inp: ValidationInputs, f: Findings) -> tuple[list[dict], d
 # ------------------------------------------------------------------------------------- lm-head
 
 
+class _Reader:
+    """A checkpoint's tensors as the output formats read them back (``formats.base.TensorReader``)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+
+    def read(self, name: str, cols: slice | None = None) -> torch.Tensor:
+        return _read(self.ckpt, name, cols)
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        t = self.ckpt.tensors[name]
+        with safe_open(str(self.ckpt.path_of(t)), framework="pt") as fh:
+            return fh.get_slice(name)[lo:hi]
+
+
 def _head_rows(inp: ValidationInputs, module: str, lo: int, hi: int) -> torch.Tensor:
     """Rows lo:hi of the converted head, dequantized, read without the rest."""
-    art = inp.artifact
-    if inp.fmt == "compressed-tensors":
-        packed = _read_rows(art, module + ".weight_packed", lo, hi)  # [rows, K/4], codes + 128
-        s = _read(art, module + ".weight_scale")[lo:hi]
-        return dequantize_gptq(packed.t().contiguous(), s.reshape(1, -1), 8, -1)
-    if inp.head_storage == "bf16":
-        t = art.tensors[module + ".weight"]
-        with safe_open(str(art.path_of(t)), framework="pt") as fh:
-            return fh.get_slice(module + ".weight")[lo:hi].float()
-    qweight = _read(art, module + ".qweight", slice(lo, hi))
-    scales = _read(art, module + ".scales", slice(lo, hi))
-    return dequantize_gptq(qweight, scales, 8, -1)
+    if not inp.head_quantized():
+        return _Reader(inp.artifact).rows(module + ".weight", lo, hi).float()
+    return inp.fmt.head_rows(_Reader(inp.artifact), module, lo, hi)
 
 
-def _read_rows(ckpt: Checkpoint, name: str, lo: int, hi: int) -> torch.Tensor:
-    t = ckpt.tensors[name]
-    with safe_open(str(ckpt.path_of(t)), framework="pt") as fh:
-        return fh.get_slice(name)[lo:hi]
-
-
-def head_parts(inp: ValidationInputs) -> list[str]:
-    if inp.fmt == "compressed-tensors":
-        return ["weight_packed", "weight_scale", "weight_shape"]
-    if inp.head_storage == "bf16":
+def head_parts(inp: ValidationInputs, module: str) -> list[str]:
+    if not inp.head_quantized():
         return ["weight"]
-    return ["qweight", "qzeros", "scales"]
+    return list(inp.fmt.head_parts(*inp.source.tensors[module + ".weight"].shape))
 
 
 def _head_structure(inp: ValidationInputs, module: str, f: Findings) -> bool:
-    """Scales finite and positive; GPTQ codes inside the symmetric range, zeros all 128."""
-    art = inp.artifact
-    if inp.fmt == "compressed-tensors":
-        return _scale_findings(f, module + ".weight_scale", _read(art, module + ".weight_scale"))
-    if inp.head_storage == "bf16":
+    """Scales finite and positive, and what else the format requires of a stored head (zeros)."""
+    if not inp.head_quantized():
         return True
-    ok = _scale_findings(f, module + ".scales", _read(art, module + ".scales"))
-    qz = _read(art, module + ".qzeros")
-    if not bool((qz.to(torch.int64) & 0xFFFFFFFF).eq(SYM_ZERO_WORD[8]).all()):
-        f.fail("finite", f"{module}.qzeros: not every word is 0x7f7f7f7f (symmetric int8, zero 128)")
+    scale = f"{module}.{inp.fmt.head_scale_part}"
+    ok = _scale_findings(f, scale, _read(inp.artifact, scale))
+    for line in inp.fmt.head_problems(_Reader(inp.artifact), module):
+        f.fail("finite", line)
         ok = False
     return ok
 
@@ -551,7 +503,7 @@ def check_head(inp: ValidationInputs, f: Findings) -> tuple[list[dict], dict]:
     if not modules:
         return [], {}
     module = modules[0]
-    if not _readable(inp.artifact, module, head_parts(inp)):
+    if not _readable(inp.artifact, module, head_parts(inp, module)):
         f.fail("lm_head", f"{module}: cannot be checked, its tensors are missing")
         return [], {"module": module, "passed": False}
     _head_structure(inp, module, f)
@@ -715,10 +667,3 @@ def load_activations(path: Path | None) -> dict[str, torch.Tensor]:
 
     return load_file(str(path))
 
-
-def read_provenance(root: Path) -> dict | None:
-    p = root / META_DIR / "provenance.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None

@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from hybrid_build.core.artifact import REPORTS
     from hybrid_build.core.cli_support import emit_json, progress
     from hybrid_build.core.errors import UserError
     from hybrid_build.recipes.schema import load_recipe
@@ -25,19 +26,32 @@ def _handle(args: argparse.Namespace) -> int:
     report = validate_artifact(args.artifact, args.source, recipe=recipe, progress=bar,
                                activations=args.activations, e2e=e2e, engine=args.engine, texts=args.texts,
                                announce=announce)
-    where = Path(args.artifact) / "hybrid_build" / "validation.md"
+    where = Path(args.artifact) / REPORTS["validation"].named(".md")
     if args.json:
-        emit_json(report.to_json())
+        emit_json({**report.to_json(), "kept": report.kept})
     elif args.quiet:
-        if not report.passed:  # -q keeps the one line a script or a person needs: the first failure
+        if report.outcome == "failed":  # -q keeps the one line a script or a person needs: the first failure
             print(f"validation FAILED: {_first_failure(report, where)}", file=sys.stderr)
+        elif report.outcome == "could not run":
+            print(f"validation could not run: {_could_not_run(report)}", file=sys.stderr)
     else:
         for c in report.checks:
-            print(f"  {c.name:<12} {'pass' if c.passed else 'FAIL'}  {c.detail}")
+            print(f"  {c.name:<12} {STATE_LABELS[c.state]:<13} {c.detail}")
         for line in report.failures:
             print(f"FAIL {line}")
-        print(f"validation {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s); report in {where}")
-    return 0 if report.passed else 1
+        saved = f"kept: {report.kept}" if report.kept else f"report in {where}"
+        print(f"validation {OUTCOME_LABELS[report.outcome]} ({report.seconds:.1f} s); {saved}")
+    return OUTCOME_EXIT[report.outcome]
+
+
+# three outcomes, three exit codes: a check that could not run here is neither a pass nor a failure
+OUTCOME_EXIT = {"passed": 0, "failed": 1, "could not run": 3}
+OUTCOME_LABELS = {"passed": "passed", "failed": "FAILED", "could not run": "could not run"}
+STATE_LABELS = {"pass": "pass", "fail": "FAIL", "skipped": "skipped", "could not run": "could not run"}
+
+
+def _could_not_run(report) -> str:
+    return "; ".join(f"{c.name}: {c.detail}" for c in report.checks if c.state == "could not run")
 
 
 def _first_failure(report, where: Path) -> str:
@@ -48,30 +62,33 @@ def _first_failure(report, where: Path) -> str:
 
 
 def register(sub, common) -> None:
+    from hybrid_build.core.artifact import PROVENANCE, RECIPE, REPORTS
     from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
 
     p = sub.add_parser(
         "validate", parents=[common], formatter_class=ExampleFormatter,
         help="prove a built artifact's numerics and structure against its source",
         description="Check an artifact built by `hybrid-build run`: every source tensor accounted for, index and "
-                    "files agree, sha256 against provenance.json, dtypes and shapes of the declared scheme, no "
+                    f"files agree, sha256 against {PROVENANCE}, dtypes and shapes of the declared scheme, no "
                     "NaN/Inf or non-positive scales; each converted tensor against its BF16 source (relative "
                     "error, cosine, SQNR, worst block/row); each shared-expert MLP's output; the lm-head's logits "
                     "(top-1, top-5, KL; on the forward's real hidden states when it runs); and a teacher-forced "
                     "forward of the whole model, one decoder layer at a time (KL mean, median, p99, p99.9, "
                     "same-top-1, RMS delta-p, perplexity, bootstrap intervals; per text). "
                     "Thresholds come from the recipe's `validate` section. Writes "
-                    "ARTIFACT/hybrid_build/validation.{json,md,png}. Exit 0 when every check passes, 1 when one "
-                    "fails, 2 on a usage error.",
+                    f"{', '.join('ARTIFACT/' + f for f in REPORTS['validation'].files)}. Exit 0 when every check passes, 1 when one "
+                    "fails, 3 when a check could not run here (no vLLM, no GPU) and none failed, 2 on a usage "
+                    "error. A run that checks less (--no-e2e, an engine that could not run) does not replace "
+                    "a passing report of the same build that checked more.",
         epilog="examples:\n"
-               "  hybrid-build validate out/                      # source from out/hybrid_build/provenance.json\n"
+               f"  hybrid-build validate out/                      # source from out/{PROVENANCE}\n"
                "  hybrid-build validate out/ --source ./int4 --json\n"
                "  hybrid-build validate out/ --texts my_prompts.jsonl  # your own texts (.txt, or .jsonl name/text)\n"
                "  hybrid-build validate hybrid/ --engine vllm      # the same figures from vLLM (needs a GPU)\n"
                "  hybrid-build validate hybrid/ --no-e2e           # skip the end-to-end forward")
     p.add_argument("artifact", type=Path, help="the artifact folder written by `hybrid-build run`")
-    p.add_argument("--source", help="the INT4 source checkpoint (folder or Hub id; default: the one provenance.json names)")
-    p.add_argument("--recipe", help="recipe name or YAML file for the thresholds (default: ARTIFACT/hybrid_build/recipe.yaml)")
+    p.add_argument("--source", help=f"the INT4 source checkpoint (folder or Hub id; default: the one {PROVENANCE} names)")
+    p.add_argument("--recipe", help=f"recipe name or YAML file for the thresholds (default: ARTIFACT/{RECIPE})")
     p.add_argument("--activations", type=Path, metavar="FILE",
                    help="safetensors file of calibration inputs: '<...>.mlp.shared_expert' [T, H] per layer, "
                         "'lm_head' [T, H] (default: random inputs at each layer's norm scale)")

@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from hybrid_build.core.artifact import REPORTS
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
 from hybrid_build.core.errors import UserError
 
@@ -19,8 +20,8 @@ The first two run lm-eval's Hugging Face backend (small models: the source, then
 artifact's converted modules dequantized into it). The others evaluate running OpenAI-compatible
 servers (`hybrid-build serve` starts them; two servers, or one serving both under two names);
 gsm8k and other lm-eval tasks download their data from the Hub the first time. The report goes
-to ARTIFACT/hybrid_build/eval.{json,md}, where `publish` puts it on the model card.
-"""
+to %s, where `publish` puts it on the model card.
+""" % " and ".join("ARTIFACT/" + f for f in REPORTS["eval"].files)
 
 
 def register(sub, common) -> None:
@@ -62,7 +63,7 @@ def register(sub, common) -> None:
     s.add_argument("--concurrency", type=int, default=4, help="requests in flight per server (default 4)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, metavar="FILE",
-                   help="report JSON (a Markdown table beside it; default ARTIFACT/hybrid_build/eval.json)")
+                   help=f"report JSON (a Markdown table beside it; default ARTIFACT/{REPORTS['eval'].main})")
     o.add_argument("--samples", type=Path, metavar="FILE", help="also write both runs' logged samples (JSONL)")
     add_json_flag(p)
     p.set_defaults(handler=run)
@@ -109,14 +110,14 @@ def _servers(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybrid_build.validate import accuracy
+    from hybrid_build.validate import task_eval
 
     if args.verbose < 1:  # lm-eval warns about its own defaults on every task; -v shows it
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     settings = _settings(args)
     if args.artifact is not None and not args.artifact.is_dir():
         raise UserError(f"{args.artifact}: no such artifact folder")
-    out = args.out or (accuracy.default_report_path(args.artifact) if args.artifact else None)
+    out = args.out or (task_eval.default_report_path(args.artifact) if args.artifact else None)
     if out is None:
         raise UserError("without ARTIFACT, say where the report goes: --out FILE")
     quiet = args.quiet or args.json
@@ -129,17 +130,17 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("the hf backend runs the models here: drop the URLs, or pick --backend completions/chat")
         if args.artifact is None:
             raise UserError("the hf backend needs ARTIFACT (the folder `hybrid-build run` wrote)")
-        report, raw = accuracy.evaluate_artifact(args.artifact, args.source, settings, progress=bar)
+        report, raw = task_eval.evaluate_artifact(args.artifact, args.source, settings, progress=bar)
     else:
         source, hybrid = _servers(args)
-        report, raw = accuracy.evaluate_endpoints(source, hybrid, settings, args.artifact, progress=bar)
-    written = accuracy.write_report(report, out)
+        report, raw = task_eval.evaluate_endpoints(source, hybrid, settings, args.artifact, progress=bar)
+    written = task_eval.write_report(report, out)
     if args.samples:
-        written.append(accuracy.write_samples(raw, args.samples))
+        written.append(task_eval.write_samples(raw, args.samples))
     if args.json:
         emit_json(report.to_json())
     elif not args.quiet:
-        print("\n".join(accuracy.markdown_rows(report.to_json())))
-        print(f"settings: {accuracy.settings_line(report.to_json())}")
+        print("\n".join(task_eval.markdown_rows(report.to_json())))
+        print(f"settings: {task_eval.settings_line(report.to_json())}")
         print(f"report: {', '.join(str(p) for p in written)} ({report.seconds:.1f} s)", file=sys.stderr)
     return 0

@@ -14,21 +14,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.artifact import REPORTS, RECIPE, provenance_sha256, read_provenance, read_recipe_data
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.recipes.conversion import plan_conversion
-from hybrid_build.core.errors import ArtifactError, HybridBuildError, SourceError, UserError
+from hybrid_build.core.errors import ArtifactError, ExternalToolError, HybridBuildError, SourceError, UserError
 from hybrid_build.core.source_identity import open_recorded_source
-from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
+from hybrid_build.recipes.schema import Recipe, parse_recipe, select_recipe
 
 from . import checks
-from .checks import META_DIR, Findings, ValidationInputs, exceeds
+from .checks import Findings, ValidationInputs, exceeds
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
-REPORT_FILES = ("validation.json", "validation.md", "validation.png")
+SCHEMA_VERSION = 2  # 2: "outcome" and each check's "state"
+VALIDATION = REPORTS["validation"]  # its files, named by core.artifact
 CHECK_ORDER = ("index", "provenance", "tensors", "scheme", "finite", "weights", "activations", "lm_head",
                "end_to_end")
+
+
+# a check's state: it ran and passed or failed, was skipped on purpose, or the environment could not run it
+RAN = ("pass", "fail")
 
 
 @dataclass
@@ -36,9 +41,21 @@ class CheckResult:
     name: str
     passed: bool
     detail: str
+    state: str = "pass"  # "pass" | "fail" | "skipped" | "could not run"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+        return {"name": self.name, "passed": self.passed, "state": self.state, "detail": self.detail}
+
+
+def checks_that_ran(report_json: dict) -> set[str]:
+    """The checks a report's JSON says ran (passed or failed); reports from before ``state``
+    existed marked a skipped check by its detail."""
+    out = set()
+    for c in report_json.get("checks") or []:
+        state = c.get("state") or ("fail" if not c.get("passed") else "skipped" if c.get("detail") == "skipped" else "pass")
+        if state in RAN:
+            out.add(c.get("name"))
+    return out
 
 
 @dataclass
@@ -56,18 +73,31 @@ class ValidationReport:
     end_to_end: dict = field(default_factory=dict)
     seconds: float = 0.0
     written: list[str] = field(default_factory=list)
+    kept: str | None = None  # why the stronger report already in the artifact was not overwritten
+    provenance_sha256: str | None = None  # the build checked (core.artifact.report_state reads it)
 
     @property
     def passed(self) -> bool:
-        return not self.failures and all(c.passed for c in self.checks)
+        """Every check that ran passed and none was left undone by the environment."""
+        return self.outcome == "passed"
+
+    @property
+    def outcome(self) -> str:
+        """``passed``, ``failed``, or ``could not run`` (nothing failed, but a check the run asked
+        for needed an engine, a GPU or a tool that is not here): three outcomes, never merged."""
+        if self.failures or any(c.state == "fail" for c in self.checks):
+            return "failed"
+        if any(c.state == "could not run" for c in self.checks):
+            return "could not run"
+        return "passed"
 
     def to_json(self) -> dict:
         return _finite_json({
-            "schema_version": SCHEMA_VERSION, "passed": self.passed, "artifact": self.artifact,
+            "schema_version": SCHEMA_VERSION, "passed": self.passed, "outcome": self.outcome, "artifact": self.artifact,
             "source": self.source, "recipe": self.recipe, "format": self.format, "thresholds": self.thresholds,
             "checks": [c.to_json() for c in self.checks], "failures": self.failures, "weights": self.weights,
             "activations": self.activations, "lm_head": self.lm_head, "end_to_end": self.end_to_end,
-            "seconds": round(self.seconds, 2),
+            "seconds": round(self.seconds, 2), "provenance_sha256": self.provenance_sha256,
         })
 
     def to_markdown(self) -> str:
@@ -99,10 +129,10 @@ def _load_artifact(artifact: Path) -> Checkpoint:
 
 
 def _resolve_recipe(artifact: Checkpoint, source: Checkpoint, f: Findings) -> Recipe:
-    path = artifact.root / META_DIR / "recipe.yaml"
-    if path.exists():
-        return load_recipe(path)
-    f.fail("provenance", f"{META_DIR}/recipe.yaml is missing; using the shipped recipe that matches the source")
+    data = read_recipe_data(artifact.root, missing_ok=True)
+    if data is not None:
+        return parse_recipe(data, RECIPE)
+    f.fail("provenance", f"{RECIPE} is missing; using the shipped recipe that matches the source")
     return select_recipe(source.text_config, source.model_type)
 
 
@@ -125,8 +155,10 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     if engine not in ENGINES:
         raise UserError(f"unknown end-to-end engine {engine!r} (engines: {', '.join(ENGINES)})")
     texts_by_name = load_texts(texts)
+    # a folder with no provenance is not a build: refused before a report is written into it
+    provenance = read_provenance(Path(artifact))
     art = _load_artifact(Path(artifact))
-    provenance = checks.read_provenance(art.root)
+    built = provenance_sha256(art.root)
     # a source that is not, by content, the one the artifact was built from is an error before
     # any check runs: no report is written, and a passing one is never overwritten
     src = open_recorded_source(art.root, provenance, source, progress)
@@ -136,7 +168,8 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     inp = ValidationInputs(art, src, recipe, provenance, plan, progress, checks.load_activations(activations))
     spec = recipe.validate_
     report = ValidationReport(artifact=art.root.name, source=src.source_id or src.root.name, recipe=recipe.name,
-                              format=recipe.output.format, thresholds=spec.model_dump(mode="json"))
+                              format=recipe.output.format, thresholds=spec.model_dump(mode="json"),
+                              provenance_sha256=built)
 
     checks.check_index(inp, f)
     checks.check_provenance(inp, f)
@@ -169,13 +202,36 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
             detail = f.details.get(name) or ""
             if failed:
                 detail = f"{len(failed)} failure(s)" + (f"; {detail}" if detail else "")
-            report.checks.append(CheckResult(name, not failed, detail))
+            state = ("fail" if failed else "could not run" if name in f.could_not_run
+                     else "skipped" if detail == "skipped" else "pass")
+            report.checks.append(CheckResult(name, not failed, detail, state))
     report.failures = f.failures
     report.seconds = time.perf_counter() - t0
     if write:
-        report.written = [str(p) for p in write_report(report, art.root / META_DIR)]
-    log.info("validation %s in %.1f s", "passed" if report.passed else "FAILED", report.seconds)
+        report.kept = stronger_report(art.root, report)
+        if report.kept is None:
+            report.written = [str(p) for p in write_report(report, art.root)]
+    log.info("validation %s in %.1f s", report.outcome, report.seconds)
     return report
+
+
+def stronger_report(artifact: Path, report: ValidationReport) -> str | None:
+    """Why the report already in ``artifact`` stays, or None to write ``report`` over it. A run
+    that checked less (``--no-e2e``; an engine that could not run) never replaces a report of the
+    same build that passed with more checks run; a failure is always written, it is news."""
+    if report.outcome == "failed":
+        return None
+    try:
+        old = json.loads((artifact / VALIDATION.main).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict) or old.get("provenance_sha256") != report.provenance_sha256 or not old.get("passed"):
+        return None
+    ran = {c.name for c in report.checks if c.state in RAN}
+    more = sorted(checks_that_ran(old) - ran)
+    if not more:
+        return None
+    return f"{VALIDATION.main} of this build passed with more checks run ({', '.join(more)}); it is kept"
 
 
 def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str, str], announce=None) -> dict:
@@ -198,16 +254,23 @@ def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str
             ids = end_to_end.tokenize(inp.source, texts)
             if announce and engine == "streamed":
                 seconds, basis = end_to_end.estimate_seconds(inp.source)
+                # the estimate counts the INT4 dequantization that dominates a large model; below a
+                # minute the fixed costs it leaves out (loading, tokenizing, intervals) dominate
+                when = ("under a minute" if seconds < 60 else f"about {seconds:.0f} s" if seconds < 120
+                        else f"about {seconds / 60:.1f} min")
                 announce(f"end-to-end forward ({engine}, {inp.source.text_config.get('num_hidden_layers')} layers, "
-                         f"{sum(len(v) for v in ids.values())} tokens): about "
-                         f"{f'{seconds:.0f} s' if seconds < 120 else f'{seconds / 60:.1f} min'} ({basis})")
+                         f"{sum(len(v) for v in ids.values())} tokens): {when} ({basis})")
             result, hidden = end_to_end.run(engine, inp.source, inp.artifact, ids, inp.progress)
             if hidden is not None and "lm_head" not in inp.activations:
                 import torch
 
                 inp.activations["lm_head"] = torch.cat([h for h in hidden.values()])
                 inp.activation_labels["lm_head"] = "real (final-norm hidden states of the end-to-end forward)"
-    except HybridBuildError as e:  # no tokenizer, texts too short, engine unavailable: one sentence
+    except ExternalToolError as e:  # no vLLM, no GPU, an engine that did not start: not a failed check
+        why = " ".join(strip_ansi(str(e)).split())
+        f.cannot_run("end_to_end", why)
+        return {"could_not_run": why, "engine": engine}
+    except HybridBuildError as e:  # no tokenizer, texts too short: one sentence
         result = {"error": str(e), "engine": engine}
     if "error" in result:
         # one sentence, as the engine explained it; a terminal's colour codes never reach the report
@@ -234,13 +297,14 @@ def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str
 # ------------------------------------------------------------------------------------- output
 
 
-def write_report(report: ValidationReport, folder: Path) -> list[Path]:
+def write_report(report: ValidationReport, artifact: Path) -> list[Path]:
+    """The report's files in ``artifact`` (where ``core.artifact`` puts them)."""
     from hybrid_build.core.safetensors_io import write_text_atomic
 
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [write_text_atomic(folder / "validation.json", json.dumps(report.to_json(), indent=2) + "\n"),
-             write_text_atomic(folder / "validation.md", report.to_markdown())]
-    png = plot_report(report, folder / "validation.png")
+    (artifact / VALIDATION.main).parent.mkdir(parents=True, exist_ok=True)
+    paths = [write_text_atomic(artifact / VALIDATION.main, json.dumps(report.to_json(), indent=2) + "\n"),
+             write_text_atomic(artifact / VALIDATION.named(".md"), report.to_markdown())]
+    png = plot_report(report, artifact / VALIDATION.named(".png"))
     if png:
         paths.append(png)
     return paths
@@ -267,7 +331,7 @@ def render_markdown(r: ValidationReport) -> str:
     if r.failures:
         lines += ["", "### Failures", ""] + [f"- {line}" for line in r.failures[:50]]
         if len(r.failures) > 50:
-            lines.append(f"- ... and {len(r.failures) - 50} more (validation.json lists all)")
+            lines.append(f"- ... and {len(r.failures) - 50} more ({REPORTS['validation'].main} lists all)")
     if r.weights:
         lines += ["", "### Converted weights (dequantized vs BF16 source)", "",
                   "| module | kind | rel. error | cosine | SQNR dB | max abs error | worst block/row |",
@@ -292,8 +356,10 @@ def render_markdown(r: ValidationReport) -> str:
     lines += ["", f"### End to end (teacher-forced, {engine} engine, KL(source || hybrid) per position)", ""]
     if e.get("skipped"):
         lines.append(f"Skipped: {e.get('reason')}.")
-    elif "error" in e:
-        lines.append(f"Could not run: {e['error'].rstrip('.')}.")
+    elif "could_not_run" in e:  # the environment, not the artifact: neither passed nor failed
+        lines.append(f"Could not run here: {e['could_not_run'].rstrip('.')}.")
+    elif "error" in e:  # a failed check: the forward could not be made on this artifact and these texts
+        lines.append(f"Failed to run: {e['error'].rstrip('.')}.")
     else:
         lines += [f"{e['tokens']} tokens: KL(source || hybrid) {_fmt(e['kl'])}, top-1 agreement "
                   f"{_fmt(e['top1_agreement'])}, perplexity {_fmt(e['ppl_source'])} -> {_fmt(e['ppl_hybrid'])} "
@@ -322,7 +388,7 @@ def plot_report(r: ValidationReport, path: Path) -> Path | None:
     try:
         fig = render_figure(r)
     except ImportError:
-        log.warning("matplotlib is not installed: no validation.png (pip install 'hybrid-build[plot]')")
+        log.warning("matplotlib is not installed: no %s (pip install 'hybrid-build[plot]')", REPORTS["validation"].named(".png"))
         return None
     tmp = path.with_name(path.name + ".partial.png")
     fig.savefig(tmp)
@@ -354,7 +420,7 @@ def render_figure(r: ValidationReport):
     t = r.thresholds
     fig = Figure(figsize=(14, 11), dpi=100, layout="constrained")
     grid = fig.add_gridspec(3, 3)
-    verdict = "passed" if r.passed else f"FAILED ({len(r.failures)} failure(s): see validation.md)"
+    verdict = "passed" if r.passed else f"FAILED ({len(r.failures)} failure(s): see {REPORTS['validation'].named('.md')})"
     fig.suptitle(f"{r.recipe} ({r.format}): validation {verdict}", fontsize=14, fontweight="bold",
                  color=PASS_COLOR if r.passed else FAIL_COLOR)
 
@@ -393,10 +459,11 @@ def render_figure(r: ValidationReport):
                       log_scale=True)
 
     e = r.end_to_end
-    failed = "error" in e
-    axes = row(2, "end to end (teacher-forced forward, transformers)", not (e.get("skipped") or failed),
-               f"could not run: {e.get('error')}" if failed else f"skipped: {e.get('reason')}",
-               FAIL_COLOR if failed else NONE_COLOR, "FAIL" if failed else "skipped")
+    failed, undone = "error" in e, "could_not_run" in e
+    axes = row(2, "end to end (teacher-forced forward, transformers)", not (e.get("skipped") or failed or undone),
+               f"failed to run: {e.get('error')}" if failed else f"could not run here: {e['could_not_run']}" if undone
+               else f"skipped: {e.get('reason')}",
+               FAIL_COLOR if failed else NONE_COLOR, "FAIL" if failed else "could not run" if undone else "skipped")
     if axes:
         texts = e.get("texts", {})
         _text_panel(axes[0], "end to end: top-1 agreement",

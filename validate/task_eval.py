@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
 
@@ -53,9 +54,6 @@ API_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
 DEFAULT_TASKS = ("hybrid_build",)
 BUNDLED_DATASET = "hybrid-build/bundled-eval-tasks"  # how the card names the bundled set
 SCHEMA_VERSION = 1
-META_DIR = "hybrid_build"
-EVAL_JSON = "eval.json"
-EVAL_MD = "eval.md"
 ALPHA = 0.05
 Z95 = 1.959963984540054
 PROGRESS_MARK = "\x1ehybrid-build-progress "  # a child's progress lines on its stdout
@@ -81,12 +79,6 @@ class EvalSettings:
     numpy_seed: int = 1234
     torch_seed: int = 1234
     fewshot_seed: int = 1234
-
-    def lm_eval_kwargs(self) -> dict:
-        return {"limit": self.limit, "num_fewshot": self.num_fewshot, "random_seed": self.random_seed,
-                "numpy_random_seed": self.numpy_seed, "torch_random_seed": self.torch_seed,
-                "fewshot_random_seed": self.fewshot_seed, "log_samples": True,
-                "apply_chat_template": self.backend == "chat"}
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -648,7 +640,8 @@ def write_report(report: AccuracyReport, path: Path) -> list[Path]:
 
 
 def default_report_path(artifact: Path) -> Path:
-    return Path(artifact) / META_DIR / EVAL_JSON
+    """Where the report goes in an artifact (the Markdown one beside it): ``core.artifact.REPORTS``."""
+    return REPORTS["eval"].path(artifact)
 
 
 # ------------------------------------------------------------------------------------ entry point
@@ -706,28 +699,6 @@ def evaluate_endpoints(source: ServerModel, hybrid: ServerModel, settings: EvalS
     report = build_report(raw, settings, models, artifact_identity(artifact) if artifact else {}, [SERVER_NOTE],
                           time.perf_counter() - t0)
     return report, raw
-
-
-def read_provenance(artifact: Path) -> dict:
-    path = Path(artifact) / META_DIR / "provenance.json"
-    if not Path(artifact).is_dir():
-        raise UserError(f"{artifact}: no such artifact folder")
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{artifact}: no {META_DIR}/provenance.json: not an artifact built by `hybrid-build run`") from None
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{path}: unreadable ({e})") from None
-
-
-def artifact_identity(artifact: Path) -> dict:
-    """Which build was evaluated: the folder's name and the sha256 of its provenance manifest (the
-    model card shows a report only for the build it describes)."""
-    from hybrid_build.core.manifest import sha256_file
-
-    prov = Path(artifact) / META_DIR / "provenance.json"
-    return {"name": Path(artifact).resolve().name,
-            "provenance_sha256": sha256_file(prov) if prov.is_file() else None}
 
 
 def write_samples(raw: dict, path: Path) -> Path:

@@ -51,7 +51,7 @@ def make_retry():
 
 
 def _part_line(part: int, parts: int, todo, already: int) -> None:
-    from ..modelcard import human_bytes
+    from hybrid_build.core.byte_units import human_bytes
 
     sent = sum(f.bytes for f in todo)
     if not todo:
@@ -63,7 +63,7 @@ def _part_line(part: int, parts: int, todo, already: int) -> None:
 
 
 def _print_plan(plan, revision: str) -> None:
-    from ..modelcard import human_bytes
+    from hybrid_build.core.byte_units import human_bytes
 
     out = sys.stdout
     out.write(f"dry run: would publish {len(plan.files)} files, {plan.total_bytes:,} bytes "

@@ -9,7 +9,8 @@ import logging
 import time
 from pathlib import Path
 
-from hybrid_build.recipes.inventory import human_bytes
+from hybrid_build.core.byte_units import human_bytes
+from hybrid_build.core.artifact import WORK_DIR
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,9 @@ def _demo_source(args) -> Path:
     """No SOURCE: build (once) the tiny demo checkpoint, and its drafter beside it, in the output
     folder's work dir. A demo source built before the drafter existed gets one now."""
     from ..generators.demo import build_demo_checkpoint, build_demo_drafter, demo_drafter_path
-    from ..stages import WORK_DIR
+    from hybrid_build.core.artifact import DEMO_SOURCE
 
-    path = args.out / WORK_DIR / "demo-source"
+    path = args.out / DEMO_SOURCE
     if not (path / "model.safetensors.index.json").exists():
         if not args.quiet:
             print("no SOURCE given: building the tiny demo checkpoint (~15 s) ...", flush=True)
@@ -42,7 +43,7 @@ def _handle(args: argparse.Namespace) -> int:
     from ..generators.sources import SYNTHETIC_PREFIX, open_source
     from hybrid_build.core.cli_support import emit_json, progress
     from ..runner import run_build, select_stages
-    from ..stages import WORK_DIR
+    from hybrid_build.core.artifact import DEMO_SOURCE, REPORTS
 
     stages = select_stages(_split_stages(args.only), getattr(args, "from"))
     demo = args.source is None
@@ -63,7 +64,7 @@ def _handle(args: argparse.Namespace) -> int:
 
     overrides = RecipeOverrides(format=args.format, observer=args.observer, fp8_source=args.fp8_source)
     ctx = prepare(source, args.out, args.recipe or ("tiny" if demo else None), progress=bar, revision=args.revision,
-                  overrides=overrides, force=args.force, in_artifact=f"{WORK_DIR}/demo-source" if demo else None,
+                  overrides=overrides, force=args.force, in_artifact=DEMO_SOURCE if demo else None,
                   recipe_how="given" if args.recipe else "the demo's")
     if not args.quiet and not args.json:
         ctx.announce = lambda line: print(f"  {line}", flush=True)
@@ -93,7 +94,7 @@ def _handle(args: argparse.Namespace) -> int:
 
     # --force re-runs every selected stage; --from re-runs the stage it names and those after it
     force = True if args.force else (stages if getattr(args, "from") else False)
-    report_path = args.out / "hybrid_build" / "validation.md"
+    report_path = args.out / REPORTS["validation"].named(".md")
     where = {"output": str(args.out), "recipe": ctx.recipe.name,
              "report": str(report_path) if "validate" in stages else None,
              "demo_source": str(ctx.source.root.resolve()) if demo else None}
@@ -146,20 +147,23 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
 
 
 def register(sub, common) -> None:
+    from hybrid_build.core import formats
     from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
     from ..stages import STAGES
+
+    other_format = next((n for n in formats.names() if n != formats.DEFAULT), formats.DEFAULT)
 
     p = sub.add_parser(
         "run", parents=[common], formatter_class=ExampleFormatter,
         help="build the hybrid checkpoint (FP8 shared experts + int8 lm-head)",
         description="Convert an INT4 AutoRound checkpoint into the hybrid checkpoint: calibrate the BF16 shared "
                     "experts to FP8 block-128, quantize the lm-head to int8 per row, assemble the output and "
-                    "validate it. Stages leave manifests in OUT/.hybrid-build; running again skips finished "
+                    f"validate it. Stages leave manifests in OUT/{WORK_DIR}; running again skips finished "
                     "stages, so an interrupted run resumes. Stages: " + ", ".join(STAGES) + ".",
         epilog="examples:\n"
                "  hybrid-build run -o out/                            # tiny demo model, whole pipeline\n"
                "  hybrid-build run Intel/Qwen3.5-122B-A10B-int4-AutoRound -o hybrid/ --dry-run\n"
-               "  hybrid-build run ./int4 -o hybrid/ --recipe qwen3.5-122b-a10b --format compressed-tensors\n"
+               f"  hybrid-build run ./int4 -o hybrid/ --recipe qwen3.5-122b-a10b --format {other_format}\n"
                "  hybrid-build run ./int4 -o hybrid/ --from assemble   # redo assembly and validation")
     p.add_argument("source", nargs="?", help="INT4 checkpoint folder or Hub id (default: the tiny demo model)")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
@@ -172,7 +176,8 @@ def register(sub, common) -> None:
                                                    "recomputed even if current)")
     p.add_argument("--force", action="store_true", help="re-run stages even if their manifests match, and build "
                                                         "with a --recipe that does not fit the source")
-    p.add_argument("--format", choices=["inc-hybrid", "compressed-tensors"], help="override the recipe's output format")
+    p.add_argument("--format", choices=formats.names(),
+                   help=f"override the recipe's output format ({formats.choices_help()})")
     p.add_argument("--observer", choices=["minmax", "mse"], help="override the FP8 observer")
     p.add_argument("--fp8-source", metavar="CKPT",
                    help="take the FP8 shared experts from this official FP8 checkpoint (folder or Hub id)")

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import importlib
 
-WORK_DIR = ".hybrid-build"
-
 # name -> module; the order is the order of a build
 STAGE_MODULES: dict[str, str] = {
     "inspect": "hybrid_build.pipeline.stages.inspect",
     "calibrate": "hybrid_build.pipeline.stages.calibrate",
     "quantize-head": "hybrid_build.pipeline.stages.quantize_head",
     "assemble": "hybrid_build.pipeline.stages.assemble",
+    "record": "hybrid_build.pipeline.stages.record",
     "validate": "hybrid_build.pipeline.stages.validate",
 }
 STAGES = tuple(STAGE_MODULES)

@@ -2,9 +2,10 @@
 
 Every output tensor is planned first (names, dtypes, shapes, shard offsets). Unchanged tensors
 are byte ranges of the source; converted ones are byte ranges of the intermediate files written
-by ``calibrate`` and ``quantize-head``; only the compressed-tensors INT4 repack transposes data,
-one tensor at a time. Shards go to temporary names and are renamed when complete; the index is
-written last, after the provenance manifest, so a folder with an index is a complete build.
+by ``calibrate`` and ``quantize-head``; the output format (``core/formats``) names and arranges
+them, and a format that repacks the INT4 tensors transposes data one tensor at a time. Shards go
+to temporary names and are renamed when complete; the index is written last, after the
+provenance manifest, so a folder with an index is a complete build.
 """
 from __future__ import annotations
 
@@ -13,17 +14,11 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
-from hybrid_build.calibration.gptq import zeros_are_symmetric
-
 from hybrid_build.core import __version__
-from hybrid_build.core.checkpoint import TensorInfo
 from ..context import BuildContext, output_bytes
 from hybrid_build.core.errors import ArtifactError
 from hybrid_build.core.tensor_classes import split_module
@@ -31,22 +26,13 @@ from hybrid_build.core.manifest import sha256_file
 from hybrid_build.core.safetensors_io import (
     INDEX_NAME, TMP_SUFFIX, ByteRange, OutTensor, ShardHasher, ShardPlan, plan_shards, write_shard, write_text_atomic,
 )
-from hybrid_build.core.source_identity import LOCATION_FILE
-from hybrid_build.core.weights import read_tensor
+from hybrid_build.core.artifact import CONFIG, PROVENANCE, QUANT_CONFIG, RECIPE, build_outputs
+from hybrid_build.core.formats.base import copied
 from .base import Stage, StageIO, StageOutput
 
 log = logging.getLogger(__name__)
 
-META_DIR = "hybrid_build"
-PROVENANCE = f"{META_DIR}/provenance.json"
-RECIPE_FILE = f"{META_DIR}/recipe.yaml"
-FP8_EXTRA = {"bits": 8, "data_type": "fp", "weight_block_size": [128, 128], "act_data_type": "fp", "act_dynamic": True}
-INT8_HEAD_EXTRA = {"bits": 8, "group_size": -1, "sym": True, "data_type": "int"}
-SKIP_COPY = {"config.json", "quantization_config.json", INDEX_NAME}
-
-
-def _copy(t: TensorInfo, ctx, name: str | None = None) -> OutTensor:
-    return OutTensor(name or t.name, t.dtype, t.shape, ByteRange(ctx.source.path_of(t), t.start, t.nbytes))
+SKIP_COPY = {CONFIG, QUANT_CONFIG, INDEX_NAME}
 
 
 def _from_intermediate(entries: dict, name: str) -> OutTensor:
@@ -56,17 +42,11 @@ def _from_intermediate(entries: dict, name: str) -> OutTensor:
     return OutTensor(name, th.dtype, th.shape, rng)
 
 
-def _transposed(ctx, t: TensorInfo, name: str) -> OutTensor:
-    def produce():
-        yield read_tensor(ctx.source, t.name).t().contiguous().numpy().tobytes()
-    return OutTensor(name, t.dtype, (t.shape[1], t.shape[0]), produce)
-
-
 def plan_output(ctx: BuildContext, up: dict[str, StageOutput]) -> list[ShardPlan]:
     """Every output file with its tensors, in source order; nothing is read but headers. The
     converted tensors come from ``up``: calibrate's file, and quantize-head's (finished, or still
     running in the background with its layout known)."""
-    fmt = ctx.recipe.output.format
+    fmt = ctx.recipe.output.fmt
     conv = {c.module: c for c in ctx.plan.conversions}
     fp8 = up["calibrate"].entries()
     head = up["quantize-head"].entries()
@@ -82,28 +62,17 @@ def plan_output(ctx: BuildContext, up: dict[str, StageOutput]) -> list[ShardPlan
         if c is not None and part == "weight":
             if c.kind == "fp8":
                 dest.append(_from_intermediate(fp8, module + ".weight"))
-                scale = _from_intermediate(fp8, module + ".weight_scale_inv")
-                if fmt == "compressed-tensors":
-                    scale.name = module + ".weight_scale"
+                scale = _from_intermediate(fp8, module + ".weight_scale_inv")  # calibrate's name for it
+                scale.name = f"{module}.{fmt.fp8_scale_part}"
                 dest.append(scale)
             elif ctx.recipe.lm_head.storage == "bf16":
-                dest.append(_copy(t, ctx))
-            elif fmt == "compressed-tensors":
-                dest += [_from_intermediate(head, f"{module}.{p}") for p in ("weight_packed", "weight_scale", "weight_shape")]
+                dest.append(copied(src, t))
             else:
-                dest += [_from_intermediate(head, f"{module}.{p}") for p in ("qweight", "qzeros", "scales")]
-        elif fmt == "compressed-tensors" and t.storage == "int4":
-            if part == "qweight":
-                dest.append(_transposed(ctx, t, module + ".weight_packed"))
-                scales = src.tensors[module + ".scales"]
-                dest.append(_transposed(ctx, scales, module + ".weight_scale"))
-                k = t.shape[0] * 8
-                shape = torch.tensor([t.shape[1], k], dtype=torch.int64)
-                dest.append(OutTensor(module + ".weight_shape", "I64", (2,), lambda s=shape: iter([s.numpy().tobytes()])))
-            elif part not in ("scales", "qzeros"):
-                dest.append(_copy(t, ctx))
+                dest += [_from_intermediate(head, f"{module}.{p}") for p in fmt.head_parts(*c.shape)]
+        elif t.storage == "int4":
+            dest += fmt.int4_tensors(src, t)
         else:
-            dest.append(_copy(t, ctx))
+            dest.append(copied(src, t))
     shards = plan_shards(main, ctx.recipe.output.max_shard_bytes)
     for s in shards:  # the head's tensors last in their shard: the rest is written while it is quantized
         s.tensors.sort(key=lambda t: t.name in head)
@@ -116,61 +85,14 @@ def plan_output(ctx: BuildContext, up: dict[str, StageOutput]) -> list[ShardPlan
 
 
 def check(ctx: BuildContext) -> None:
-    if ctx.recipe.output.format == "compressed-tensors":
-        check_int4_symmetric(ctx)
-
-
-def check_int4_symmetric(ctx) -> None:
-    """compressed-tensors repack is bit-exact only for symmetric zeros (every word 0x77777777)."""
-    for module, parts in ctx.source.modules.items():
-        if "qzeros" in parts and parts["qweight"].storage == "int4":
-            if not zeros_are_symmetric(read_tensor(ctx.source, module + ".qzeros"), 4):
-                raise ArtifactError(f"{module}: asymmetric INT4 zeros; compressed-tensors repack needs symmetric GPTQ")
-
-
-def _regex_for(modules: list[str], prefix: str) -> list[str]:
-    """Generalise module names over layer and expert indices into compressed-tensors ``re:``
-    targets. The language-model prefix is replaced by ``.*`` because engines rename it (vLLM's
-    VL class calls it ``language_model.model.``)."""
-    pats = sorted({re.sub(r"\\\.(\d+)\\\.", r"\\.\\d+\\.", re.escape(m[len(prefix):] if m.startswith(prefix) else m))
-                   for m in modules})
-    return [f"re:.*{p}$" for p in pats]
+    ctx.recipe.output.fmt.check_source(ctx.source)
 
 
 def quantization_config(ctx) -> dict:
-    src_q = copy.deepcopy(ctx.source.quant.raw)
-    fp8_modules = [c.module for c in ctx.plan.of_kind("fp8")]
-    head_modules = [c.module for c in ctx.plan.of_kind("int8")]
-    if ctx.recipe.output.format == "inc-hybrid":
-        extra = src_q.setdefault("extra_config", {})
-        for key in [k for k in extra if any(c in k for c in "*+?^$()[]{}|\\") and
-                    any(re.search(k, m) for m in fp8_modules + head_modules)]:
-            del extra[key]  # a regex 16-bit entry for converted layers would contradict the exact ones
-        for m in fp8_modules:
-            extra[m] = dict(FP8_EXTRA)
-        if ctx.recipe.lm_head.storage == "gptq-int8":
-            for m in head_modules:
-                extra[m] = dict(INT8_HEAD_EXTRA)
-        return src_q
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-
-    int4 = sorted({split_module(t.name)[0] for t in ctx.source.tensors.values()
-                   if t.storage == "int4" and t.name.endswith(".qweight")})
-    groups = {
-        "int4": QuantizationScheme(targets=_regex_for(int4, ctx.source.lm_prefix), format="pack-quantized", weights=QuantizationArgs(
-            num_bits=4, type="int", symmetric=True, strategy="group", group_size=ctx.source.quant.group_size or 128)),
-        "fp8": QuantizationScheme(targets=_regex_for(fp8_modules, ctx.source.lm_prefix), format="float-quantized", weights=QuantizationArgs(
-            num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
-            input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
-                                               group_size=128, dynamic=True)),
-    }
-    if head_modules and ctx.recipe.lm_head.storage != "bf16":
-        groups["int8_head"] = QuantizationScheme(
-            targets=["re:.*lm_head$"], format="pack-quantized",
-            weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"))
-    qc = QuantizationConfig(config_groups=groups, format="mixed-precision", quantization_status="compressed",
-                            ignore=["re:.*mtp\\..*", "re:.*visual\\..*"])
-    return qc.model_dump(mode="json", exclude_none=True)
+    """The output format's ``quantization_config`` for what the plan converts."""
+    return ctx.recipe.output.fmt.quantization_config(
+        ctx.source, [c.module for c in ctx.plan.of_kind("fp8")], [c.module for c in ctx.plan.of_kind("int8")],
+        head_stored=ctx.recipe.lm_head.storage != "bf16")
 
 
 def hybrid_block(ctx) -> dict:
@@ -181,8 +103,7 @@ def hybrid_block(ctx) -> dict:
         "source": {k: v for k, v in ctx.source_record().to_provenance().items() if k != "files"},
         "fp8_modules": [c.module for c in ctx.plan.of_kind("fp8")],
         "fp8_block": [128, 128],
-        "lm_head": ("quantize-at-load" if ctx.recipe.lm_head.storage == "bf16" else
-                    "int8-channel" if ctx.recipe.output.format == "compressed-tensors" else "gptq-int8")
+        "lm_head": ("quantize-at-load" if ctx.recipe.lm_head.storage == "bf16" else ctx.recipe.output.fmt.head_label)
         if ctx.plan.of_kind("int8") else "unchanged",
     }
 
@@ -207,16 +128,21 @@ def _copy_file_atomic(src: Path, dst: Path) -> None:
 
 
 def inputs(ctx: BuildContext) -> dict:
-    return {"recipe": ctx.recipe.model_dump(mode="json", by_alias=True)}
+    """The recipe sections that decide the checkpoint's bytes (its name is in config.json); the
+    rest of the recipe (validate thresholds, serve profiles, publish settings) is ``record``'s."""
+    r = ctx.recipe
+    return {"name": r.name, "output": r.output.model_dump(mode="json"),
+            "shared_experts": r.shared_experts.model_dump(mode="json"), "lm_head": r.lm_head.model_dump(mode="json")}
 
 
 def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
     out = ctx.out
-    fmt = ctx.recipe.output.format
+    fmt = ctx.recipe.output.fmt
     key = ctx.assemble_marker()  # decides whether half-written shards of an earlier try may be kept
     marker = ctx.work / "assemble.inprogress"
     resume = marker.exists() and marker.read_text() == key
     (out / INDEX_NAME).unlink(missing_ok=True)  # from here on the folder no longer looks complete
+    (out / PROVENANCE).unlink(missing_ok=True)  # nor holds a provenance of other shards
     write_text_atomic(marker, key)
     shards = plan_output(ctx, io.up)
     planned = {s.filename for s in shards}
@@ -244,52 +170,34 @@ def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
     qc = quantization_config(ctx)
     config["quantization_config"] = qc
     config["hybrid_build"] = hybrid_block(ctx)
-    write_text_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
-    if (ctx.source.root / "quantization_config.json").exists() or fmt == "inc-hybrid":
-        write_text_atomic(out / "quantization_config.json", json.dumps(qc, indent=2) + "\n")
-    (out / META_DIR).mkdir(exist_ok=True)
-    write_text_atomic(out / RECIPE_FILE, ctx.recipe.to_yaml())
+    write_text_atomic(out / CONFIG, json.dumps(config, indent=2) + "\n")
+    if (ctx.source.root / "quantization_config.json").exists() or fmt.writes_quantization_config_file:
+        write_text_atomic(out / QUANT_CONFIG, json.dumps(qc, indent=2) + "\n")
 
     weight_map = {t.name: s.filename for s in shards for t in s.tensors}
     index_text = json.dumps({"metadata": {"total_size": sum(s.data_bytes for s in shards)},
                              "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
     os.sync()  # shards on disk before the files that say the build is complete
-    record = ctx.source_record()
-    write_text_atomic(ctx.work / LOCATION_FILE, json.dumps(record.to_location(), indent=2) + "\n")
-    prov = provenance(ctx, shards, index_text, shard_hashes, record, io.up)
-    write_text_atomic(out / PROVENANCE, json.dumps(prov, indent=2) + "\n")
+    ctx.record_location()
+    checkpoint = checkpoint_record(ctx, shards, index_text, shard_hashes, io.up)
     write_text_atomic(out / INDEX_NAME, index_text)
     marker.unlink(missing_ok=True)
-    hashes = {rel: info["sha256"] for rel, info in prov["files"].items()}
-    paths = [out / rel for rel in prov["files"]] + [out / PROVENANCE]
-    return paths, {"shards": [s.filename for s in shards], "bytes": total, "_hashes": hashes,
-                   "tensors": prov["tensors"]}
+    hashes = {rel: info["sha256"] for rel, info in checkpoint["files"].items()}
+    return [out / rel for rel in checkpoint["files"]], {"shards": [s.filename for s in shards], "bytes": total,
+                                                         "_hashes": hashes, **checkpoint}
 
 
-def artifact_files(out: Path) -> list[Path]:
-    """Files the provenance manifest covers: all but itself, the validation report and work dirs."""
-    files = []
-    for p in sorted(out.rglob("*")):
-        rel = p.relative_to(out)
-        if p.is_dir() or rel.parts[0].startswith(".") or p.name.endswith(TMP_SUFFIX):
-            continue
-        if str(rel) == PROVENANCE or (rel.parts[0] == META_DIR and p.name.startswith("validation.")):
-            continue
-        files.append(p)
-    return files
-
-
-def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, str], record,
-               up: dict[str, StageOutput]) -> dict:
-    """The manifest of the artifact; ``known`` holds sha256 of files hashed while writing,
-    ``record`` is the source's identity (``source_identity.SourceRecord``), ``up`` the stage
-    results whose metrics it records."""
+def checkpoint_record(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, str],
+                      up: dict[str, StageOutput]) -> dict:
+    """What the provenance says of the checkpoint (``record`` adds the recipe and the source):
+    every file with its size and sha256, the tensor counts and the converted modules. ``known``
+    holds the sha256 of files hashed while writing, ``up`` the stage results whose metrics it records."""
     out = ctx.out
     files = {}
-    for p in artifact_files(out):
-        rel = str(p.relative_to(out))
-        if rel == INDEX_NAME:
+    for rel in build_outputs(out):  # never a report written after an earlier build (core.artifact)
+        if rel in (INDEX_NAME, RECIPE):  # the index is written next; the recipe copy is record's
             continue
+        p = out / rel
         files[rel] = {"bytes": p.stat().st_size, "sha256": known.get(rel) or sha256_file(p)}
 
     files[INDEX_NAME] = {"bytes": len(index_text.encode()), "sha256": hashlib.sha256(index_text.encode()).hexdigest()}
@@ -304,11 +212,6 @@ def provenance(ctx, shards: list[ShardPlan], index_text: str, known: dict[str, s
     n_out = sum(len(s.tensors) for s in shards)
     src = ctx.source
     return {
-        "schema_version": 2,  # 2: the source is identified by content (kind, per-file sha256)
-        "tool": {"name": "hybrid-build", "version": __version__},
-        "format": ctx.recipe.output.format,
-        "source": record.to_provenance(),
-        "recipe": ctx.recipe.model_dump(mode="json", by_alias=True),
         "files": dict(sorted(files.items())),
         "tensors": {"total": n_out, "converted_modules": len(ctx.plan.conversions),
                     "copied": sum(1 for s in shards for t in s.tensors if isinstance(t.source, ByteRange)

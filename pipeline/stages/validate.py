@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybrid_build.core.artifact import REPORTS
 from ..context import BuildContext
 from hybrid_build.core.errors import ArtifactError, StageFailed
 from .base import Stage, StageIO
@@ -28,14 +29,17 @@ def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
 
     report = validate_artifact(ctx.out, ctx.source.root, recipe=ctx.recipe, progress=ctx.progress,
                                announce=ctx.announce)
-    files = sorted((ctx.out / "hybrid_build").glob("validation.*"))
-    details = {"passed": report.passed, "failures": list(report.failures)}
+    files = [ctx.out / rel for rel in REPORTS["validation"].files if (ctx.out / rel).is_file()]
+    details = {"passed": report.passed, "outcome": report.outcome, "failures": list(report.failures)}
+    if report.outcome == "could not run":  # the stage does not pass on a check it could not make
+        undone = [f"{c.name}: {c.detail}" for c in report.checks if c.state == "could not run"]
+        raise StageFailed(f"validation could not run: {'; '.join(undone)}", details)
     if not report.passed:
         failures = report.failures
         more = f" (and {len(failures) - 3} more)" if len(failures) > 3 else ""
         raise StageFailed(f"validation failed: {'; '.join(failures[:3])}{more}; report in "
-                          f"{ctx.out / 'hybrid_build' / 'validation.md'}", details)
+                          f"{ctx.out / REPORTS['validation'].named('.md')}", details)
     return files, details
 
 
-STAGE = Stage("validate", run, inputs=inputs, reads=("assemble",), check=check)
+STAGE = Stage("validate", run, inputs=inputs, reads=("record",), check=check)

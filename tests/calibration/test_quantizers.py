@@ -6,14 +6,28 @@ import math
 import pytest
 import torch
 
-from hybrid_build.calibration.fp8_block import dequantize_fp8_block, dequantize_fp8_block_ct, quantize_fp8_block
+from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block, fp8_block_args, quantize_fp8_block
 from hybrid_build.calibration.gptq import (
-    dequantize_gptq, gptq_to_pack_quantized, int8_gptq_qzeros, pack_int8_gptq, unpack_codes, zeros_are_symmetric,
+    dequantize_gptq, int8_gptq_qzeros, pack_int8_gptq, unpack_codes, zeros_are_symmetric,
 )
 from hybrid_build.calibration.int8_rows import dequantize_int8_rows, quantize_int8_rows
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
 
 FP8_MAX = 448.0
+
+
+def dequantize_fp8_block_ct(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The FP8 block expansion through compressed-tensors: the oracle for our own."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    return dequantize(q, scale_inv, torch.zeros_like(scale_inv), fp8_block_args(block)).float()
+
+
+def gptq_to_pack_quantized(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 GPTQ -> compressed-tensors pack-quantized as the format defines it:
+    ``weight_packed = qweight.T`` [N, K/8], ``weight_scale = scales.T`` [N, K/g], ``weight_shape = [N, K]``."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    return qweight.t().contiguous(), scales.t().contiguous(), torch.tensor([n, k], dtype=torch.int64)
 
 
 @pytest.mark.parametrize("shape", [(256, 256), (300, 200), (129, 1000), (1024, 384)])

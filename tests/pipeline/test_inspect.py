@@ -76,7 +76,19 @@ def _damage_missing_config(d: Path):
     (d / "config.json").unlink()
 
 
+def _damage_config_is_a_list(d: Path):
+    (d / "config.json").write_text("[1, 2]\n")
+
+
+def _damage_config_wrong_type(d: Path):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["hidden_size"] = "big"
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.mark.parametrize("damage,needle", [
+    (_damage_config_is_a_list, "expected a JSON object, found a list"),
+    (_damage_config_wrong_type, "text_config.hidden_size must be a non-negative integer, found 'big'"),
     (_damage_truncated_header, "truncated"),
     (_damage_missing_shard, "does not exist"),
     (_damage_not_safetensors, "not a safetensors file"),
@@ -131,3 +143,12 @@ def test_help_has_examples(capsys):
     with pytest.raises(SystemExit) as e:
         main(["inspect", "--help"])
     assert e.value.code == 0 and "examples:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", [_damage_config_is_a_list, _damage_config_wrong_type])
+def test_a_malformed_config_is_refused_before_run_writes_anything(tiny_copy, tmp_path, capsys, damage):
+    damage(tiny_copy)
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "run", str(tiny_copy), "-o", str(out))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()

@@ -238,7 +238,8 @@ def test_changed_recipe_reruns_the_stages_it_affects(tiny_checkpoint, tmp_path, 
     ctx = build.prepare(tiny_checkpoint, out, "tiny")
     ctx.recipe.shared_experts.observer = "mse"
     status = {r.stage: r.status for r in runner.run_build(ctx, build_stages)}
-    assert status == {"inspect": "skipped", "calibrate": "ran", "quantize-head": "skipped", "assemble": "ran"}
+    assert status == {"inspect": "skipped", "calibrate": "ran", "quantize-head": "skipped", "assemble": "ran",
+                      "record": "ran"}
 
 
 def test_damaged_intermediate_is_recomputed(tiny_checkpoint, tmp_path, builder, build_stages):
@@ -356,3 +357,59 @@ def test_failed_background_head_fails_the_build_and_leaves_it_incomplete(tiny_ch
     results = runner.run_build(build.prepare(tiny_checkpoint, out, "tiny"), build_stages)
     assert {r.stage: r.status for r in results}["quantize-head"] == "ran"
     assert _all_files(out) == _all_files(inc_artifact)
+
+
+def _stat_of_checkpoint(out):
+    """(inode, mtime_ns) of every file the checkpoint is made of: a rewrite changes both."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(out.iterdir())
+            if p.is_file() and (p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json"))}
+
+
+@pytest.mark.parametrize("edit", ["validate", "serve"])
+def test_a_recipe_edit_outside_the_checkpoint_rewrites_no_shard(tiny_checkpoint, tmp_path, builder, build_stages, edit):
+    """Each stage's key covers the recipe sections it reads: a validate threshold or a serve setting
+    changes the recipe copy and the provenance (``record``) and what reads
+    them (``validate``), never the checkpoint's files."""
+    from hybrid_build.core.artifact import PROVENANCE, RECIPE
+
+    out = tmp_path / "out"
+    builder(tiny_checkpoint, out)
+    before, prov_before = _stat_of_checkpoint(out), (out / PROVENANCE).read_text()
+    ctx = build.prepare(tiny_checkpoint, out, "tiny")
+    if edit == "validate":
+        ctx.recipe.validate_.fp8_max_rel_error = 0.05
+    else:
+        ctx.recipe.serve.smoke_expect = "Lyon"
+    status = {r.stage: r.status for r in runner.run_build(ctx, build_stages)}
+    assert status == {"inspect": "skipped", "calibrate": "skipped", "quantize-head": "skipped",
+                      "assemble": "skipped", "record": "ran"}
+    assert _stat_of_checkpoint(out) == before
+    assert (out / PROVENANCE).read_text() != prov_before
+    assert ctx.recipe.to_yaml() == (out / RECIPE).read_text()
+    assert runner.stage_key(ctx, "validate") != runner.stage_key(build.prepare(tiny_checkpoint, out, "tiny"), "validate")
+
+
+class _RecordingBar:
+    def __init__(self, **kw) -> None:
+        self.desc, self.total, self.n, self.closed = kw.get("desc", ""), kw.get("total"), 0, False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_each_head_bar_is_drawn_once_and_finishes(tiny_checkpoint, tmp_path, build_stages):
+    """Planning the background head's layout draws no bar; the bar of the run reaches its total."""
+    bars: list[_RecordingBar] = []
+
+    def factory(**kw):
+        bars.append(_RecordingBar(**kw))
+        return bars[-1]
+
+    ctx = build.prepare(tiny_checkpoint, tmp_path / "out", "tiny", progress=factory)
+    runner.run_build(ctx, build_stages)
+    head = [b for b in bars if b.desc.startswith("quantize ")]
+    assert [b.desc for b in head] == [f"quantize {c.module}" for c in ctx.plan.of_kind("int8")]
+    assert all(b.n == b.total and b.total > 0 for b in head)

@@ -134,7 +134,7 @@ def _mixed_plan(tmp_path):
 def test_hashed_writer_writes_and_hashes_the_same_bytes(tmp_path, monkeypatch, direct):
     """The assemble path (O_DIRECT through staging buffers, or copy_file_range + hashing the
     source ranges) writes exactly what the plain writer writes, and its sha256 is the file's."""
-    from hybrid_build.pipeline import safetensors_io as sio
+    from hybrid_build.core import safetensors_io as sio
 
     plan = _mixed_plan(tmp_path)
     ref_dir, out_dir = tmp_path / "ref", tmp_path / "out"
@@ -158,7 +158,7 @@ def test_hashed_writer_writes_and_hashes_the_same_bytes(tmp_path, monkeypatch, d
 
 
 def test_hashed_writer_failure_leaves_no_final_file(tmp_path):
-    from hybrid_build.pipeline import safetensors_io as sio
+    from hybrid_build.core import safetensors_io as sio
 
     def broken():
         yield b"\0" * 8

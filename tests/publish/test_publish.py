@@ -13,6 +13,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from hybrid_build.core.byte_units import human_bytes
 from hub_standin import FAKE_TOKEN, StandInHub, http_error
 
 from hybrid_build.pipeline.commands import publish as publish_command
@@ -113,13 +115,28 @@ def test_failed_validation_blocks_without_force(artifact, cli, hub, capsys):
     assert "warning: published with --force (validation failed)" in capsys.readouterr().out
 
 
-def test_report_older_than_the_build_counts_as_stale(artifact):
+def test_report_of_another_build_counts_as_stale(artifact):
     prov = artifact / "hybrid_build" / "provenance.json"
     later = time.time() + 5
-    os.utime(prov, (later, later))
-    with pytest.raises(UserError, match="older than"):
+    os.utime(prov, (later, later))  # touched, same bytes: the same build (a copy need not keep mtimes)
+    assert plan_publish(artifact, REPO).validation.state == "passed"
+    data = json.loads(prov.read_text())
+    prov.write_text(json.dumps({**data, "note": "rebuilt"}, indent=2) + "\n")  # another build
+    with pytest.raises(UserError, match="made for an earlier build"):
         plan_publish(artifact, REPO)
     assert plan_publish(artifact, REPO, force=True).validation.state == "stale"
+
+
+def test_a_report_naming_no_build_is_stale_when_older_than_the_build(artifact):
+    report = artifact / "hybrid_build" / "validation.json"
+    data = json.loads(report.read_text())
+    del data["provenance_sha256"]  # written before reports recorded their build
+    report.write_text(json.dumps(data))
+    assert plan_publish(artifact, REPO).validation.state == "passed"
+    later = time.time() + 5
+    os.utime(artifact / "hybrid_build" / "provenance.json", (later, later))
+    with pytest.raises(UserError, match="older than"):
+        plan_publish(artifact, REPO)
 
 
 def test_artifact_must_match_its_provenance(artifact):
@@ -352,7 +369,8 @@ def test_verification_failure_exits_1_naming_the_file(artifact, cli, hub, capsys
     assert cli(artifact, "--repo-id", REPO) == 1
     err = capsys.readouterr().err
     # the remote shard looks wrong, so it is sent again; the Hub still reports 1 byte: an error
-    assert "part 1/1: sending 1 file(s), 2.64 MiB; 16 already on the Hub" in err
+    size = human_bytes((artifact / "model_extra_tensors.safetensors").stat().st_size)
+    assert f"part 1/1: sending 1 file(s), {size}; 16 already on the Hub" in err
     assert len(error_lines(err)) == 1 and "model_extra_tensors.safetensors: 1 bytes on the Hub" in err
 
 

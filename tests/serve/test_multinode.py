@@ -210,17 +210,17 @@ def test_checks_name_the_node_that_differs():
         mn.compare_probes(nodes, [_answer(), _answer(vllm="sha256:other")], "docker")
 
 
-def test_artifact_identity_is_the_provenance_and_the_bytes_here(tiny_artifact, tmp_path):
+def test_node_identity_is_the_provenance_and_the_bytes_here(tiny_artifact, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(tiny_artifact, copy, ignore=shutil.ignore_patterns(".hybrid-build"))
-    a, b = mn.artifact_identity(tiny_artifact), mn.artifact_identity(copy)
+    a, b = mn.node_identity(tiny_artifact), mn.node_identity(copy)
     assert a["fingerprint"] == b["fingerprint"] and a["problem"] is None and b["problem"] is None
     assert (copy / ".hybrid-build" / "artifact-sha256.json").is_file()  # hashed once, then cached
     shard = sorted(copy.glob("*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))  # same size, other bytes: the cache key (mtime, inode) changes too
-    assert mn.artifact_identity(copy)["problem"] == f"{shard.name} has other bytes than the provenance records"
+    assert mn.node_identity(copy)["problem"] == f"{shard.name} has other bytes than the provenance records"
     assert mn.runtime_fingerprint() == mn.runtime_fingerprint() and len(mn.runtime_fingerprint()) == 64
 
 
@@ -269,10 +269,10 @@ def _processes_mentioning(marks: list[str]) -> list[str]:
 class CliRun:
     """``hybrid-build serve`` in a child process, its stdout read line by line on a thread."""
 
-    def __init__(self, argv: list[str], env: dict, cwd: Path) -> None:
+    def __init__(self, argv: list[str], env: dict, cwd: Path, **popen_kw) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from hybrid_build.pipeline.cli import main; sys.exit(main())", *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, **popen_kw)
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -114,7 +114,7 @@ def test_tiny_profile_bytes_match_hand_sums(tiny_checkpoint):
 def test_122b_bytes_match_hand_sums_and_known_totals(real_122b, reads_122b):
     tc = real_122b.text_config
     assert not real_122b.errors()
-    assert len(real_122b.by_class("mtp")) == 785  # Intel's model_extra_tensors.safetensors
+    assert sum(t.klass == "mtp" for t in real_122b.tensors.values()) == 785  # Intel's model_extra_tensors.safetensors
     base = expected_source_reads(tc)
     ctx = expected_context(tc, bw.DEFAULT_CONTEXT, state_bytes=4)
     assert reads_122b.parts["base"] == {**base, **ctx}
@@ -173,9 +173,16 @@ def test_speculation_at_accept_one_without_drafter_is_plain_decode(reads_122b):
         assert spec == pytest.approx(bw.decode_tok_s(sum(parts.values()), 273, 0.7))
 
 
+def _dense_over_base(reads, accept: float, bandwidth_gbps: float, efficiency: float, drafter=bw.DFLASH_122B) -> float:
+    """Speed of ``dense`` over ``base`` at one acceptance length (1.0 = no gain)."""
+    tok_s = {p: bw.speculative_tok_s(reads.parts[p], reads.experts, reads.top_k, accept, bandwidth_gbps, efficiency,
+                                     drafter)[0] for p in ("dense", "base")}
+    return tok_s["dense"] / tok_s["base"]
+
+
 def test_dense_savings_shrink_as_acceptance_grows(reads_122b):
     for drafter in (bw.NO_DRAFTER, bw.DFLASH_122B):
-        gains = [bw.lever_uplift(reads_122b, a, 273, 0.72, drafter) for a in (1, 2, 4, 6.5, 8.3, 12)]
+        gains = [_dense_over_base(reads_122b, a, 273, 0.72, drafter) for a in (1, 2, 4, 6.5, 8.3, 12)]
         assert all(g > 1 for g in gains)
         assert all(x > y for x, y in zip(gains, gains[1:])), gains
 
@@ -207,7 +214,7 @@ def test_predictions_against_published_gb10(reads_122b):
     e2e = {r["profile"]: r for r in rows if r["accept"] in (6.4, 6.5)}
     assert all(r["gap"] > 0 for r in e2e.values())
     published = e2e["dense"]["tok_s"] / e2e["base"]["tok_s"]
-    predicted = bw.lever_uplift(reads_122b, 6.4, 273, bw.GB10_EFFICIENCY)
+    predicted = _dense_over_base(reads_122b, 6.4, 273, bw.GB10_EFFICIENCY)
     assert abs(predicted - published) < 0.03
 
 
@@ -347,3 +354,17 @@ def test_cli_bad_sources_exit_2(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nope")]) == 2
     assert main(["plan", "synthetic:nope"]) == 2
     assert "unknown synthetic model" in capsys.readouterr().err
+
+
+def test_plan_json_names_the_recipe_and_says_when_the_drafter_is_assumed(tiny_checkpoint, capsys):
+    """On a model that is not the 122B the drafter's size is the 122B's unless given: flagged and noted."""
+    from hybrid_build.pipeline.cli import main
+
+    assert main(["plan", str(tiny_checkpoint), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recipe"] == "tiny" and "tiny" in data["recipe_choice"] and data["recipe_choice"] != "tiny"
+    assert data["drafter"]["assumed"] is True
+    assert any("--drafter-gb" in n for n in data["notes"])
+    assert main(["plan", str(tiny_checkpoint), "--json", "--drafter-gb", "0.01"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["drafter"]["assumed"] is False and not any("--drafter-gb" in n for n in data["notes"])

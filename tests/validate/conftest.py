@@ -11,7 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-BUILD_STAGES = ["inspect", "calibrate", "quantize-head", "assemble"]
+from hybrid_build.pipeline.stages import STAGES
+
+BUILD_STAGES = [s for s in STAGES if s != "validate"]
 # The tiny model has random weights: its next-token distributions are nearly flat (median top-1
 # probability ~2.6/vocab, median top-1/top-2 gap ~0.07 nats), so FP8 noise in the hidden state
 # flips ~10% of argmaxes while KL stays ~6e-4. Top-1 agreement is only meaningful for a trained

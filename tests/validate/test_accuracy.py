@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.validate import accuracy, eval_taskset
+from hybrid_build.validate import eval_taskset
+from hybrid_build.validate import task_eval
 from hybrid_build.validate.task_eval import EvalSettings, ServerModel, compare_pairs, mcnemar_exact
 
 ROW_KEYS = {"task", "metric", "n", "source", "hybrid", "difference", "ci95", "recovery_pct", "only_source",
@@ -42,9 +43,9 @@ def test_the_shipped_jsonl_is_what_the_generator_writes():
 
 
 def test_bundled_tasks_register_with_lm_eval_offline():
-    manager = accuracy.task_manager(["hybrid_build"])
+    manager = task_eval.task_manager(["hybrid_build"])
     assert set(eval_taskset.BUNDLED_TASKS) <= set(manager.all_tasks)
-    kinds = accuracy.check_tasks(["hybrid_build", "hybrid_build_gen"], manager, "hf")
+    kinds = task_eval.check_tasks(["hybrid_build", "hybrid_build_gen"], manager, "hf")
     assert kinds == {"hb_arith": "multiple_choice", "hb_code": "multiple_choice", "hb_toolcall": "multiple_choice",
                      "hb_arith_gen": "generate_until", "hb_code_gen": "generate_until",
                      "hb_toolcall_gen": "generate_until"}
@@ -106,15 +107,15 @@ def test_pairs_come_from_the_first_filter_by_document():
     src = _fake({"strict-match": [1, 0, 1, 1], "flexible-extract": [1, 1, 1, 1]})
     hyb = _fake({"strict-match": [1, 1, 0, 1], "flexible-extract": [0, 0, 0, 0]})
     hyb["samples"]["t"].reverse()  # order does not matter, documents do
-    ex = accuracy.paired_examples(src, hyb)["t"]
+    ex = task_eval.paired_examples(src, hyb)["t"]
     assert ex["filter"] == "strict-match" and ex["pairs"] == [[0, 1, 1], [1, 0, 1], [2, 1, 0], [3, 1, 1]]
     from hybrid_build.core.errors import ArtifactError
 
     with pytest.raises(ArtifactError, match="example 2 differs between the two runs"):
-        accuracy.paired_examples(src, _fake({"strict-match": [1, 1, 0, 1]}, hashes={2: "other"}))
+        task_eval.paired_examples(src, _fake({"strict-match": [1, 1, 0, 1]}, hashes={2: "other"}))
     with pytest.raises(ArtifactError, match="no metric of this task has a per-example score"):
         corpus = _fake({"none": [["ref", "pred"]] * 2}, metric="bleu")
-        accuracy.paired_examples(corpus, corpus)
+        task_eval.paired_examples(corpus, corpus)
 
 
 # ------------------------------------------------------------------------------------ a real run
@@ -144,7 +145,7 @@ def test_real_lm_eval_run_on_the_tiny_source_and_a_damaged_hybrid(tiny_checkpoin
     plant.patch(artifact_copy, "lm_head.scales", lambda t: t.roll(1, dims=-1) * 50)
     settings = EvalSettings(tasks=["hybrid_build"], limit=16, batch_size=16)
     # the copy has no work dir, so no record of where the source is: it is given
-    report, raw = accuracy.evaluate_artifact(artifact_copy, str(tiny_checkpoint), settings)
+    report, raw = task_eval.evaluate_artifact(artifact_copy, str(tiny_checkpoint), settings)
     data = report.to_json()
     prov = json.loads((artifact_copy / "hybrid_build" / "provenance.json").read_text())
     assert raw["modules_replaced"] == len(prov["converted"])
@@ -160,7 +161,7 @@ def test_real_lm_eval_run_on_the_tiny_source_and_a_damaged_hybrid(tiny_checkpoin
     discordant = 0
     for row in data["tasks"]:
         assert set(row) == ROW_KEYS and row["metric"] == "acc,none" and row["n"] == 16
-        assert row["dataset"] == accuracy.BUNDLED_DATASET
+        assert row["dataset"] == task_eval.BUNDLED_DATASET
         n, b, c, src_acc, hyb_acc = _recompute(raw, row["task"])
         assert (row["n"], row["only_source"], row["only_hybrid"]) == (n, b, c)
         assert row["source"] == pytest.approx(src_acc) and row["hybrid"] == pytest.approx(hyb_acc)
@@ -175,7 +176,7 @@ def test_real_lm_eval_run_on_the_tiny_source_and_a_damaged_hybrid(tiny_checkpoin
     lls = lambda role: [r[0] for s in raw[role]["samples"]["hb_arith"] for r in s["filtered_resps"]]  # noqa: E731
     assert lls("source") != lls("hybrid")
     # JSON and Markdown written; the Markdown table has one row per task and the pooled row
-    paths = accuracy.write_report(report, tmp_path / "eval.json")
+    paths = task_eval.write_report(report, tmp_path / "eval.json")
     md = paths[1].read_text()
     assert json.loads(paths[0].read_text())["tasks"] == data["tasks"]
     assert sum(1 for line in md.splitlines() if line.startswith("| hb_")) == 3 and "| **all (pooled)** | 48 |" in md
@@ -275,7 +276,7 @@ def test_server_backends_against_a_stand_in(standin, tiny_checkpoint, tmp_path):
         def close(self):
             pass
 
-    report, raw = accuracy.evaluate_endpoints(src, hyb, EvalSettings(tasks=["hybrid_build"], backend="completions",
+    report, raw = task_eval.evaluate_endpoints(src, hyb, EvalSettings(tasks=["hybrid_build"], backend="completions",
                                                                      limit=8, concurrency=2), progress=Bar)
     data = report.to_json()
     assert data["models"]["source"]["root"] == "/models/source" and data["models"]["hybrid"]["name"] == "hybrid"
@@ -286,7 +287,7 @@ def test_server_backends_against_a_stand_in(standin, tiny_checkpoint, tmp_path):
         assert (row["only_source"], row["only_hybrid"]) == (b, c) and n == 8
     assert sum(r["only_source"] + r["only_hybrid"] for r in data["tasks"]) > 0
 
-    report, raw = accuracy.evaluate_endpoints(src, hyb, EvalSettings(tasks=["hb_arith_gen"], backend="chat",
+    report, raw = task_eval.evaluate_endpoints(src, hyb, EvalSettings(tasks=["hb_arith_gen"], backend="chat",
                                                                      limit=10), progress=Bar)
     (row,) = report.to_json()["tasks"]
     assert row["metric"] == "exact_match,none" and row["n"] == 10
@@ -335,7 +336,7 @@ def test_a_task_that_needs_the_network_offline():
     """HF_HUB_OFFLINE is set for every test: gsm8k's dataset is not cached, so it cannot load."""
     from hybrid_build.core.errors import UserError
 
-    manager = accuracy.task_manager(["gsm8k"])
+    manager = task_eval.task_manager(["gsm8k"])
     with pytest.raises(UserError, match=r"^task gsm8k needs its dataset from the Hugging Face Hub and HF_HUB_OFFLINE "
                                         r"is set .*use the bundled offline tasks \(--tasks hybrid_build\)$"):
-        accuracy.check_tasks(["gsm8k"], manager, "hf")
+        task_eval.check_tasks(["gsm8k"], manager, "hf")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.validate import e2e
+from hybrid_build.validate import transformers_forward
 from hybrid_build.validate.report import FAIL_COLOR, PASS_COLOR, render_figure, validate_artifact
 
 SE = "model.language_model.layers.{}.mlp.shared_expert.{}_proj"
@@ -47,7 +47,7 @@ def test_source_without_tokenizer_is_one_sentence_in_the_report(tiny_copy, build
     on_disk = (folder / "validation.json").read_text()
     assert json.loads(on_disk)["end_to_end"]["error"] == error and ESC not in on_disk
     md = (folder / "validation.md").read_text()
-    assert f"Could not run: {error}." in md and ESC not in md
+    assert f"Failed to run: {error}." in md and ESC not in md
 
 
 def test_int4_layer_without_cpu_kernel_is_one_sentence(tiny_copy):
@@ -61,7 +61,7 @@ def test_int4_layer_without_cpu_kernel_is_one_sentence(tiny_copy):
     cfg = json.loads(cfg_path.read_text())
     (cfg.get("text_config") or cfg)["moe_intermediate_size"] = 112
     cfg_path.write_text(json.dumps(cfg))
-    r = e2e.run_end_to_end(tiny_copy, tiny_copy, ["lm_head"], max_tokens=16)
+    r = transformers_forward.run_end_to_end(tiny_copy, tiny_copy, ["lm_head"], max_tokens=16)
     error = r["error"]
     assert set(r) == {"error"}
     assert ESC not in error and "\n" not in error
@@ -87,14 +87,14 @@ AUTO_ROUND_NO_BACKEND = (
 
 
 def test_known_auto_round_failures_become_sentences():
-    assert e2e.describe_failure(255, AUTO_ROUND_NEEDS_PACKAGE) == (
+    assert transformers_forward.describe_failure(255, AUTO_ROUND_NEEDS_PACKAGE) == (
         "auto-round's CPU kernel for an INT4 layer of the source is not installed: run "
         "`pip install \"auto-round-lib\"`, or pass --no-e2e to skip the end-to-end forward")
-    msg = e2e.describe_failure(1, AUTO_ROUND_NO_BACKEND)
+    msg = transformers_forward.describe_failure(1, AUTO_ROUND_NO_BACKEND)
     assert msg.startswith("auto-round has no CPU kernel for the source's INT4 layer "
                           "model.layers.3.mlp.experts.2.down_proj ") and msg.endswith("every other check still runs")
     # anything else: the last line, without its colours
-    assert e2e.describe_failure(1, "noise\n\x1b[31;1mRuntimeError: out of memory\x1b[0m\n\n") == (
+    assert transformers_forward.describe_failure(1, "noise\n\x1b[31;1mRuntimeError: out of memory\x1b[0m\n\n") == (
         "the transformers forward failed (exit 1): RuntimeError: out of memory")
 
 
@@ -106,7 +106,7 @@ def test_known_auto_round_failures_become_sentences():
     ("no codes [31m here", "no codes [31m here"),                    # brackets without ESC stay
 ])
 def test_strip_ansi(coded, plain):
-    assert e2e.strip_ansi(coded) == plain
+    assert transformers_forward.strip_ansi(coded) == plain
 
 
 def test_colour_codes_from_the_child_never_reach_the_report(artifact_copy, tiny_checkpoint, monkeypatch):
@@ -132,11 +132,11 @@ signal.pause()  # a forward that would take hours
 PARENT = """\
 import sys
 from pathlib import Path
-from hybrid_build.validate import e2e
+from hybrid_build.validate import transformers_forward
 
 fifo, stand_in = sys.argv[1], sys.argv[2]
-e2e._child_command = lambda *args: [sys.executable, stand_in, fifo]
-e2e.run_end_to_end(Path("artifact"), Path("source"), ["lm_head"])
+transformers_forward._child_command = lambda *args: [sys.executable, stand_in, fifo]
+transformers_forward.run_end_to_end(Path("artifact"), Path("source"), ["lm_head"])
 print("run_end_to_end returned")
 """
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid_build.core.errors import UserError
+from hybrid_build.pipeline.stages import STAGES
 from hybrid_build.validate.divergence import (PositionStats, bootstrap_mean_ci, divergence_report, position_stats,
                                               summarize)
 
@@ -175,7 +176,7 @@ def test_streamed_forward_of_each_format_agrees(tiny_checkpoint, built_artifact,
     ctx = prepare(tiny_checkpoint, ct, "tiny")
     ctx.recipe.output.format = "compressed-tensors"
     ctx.plan = plan_conversion(ctx.source, ctx.recipe)
-    run_build(ctx, stages=["inspect", "calibrate", "quantize-head", "assemble"])
+    run_build(ctx, stages=[s for s in STAGES if s != "validate"])
     ids = {k: v[:64] for k, v in tiny_token_ids.items()}
     fwd = streamed_hidden_states([tiny_checkpoint, built_artifact, ct], ids, device="cpu")
     for name in ids:

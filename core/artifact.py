@@ -1,0 +1,223 @@
+"""The artifact folder's layout: the one place that names its files and says what each one is.
+
+An artifact (the folder ``hybrid-build run`` writes) holds four kinds of file:
+
+- **build outputs**: the checkpoint (shards, index, ``config.json``, ``quantization_config.json``,
+  the source's other files) and the resolved recipe copy. ``provenance.json`` lists each with its
+  sha256; a stage that writes into the artifact adds a build output and nothing more.
+- **the provenance** (``META_DIR/provenance.json``) itself, written after the outputs it hashes.
+- **reports** (``REPORTS``), written after the build by a named command (validate, eval, bench).
+  They cannot be in the provenance, so they tie themselves to the build by its sha256
+  (``artifact_identity``); a new report is one entry in ``REPORTS``.
+- **the work folder** (``WORK_DIR``: stage manifests, intermediates, where the source is) and any
+  other dot folder (``hf download`` leaves ``.cache``), plus half-written temporaries: never part
+  of the artifact.
+
+Any other file was added after the build: validate fails it and publish refuses it. The functions
+here read the provenance and the recipe copy for every command, so each says the same thing when
+they are missing or broken.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ArtifactError, UserError
+from .manifest import sha256_json
+from .safetensors_io import INDEX_NAME, TMP_SUFFIX
+
+META_DIR = "hybrid_build"  # the build's own records, inside the artifact (published)
+WORK_DIR = ".hybrid-build"  # stage manifests and intermediates (never published)
+PROVENANCE = f"{META_DIR}/provenance.json"
+RECIPE = f"{META_DIR}/recipe.yaml"  # the resolved recipe the build used
+CONFIG = "config.json"
+QUANT_CONFIG = "quantization_config.json"
+INDEX = INDEX_NAME  # written last: a folder with an index is a complete build
+CARD = "README.md"  # the source's card, copied; publish replaces it with a generated one
+ARTIFACT_DIGESTS = f"{WORK_DIR}/artifact-sha256.json"  # sha256 of the artifact's files, by stat
+DEMO_SOURCE = f"{WORK_DIR}/demo-source"  # `run` without SOURCE builds the demo checkpoint here
+RUN_RECIPE = f"{WORK_DIR}/recipe.yaml"  # the resolved recipe of the last run: `status` keys stages with it
+
+
+@dataclass(frozen=True)
+class Report:
+    """A report written into the artifact after the build by ``command``. ``names`` are its files in
+    ``META_DIR`` (the first is the JSON one); ``build_field`` is where that JSON records the
+    provenance sha256 of the build it describes (None: the report names no build)."""
+
+    kind: str
+    names: tuple[str, ...]
+    command: str
+    build_field: tuple[str, ...] | None = ("artifact", "provenance_sha256")
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(f"{META_DIR}/{n}" for n in self.names)
+
+    @property
+    def main(self) -> str:
+        return self.files[0]
+
+    def named(self, suffix: str) -> str:
+        """Its file ending in ``suffix`` (``.md``)."""
+        return next(f for f in self.files if f.endswith(suffix))
+
+    def path(self, artifact: Path) -> Path:
+        return Path(artifact) / self.main
+
+    def recorded_build(self, data: dict) -> str | None:
+        for key in self.build_field or ():
+            data = data.get(key) if isinstance(data, dict) else None
+        return data if isinstance(data, str) else None
+
+
+REPORTS: dict[str, Report] = {r.kind: r for r in (
+    Report("validation", ("validation.json", "validation.md", "validation.png"), "hybrid-build validate",
+           ("provenance_sha256",)),
+    Report("eval", ("eval.json", "eval.md"), "hybrid-build eval"),
+    Report("bench", ("bench.json",), "hybrid-build bench URL --out ARTIFACT/hybrid_build/bench.json", None),
+)}
+REPORT_FILES = tuple(f for r in REPORTS.values() for f in r.files)
+
+
+# ------------------------------------------------------------------------------------ what a file is
+
+
+def rel_name(artifact: Path, path: Path) -> str:
+    """``path`` as the provenance names it: relative to the artifact, with ``/``."""
+    return Path(path).relative_to(artifact).as_posix()
+
+
+def is_ignored(rel: str) -> bool:
+    """In the work folder or another dot folder, or half-written: not part of the artifact."""
+    return any(p.startswith(".") for p in rel.split("/")) or rel.endswith(TMP_SUFFIX)
+
+
+def is_report(rel: str) -> bool:
+    return rel in REPORT_FILES
+
+
+def is_build_output(rel: str) -> bool:
+    """A file the provenance hashes: everything but itself, the reports and the ignored ones."""
+    return not (is_ignored(rel) or is_report(rel) or rel == PROVENANCE)
+
+
+def present_files(artifact: Path) -> list[str]:
+    """Every file of the artifact (relative names, sorted), the ignored ones left out."""
+    artifact = Path(artifact)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(artifact):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # the work folder can be large
+        for name in filenames:
+            rel = rel_name(artifact, Path(dirpath) / name)
+            if not is_ignored(rel):
+                out.append(rel)
+    return sorted(out)
+
+
+def build_outputs(artifact: Path) -> list[str]:
+    """The files the provenance of a build written into ``artifact`` now lists."""
+    return [rel for rel in present_files(artifact) if is_build_output(rel)]
+
+
+def unexpected_files(artifact: Path, provenance: dict) -> list[str]:
+    """Files that are neither listed in ``provenance`` nor the provenance itself nor a known report."""
+    listed = provenance.get("files") or {}
+    return [rel for rel in present_files(artifact) if is_build_output(rel) and rel not in listed]
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
+    """The artifact's provenance manifest. A folder that is not there, or holds none, is a user
+    error (exit 2: wrong folder, or a build that has not reached ``assemble``); with ``missing_ok``
+    that returns None instead. One that does not parse is an ``ArtifactError``."""
+    artifact = Path(artifact)
+    if not artifact.is_dir():
+        if missing_ok:
+            return None
+        raise UserError(f"{artifact}: no such artifact folder")
+    path = artifact / PROVENANCE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise UserError(f"{artifact}: no {PROVENANCE}: not an artifact built by `hybrid-build run` (or its "
+                        "build did not reach assemble)") from None
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: unreadable ({e}); rebuild the artifact") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: not a JSON object; rebuild the artifact")
+    return data
+
+
+def read_recipe_data(artifact: Path, *, missing_ok: bool = False, which: str = RECIPE) -> dict | None:
+    """The artifact's recipe copy (or ``which``: ``RUN_RECIPE``) as a YAML mapping
+    (``recipes.schema.parse_recipe`` makes it a ``Recipe``; core does not know the schema). None
+    when absent and ``missing_ok``."""
+    import yaml
+
+    path = Path(artifact) / which
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise ArtifactError(f"{artifact}: no {which}: the build did not get that far, or the file was "
+                            "removed; rebuild it") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise ArtifactError(f"{path}: unreadable ({str(e).splitlines()[0]})") from None
+    return data
+
+
+# ------------------------------------------------------------------------------------ identity
+
+
+def provenance_sha256(artifact: Path) -> str | None:
+    """The sha256 of the provenance file: it names one build of the folder (None: no build)."""
+    try:
+        return hashlib.sha256((Path(artifact) / PROVENANCE).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def artifact_identity(artifact: Path) -> dict:
+    """What a report records about the build it describes: the folder's name and the provenance
+    sha256, which ``report_state`` (and the model card) compare with the build there now."""
+    return {"name": Path(artifact).resolve().name, "provenance_sha256": provenance_sha256(artifact)}
+
+
+def build_fingerprint(provenance: dict) -> str:
+    """The build's identity by content (source fingerprint and every output's sha256), the same on
+    two machines that hold the same bytes whatever else their provenance files say."""
+    files = provenance.get("files") or {}
+    return sha256_json({"source": (provenance.get("source") or {}).get("fingerprint"),
+                        "files": {f: i.get("sha256") for f, i in sorted(files.items())}})
+
+
+def report_state(artifact: Path, report: Report) -> tuple[str, str]:
+    """Whether ``report`` in ``artifact`` belongs to the build there now: ``current``, ``stale``,
+    ``unknown`` (it names no build) or ``missing``, and why."""
+    path = report.path(artifact)
+    if not path.is_file():
+        return "missing", f"no {report.main} (written by `{report.command}`)"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return "stale", f"it is unreadable ({type(e).__name__})"
+    recorded = report.recorded_build(data) if isinstance(data, dict) else None
+    actual = provenance_sha256(artifact)
+    if recorded:
+        if recorded == actual:
+            return "current", "it was made for this build (provenance matches)"
+        return "stale", "it was made for an earlier build of this folder (provenance differs)"
+    prov = Path(artifact) / PROVENANCE
+    # a report from before reports recorded the build: written before the provenance is older
+    if prov.is_file() and path.stat().st_mtime < prov.stat().st_mtime:
+        return "stale", f"it is older than {PROVENANCE}"
+    return "unknown", "it names no build"

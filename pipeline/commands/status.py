@@ -1,0 +1,62 @@
+"""``hybrid-build status``: each stage's state, the reports and the source of an output folder."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+
+EPILOG = """examples:
+  hybrid-build status out/
+  hybrid-build status out/ --json
+
+A stage is done when its manifest's key is the one it would have now (tool version, the source's
+content, its recipe section, the results it read) and its outputs are intact; stale says why not;
+missing: it has not finished here; unknown: the source is not reachable, so the key cannot be
+recomputed. A report is current when it records this build's provenance sha256. Reads the output
+folder alone (and the source where the build recorded it); exit 0 whatever the states, 2 when
+the folder is not an output of `hybrid-build run`.
+"""
+
+
+def _render(data: dict) -> str:
+    lines = [f"output   {data['output']}  ("
+             + (f"built, provenance {data['provenance_sha256'][:12]}" if data["built"] else "not built yet")
+             + (f", recipe {data['recipe']}" if data["recipe"] else "") + ")"]
+    src = data["source"]
+    lines.append(f"source   {src['where'] or '-'}: {src['state']}" + (f" ({src['reason']})" if src["reason"] else ""))
+    lines.append("stages")
+    for s in data["stages"]:
+        lines.append(f"  {s['stage']:<14} {s['state']:<8} {s['reason']}")
+    lines.append("reports")
+    for r in data["reports"]:
+        files = ", ".join(r["files"]) if r["files"] else ""
+        lines.append(f"  {r['report']:<14} {r['state']:<8} {r['reason']}" + (f"  [{files}]" if files else ""))
+    for rel in data["unexpected"]:
+        lines.append(f"unexpected file: {rel} (neither a build output nor a known report: validate and publish refuse it)")
+    return "\n".join(lines)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from ..status import output_status
+
+    status = output_status(args.out, progress=lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
+    data = status.to_json()
+    if args.json:
+        emit_json(data)
+    else:
+        print(_render(data))
+    return 0
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser(
+        "status", parents=[common], formatter_class=ExampleFormatter, epilog=EPILOG,
+        help="what an output folder holds: each stage done, stale or missing, the reports, the source",
+        description="Read an output folder of `hybrid-build run` (no source or recipe argument) and say, for each "
+                    "stage, whether its result is done, stale (and why) or missing; which reports "
+                    "(validation, eval, bench) exist and whether each was made for this build; and where the "
+                    "recorded source is, whether it is reachable and unchanged by content.")
+    p.add_argument("out", type=Path, metavar="OUT", help="the output folder of `hybrid-build run`")
+    add_json_flag(p)
+    p.set_defaults(handler=_handle)

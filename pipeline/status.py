@@ -1,0 +1,226 @@
+"""``output_status``: what an output folder holds, read from that folder alone.
+
+A build's completion markers are its stage manifests (``OUT/.hybrid-build/<stage>.json``), keyed
+by content rather than by existence: a stage is ``done`` only when its manifest's key is the key
+the stage would have now (tool version, source fingerprint, its recipe section, the keys of the
+stages it reads) and its outputs are intact. The source and the recipe that key hashes are found
+where the build recorded them (``core.source_identity``'s location file, ``core.artifact.RUN_RECIPE``);
+a source that is not reachable here leaves the keys unchecked (``unknown``), never guessed.
+Reports say whether they were made for the build there now (``core.artifact.report_state``).
+Nothing is written but the source's digest cache in the work folder.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hybrid_build.core import __version__
+from hybrid_build.core.artifact import (
+    PROVENANCE, RECIPE, REPORTS, RUN_RECIPE, WORK_DIR, provenance_sha256, read_provenance, read_recipe_data,
+    report_state, unexpected_files,
+)
+from hybrid_build.core.errors import HybridBuildError, UserError
+from hybrid_build.core.manifest import QUICK_HASH_LIMIT, StageManifest, sha256_file
+from hybrid_build.core.progress import ProgressFactory, null_progress
+from hybrid_build.core.source_identity import (
+    DIGEST_CACHE, LOCATION_FILE, SourceDigests, SourceRecord, mismatch, read_record,
+)
+
+from .context import BuildContext
+from .stages import STAGES, load_stage
+
+
+@dataclass
+class SourceStatus:
+    state: str  # unchanged | changed | unreachable | unchecked (a Hub source) | unrecorded
+    where: str | None  # the folder or Hub id the build read
+    reason: str = ""
+
+
+@dataclass
+class StageStatus:
+    stage: str
+    state: str  # done | stale | missing | unknown (its key cannot be recomputed here)
+    reason: str = ""
+    finished_at: float | None = None
+
+
+@dataclass
+class ReportStatus:
+    report: str
+    state: str  # current | stale | unknown | missing
+    reason: str
+    files: list[str]
+    command: str
+
+
+@dataclass
+class OutputStatus:
+    output: str
+    built: bool  # it holds a provenance: assemble finished
+    provenance_sha256: str | None
+    recipe: str | None
+    source: SourceStatus
+    stages: list[StageStatus]
+    reports: list[ReportStatus]
+    unexpected: list[str] = field(default_factory=list)  # files validate and publish would refuse
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def output_status(out: Path, progress: ProgressFactory = null_progress) -> OutputStatus:
+    """The state of every stage and report of the output folder ``out``, and of its source."""
+    out = Path(out)
+    if not out.is_dir():
+        raise UserError(f"{out}: no such folder")
+    prov = read_provenance(out, missing_ok=True)
+    if prov is None and not (out / WORK_DIR).is_dir():
+        raise UserError(f"{out}: not a hybrid-build output (no {PROVENANCE}, no {WORK_DIR}/): nothing was built here")
+    record = _recorded_source(out, prov)
+    source, digests = _check_source(out, record, progress)
+    recipe_data, recipe_file = _recipe(out)
+    ctx, why_unchecked = _context(out, record, source, digests, recipe_file)
+    manifests = {name: StageManifest.load(out / WORK_DIR / f"{name}.json") for name in STAGES}
+    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked) for name in STAGES]
+    reports = [_report_state(out, r, prov is not None) for r in REPORTS.values()]
+    return OutputStatus(str(out), prov is not None, provenance_sha256(out), (recipe_data or {}).get("name"),
+                        source, stages, reports, unexpected_files(out, prov) if prov else [])
+
+
+# ------------------------------------------------------------------------------------ the source
+
+
+def _recorded_source(out: Path, prov: dict | None) -> SourceRecord | None:
+    """The source as the provenance records it, else (a build that has not reached assemble) as
+    the work folder's location file does."""
+    record = read_record(out, prov) if prov else None
+    if record is not None:
+        return record
+    try:
+        loc = json.loads((out / WORK_DIR / LOCATION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(loc, dict) or not (loc.get("path") or loc.get("in_artifact")):
+        return None
+    name = Path(loc.get("path") or loc["in_artifact"]).name
+    return SourceRecord("local", name, None, loc.get("fingerprint"), {}, loc.get("path"), loc.get("in_artifact"))
+
+
+def _check_source(out: Path, record: SourceRecord | None,
+                  progress: ProgressFactory) -> tuple[SourceStatus, SourceDigests | None]:
+    if record is None:
+        return SourceStatus("unrecorded", None, "no stage has recorded its source yet"), None
+    candidates = ([out / record.in_artifact] if record.in_artifact else []) + ([Path(record.path)] if record.path else [])
+    root = next((c for c in candidates if (c / "config.json").is_file()), None)
+    if root is None:
+        if record.kind == "hub":
+            return SourceStatus("unchecked", record.describe(),
+                                "a Hub source: status does not download it (pass it to `run --dry-run` to check)"), None
+        return SourceStatus("unreachable", record.describe(), "the folder is not there any more"), None
+    digests = SourceDigests(root, out / WORK_DIR / DIGEST_CACHE)
+    where = str(root.resolve())
+    why = mismatch(record, digests.result(progress)) if record.files else None
+    if why is None and record.fingerprint and digests.fingerprint() != record.fingerprint:
+        why = "its content differs from what the build read"
+    if why:
+        return SourceStatus("changed", where, why), digests
+    return SourceStatus("unchanged", where, "its content is what the build read"), digests
+
+
+# ------------------------------------------------------------------------------------ the stages
+
+
+def _recipe(out: Path) -> tuple[dict | None, Path | None]:
+    """The recipe the stage keys hash: the last run's, else the artifact's copy (older builds)."""
+    for which in (RUN_RECIPE, RECIPE):
+        data = read_recipe_data(out, missing_ok=True, which=which)
+        if isinstance(data, dict):
+            return data, out / which
+    return None, None
+
+
+def _context(out: Path, record: SourceRecord | None, source: SourceStatus, digests: SourceDigests | None,
+             recipe_file: Path | None) -> tuple[BuildContext | None, str]:
+    """A build context to recompute stage keys with, or None and why the keys cannot be checked."""
+    if source.state != "unchanged":
+        return None, f"source {source.state}" + (f": {source.reason}" if source.reason else "")
+    if recipe_file is None:
+        return None, f"no recorded recipe ({RUN_RECIPE} or {RECIPE})"
+    from .build import prepare
+
+    try:
+        ctx = prepare(digests.root, out, str(recipe_file), force=True, in_artifact=record.in_artifact)
+    except HybridBuildError as e:
+        return None, f"the recorded source and recipe do not plan a build ({str(e).splitlines()[0]})"
+    ctx._digests = digests  # hashed once for the source check
+    return ctx, ""
+
+
+def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None], source: SourceStatus,
+                 record: SourceRecord | None, ctx: BuildContext | None, why_unchecked: str) -> StageStatus:
+    m = manifests[name]
+    if m is None:
+        return StageStatus(name, "missing", "it has not finished in this folder")
+    why = _why_stale(out, m, manifests, source, record, ctx)
+    if why:
+        return StageStatus(name, "stale", why, m.finished_at)
+    if ctx is None:
+        return StageStatus(name, "unknown", f"its key cannot be recomputed: {why_unchecked}", m.finished_at)
+    return StageStatus(name, "done", "its key and outputs match", m.finished_at)
+
+
+def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest | None],
+               source: SourceStatus, record: SourceRecord | None, ctx: BuildContext | None) -> str | None:
+    """Why the stage's result no longer holds, the most basic cause first; None if none is seen."""
+    tool = m.inputs.get("tool")
+    if tool != __version__:
+        return f"made by hybrid-build {tool}, this is {__version__}"
+    if source.state == "changed":
+        return f"the source changed: {source.reason}"
+    if record is not None and record.fingerprint and m.inputs.get("source") != record.fingerprint:
+        return "made from another source than the one recorded"
+    for up, key in (m.inputs.get("reads") or {}).items():
+        got = manifests.get(up)
+        if got is None:
+            return f"the {up} result it read is gone"
+        if got.key != key:
+            return f"{up} ran again since, with other inputs"
+    problem = _output_problem(out, m)
+    if problem:
+        return problem
+    if ctx is not None:
+        from .runner import stage_key
+
+        if stage_key(ctx, m.stage) != m.key:
+            if load_stage(m.stage).inputs(ctx) != m.inputs.get("inputs"):
+                return "its recipe section differs from the recorded recipe"
+            return "its inputs differ from the recorded ones"
+    return None
+
+
+def _output_problem(out: Path, m: StageManifest) -> str | None:
+    for rel, info in sorted(m.outputs.items()):
+        p = out / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != info.get("bytes"):
+            return f"{rel} has {p.stat().st_size} bytes, the stage wrote {info.get('bytes')}"
+        if info.get("sha256") and info["bytes"] <= QUICK_HASH_LIMIT and sha256_file(p) != info["sha256"]:
+            return f"{rel} changed since the stage wrote it"
+    return None
+
+
+# ------------------------------------------------------------------------------------ the reports
+
+
+def _report_state(out: Path, report, built: bool) -> ReportStatus:
+    present = [f for f in report.files if (out / f).is_file()]
+    if not present:
+        return ReportStatus(report.kind, "missing", f"`{report.command}` writes it", [], report.command)
+    if not built:
+        return ReportStatus(report.kind, "stale", "there is no build here for it to describe", present,
+                            report.command)
+    state, why = report_state(out, report)
+    return ReportStatus(report.kind, state, why, present, report.command)
