@@ -79,6 +79,10 @@ REPORTS: dict[str, Report] = {r.kind: r for r in (
            ("provenance_sha256",)),
     Report("eval", ("eval.json", "eval.md"), "hybrid-build eval"),
     Report("bench", ("bench.json",), "hybrid-build bench URL --out ARTIFACT/hybrid_build/bench.json", None),
+    # the hybrid's own top-k log-probabilities on the validate texts (validate.reference): computed
+    # from the build's bytes after the build, so a report, tied to the build by provenance
+    Report("reference", ("reference.json", "reference.safetensors"), "hybrid-build validate",
+           ("provenance_sha256",)),
 )}
 REPORT_FILES = tuple(f for r in REPORTS.values() for f in r.files)
 
@@ -134,7 +138,7 @@ def unexpected_files(artifact: Path, provenance: dict) -> list[str]:
 
 def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
     """The artifact's provenance manifest. A folder that is not there, or holds none, is a user
-    error (exit 2: wrong folder, or a build that has not reached ``assemble``); with ``missing_ok``
+    error (exit 2: wrong folder, or a build that has not reached ``record``); with ``missing_ok``
     that returns None instead. One that does not parse is an ``ArtifactError``."""
     artifact = Path(artifact)
     if not artifact.is_dir():
@@ -147,8 +151,8 @@ def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
     except FileNotFoundError:
         if missing_ok:
             return None
-        raise UserError(f"{artifact}: no {PROVENANCE}: not an artifact built by `hybrid-build run` (or its "
-                        "build did not reach assemble)") from None
+        raise UserError(f"{artifact}: no {PROVENANCE}: not an artifact built by `hybrid-build run`, or a build "
+                        "that has not finished (`hybrid-build status` says which stage is missing)") from None
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{path}: unreadable ({e}); rebuild the artifact") from None
     if not isinstance(data, dict):

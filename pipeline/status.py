@@ -58,7 +58,7 @@ class ReportStatus:
 @dataclass
 class OutputStatus:
     output: str
-    built: bool  # it holds a provenance: assemble finished
+    built: bool  # it holds a provenance: record finished
     provenance_sha256: str | None
     recipe: str | None
     source: SourceStatus
@@ -93,7 +93,7 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
 
 
 def _recorded_source(out: Path, prov: dict | None) -> SourceRecord | None:
-    """The source as the provenance records it, else (a build that has not reached assemble) as
+    """The source as the provenance records it, else (a build that has not reached record) as
     the work folder's location file does."""
     record = read_record(out, prov) if prov else None
     if record is not None:

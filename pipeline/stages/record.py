@@ -2,7 +2,7 @@
 
 It is a stage of its own so that each stage's key covers only what that stage reads: ``assemble``
 keys on the recipe sections that decide the checkpoint's bytes, this stage on the whole recipe.
-A recipe edit that changes only validate thresholds, serve profiles or publish settings re-runs
+A recipe edit that changes only validate thresholds or serve settings re-runs
 this stage (milliseconds: two small files) and ``validate``, and rewrites no shard. The hashes of
 the checkpoint's files come from ``assemble``'s result, computed while it wrote them, so nothing
 large is read again here. ``assemble`` removes the provenance of an earlier build before it
@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from hybrid_build.core import __version__
-from hybrid_build.core.artifact import META_DIR, PROVENANCE, RECIPE
+from hybrid_build.core.artifact import META_DIR, PROVENANCE, RECIPE, build_outputs
+from hybrid_build.core.manifest import sha256_file
 from hybrid_build.core.safetensors_io import write_text_atomic
 
 from ..context import BuildContext
@@ -34,9 +35,14 @@ def _text_file(out: Path, rel: str, text: str) -> dict:
 
 def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
     out, built = ctx.out, io.up["assemble"]
-    files = dict(built.details["files"])
     (out / META_DIR).mkdir(exist_ok=True)
-    files[RECIPE] = _text_file(out, RECIPE, ctx.recipe.to_yaml())
+    recipe = _text_file(out, RECIPE, ctx.recipe.to_yaml())
+    known = built.details["files"]  # hashed by assemble while it wrote them
+    # every build output in the folder: a stage that writes into the artifact before this one (and
+    # is named in ``reads``) is recorded without a change here; reports never are (core.artifact)
+    files = {rel: known.get(rel) or {"bytes": (out / rel).stat().st_size, "sha256": sha256_file(out / rel)}
+             for rel in build_outputs(out)}
+    files[RECIPE] = recipe
     prov = {
         "schema_version": 2,  # 2: the source is identified by content (kind, per-file sha256)
         "tool": {"name": "hybrid-build", "version": __version__},

@@ -72,8 +72,8 @@ def test_an_unknown_file_still_fails_validate_and_publish(artifact, capsys):
         ["hybrid_build/extra.json", "notes.txt"]
     assert main(["validate", str(artifact), "--json", "-q"]) == 1
     failures = json.loads(capsys.readouterr().out)["failures"]
-    assert "provenance: notes.txt is not listed in provenance.json" in failures
-    assert "provenance: hybrid_build/extra.json is not listed in provenance.json" in failures
+    assert "provenance: notes.txt is not listed in hybrid_build/provenance.json" in failures
+    assert "provenance: hybrid_build/extra.json is not listed in hybrid_build/provenance.json" in failures
     assert main(["publish", str(artifact), "--repo-id", REPO, "--dry-run", "--force", "-q"]) == 1
     assert "hybrid_build/extra.json is in the artifact but not in hybrid_build/provenance.json" in capsys.readouterr().err
 
@@ -99,3 +99,37 @@ def test_validate_refuses_a_folder_that_is_not_a_build(tmp_path, tiny_checkpoint
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no hybrid_build/provenance.json" in err
     assert not (folder / "hybrid_build").exists()  # no report written into it
+
+
+def test_a_new_stage_that_writes_into_the_artifact_needs_only_its_module(tiny_checkpoint, tmp_path, monkeypatch):
+    """A sixth stage (here: a checksum list beside the weights) is its module, its place in the
+    order and a name in ``record``'s reads: its file is recorded in the provenance and validate
+    and publish accept it, with no edit to either."""
+    import dataclasses
+    import sys
+    import types
+
+    from hybrid_build.pipeline import build, runner, stages
+    from hybrid_build.pipeline.stages import record
+    from hybrid_build.pipeline.stages.base import Stage
+    from hybrid_build.validate.report import validate_artifact
+
+    def run(ctx, io):
+        path = ctx.out / "hybrid_build" / "sums.txt"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(f"{f} {i['sha256']}\n" for f, i in sorted(io.up["assemble"].details["files"].items())))
+        return [path], {}
+
+    module = types.ModuleType("hybrid_build_test_sums")
+    module.STAGE = Stage("sums", run, reads=("assemble",))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(stages.STAGE_MODULES, "sums", module.__name__)
+    monkeypatch.setattr(record, "STAGE", dataclasses.replace(record.STAGE, reads=("assemble", "sums")))
+    order = ["inspect", "calibrate", "quantize-head", "assemble", "sums", "record"]
+    out = tmp_path / "out"
+    ran = runner.run_build(build.prepare(tiny_checkpoint, out, "tiny"), order)
+    assert [r.stage for r in ran] == order
+    assert "hybrid_build/sums.txt" in _recorded(out)
+    report = validate_artifact(out, e2e=False)
+    assert report.passed, report.failures
+    assert main(["publish", str(out), "--repo-id", REPO, "--dry-run", "-q"]) == 0
