@@ -38,6 +38,13 @@ class ExternalToolError(HybridBuildError):
     """A tool we drive (vLLM, Docker, the Hub) is missing or failed."""
 
 
+class CannotVerify(HybridBuildError):
+    """A check against a running server could not run: nothing answers, another model is served, no
+    prompt log-probabilities, no reference to compare with. Neither a pass nor a failure: exit 3."""
+
+    exit_code = 3
+
+
 class SourceMismatch(UserError):
     """A source given or recorded is not, by content, the one the artifact was built from."""
 

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "run": "hybrid_build.pipeline.commands.run",
     "status": "hybrid_build.pipeline.commands.status",
     "validate": "hybrid_build.validate.command",
+    "verify": "hybrid_build.validate.verify_command",
     "eval": "hybrid_build.validate.eval_command",
     "plan": "hybrid_build.pipeline.commands.plan",
     "publish": "hybrid_build.pipeline.commands.publish",

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, report_state
+from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, is_report, report_state
 from hybrid_build.core import formats
 from hybrid_build.core.checkpoint import HUB_ID
 from hybrid_build.core.formats.base import OutputFormat
@@ -82,6 +82,7 @@ class CardInputs:
     has_plot: bool = False
     evaluation: EvalStatus | None = None  # hybrid_build/eval.json, when present
     bench: dict | None = None  # hybrid_build/bench.json, when present and readable
+    reference: bool = False  # hybrid_build/reference.*, made for this build (``reference_current``)
 
 
 # ------------------------------------------------------------------------------------ gathering
@@ -163,6 +164,14 @@ def read_evaluation(artifact: Path) -> EvalStatus | None:
     if state != "current":
         return EvalStatus("stale", report, why if state == "stale" else f"{why} (run with ARTIFACT)")
     return EvalStatus("current", report)
+
+
+def reference_current(artifact: Path) -> bool:
+    """Whether the artifact's reference (``validate.reference``) was made for the build there now:
+    the card speaks of it only then, a stale one proves nothing about these weights."""
+    reference = REPORTS["reference"]
+    return all((artifact / f).is_file() for f in reference.files) and \
+        report_state(artifact, reference)[0] == "current"
 
 
 def read_bench(path: Path) -> dict | None:
@@ -488,7 +497,8 @@ def render_body(inp: CardInputs) -> str:
     lines += ["", f"Tensors: {t.get('total', '?')} in all, {t.get('copied', '?')} copied unchanged from the source.", ""]
 
     src_bytes = sum((f or {}).get("bytes", 0) for f in (src.get("files") or {}).values())
-    weights_after = sum(b for p, b in inp.files.items() if p.endswith(".safetensors"))
+    # the weights only: a report may be safetensors too (the reference)
+    weights_after = sum(b for p, b in inp.files.items() if p.endswith(".safetensors") and not is_report(p))
     lines += ["## Sizes", "", "| what | bytes | size |", "|---|---|---|",
               f"| source weights (safetensors) | {src_bytes:,} | {human_bytes(src_bytes)} |",
               f"| hybrid weights (safetensors) | {weights_after:,} | {human_bytes(weights_after)} |",
@@ -557,7 +567,21 @@ def _validation_section(inp: CardInputs) -> list[str]:
     if inp.has_plot:
         lines += [f"![relative error per layer]({VALIDATION.named('.png')})", ""]
     lines += [f"Per-tensor figures: `{VALIDATION.named('.md')}`; machine-readable: `{VALIDATION.main}`.", ""]
-    return lines
+    return lines + _reference_lines(inp)
+
+
+def _reference_lines(inp: CardInputs) -> list[str]:
+    """What the reference is and proves, when it travels with this build."""
+    ref = REPORTS["reference"]
+    if not inp.reference or not all(f in inp.files for f in ref.files):
+        return []
+    size = sum(inp.files[f] for f in ref.files)
+    return [f"Reference: `{ref.named('.safetensors')}` and `{ref.main}` ({size / 1e6:.2g} MB) hold this hybrid's own "
+            "next-token distributions on the validation texts (top-20 token ids and log-probabilities per position, "
+            "and the source's alongside), computed in fp32 from the dequantized weights of this build. "
+            "`hybrid-build verify URL` checks a running server against it: a server whose prompt log-probabilities "
+            "match computes this checkpoint's numerics (its kernels and runtime patches included) on these texts; "
+            "it proves nothing about other texts or about sampling settings.", ""]
 
 
 def _eval_section(inp: CardInputs) -> list[str]:

@@ -24,7 +24,7 @@ from hybrid_build.core.artifact import CARD, CONFIG, META_DIR, PROVENANCE, REPOR
     read_provenance, report_state, unexpected_files
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_bench, \
-    read_evaluation, read_frontmatter, render_card
+    read_evaluation, read_frontmatter, reference_current, render_card
 from hybrid_build.core.progress import null_progress
 from hybrid_build.core.safetensors_io import INDEX_NAME
 
@@ -209,7 +209,8 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
         forced=force and not validation.passed,
         has_plot=(artifact / REPORTS["validation"].named(".png")).is_file(),
-        evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)))
+        evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)),
+        reference=reference_current(artifact))
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))

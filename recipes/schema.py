@@ -114,6 +114,35 @@ class ValidateSpec(_Strict):
     e2e: bool = Field(True, description="run the end-to-end transformers forward (needs the model to fit in RAM)")
 
 
+class VerifySpec(_Strict):
+    """What `hybrid-build verify` (and `serve` before it says ready) accepts from a running server, against
+    the artifact's reference (its own top-k next-token log-probabilities on the validate texts).
+
+    Measured (benchmarks/results/gpu_h200_issue27_verify.json: vLLM 0.25.1 on an H200 serving the tiny
+    inc-hybrid through `hybrid-build serve`, 765 positions): the correct server against the reference
+    gave KL mean 2.9e-5, p99 3.1e-4, max 5.9e-4, same top-1 0.867 (a random model's flat
+    distributions; the source served as `base` against the source side: 9.5e-7, same top-1 0.997);
+    with the Marlin MoE scale fix switched off it gave KL mean 5.2e-4 and same top-1 0.089 and
+    failed. The defaults below are for trained models, whose served-vs-fp32 noise no run here has
+    measured at full width, so they keep wide headroom over the tiny model's figures and over vLLM
+    against transformers on it (KL mean 0.00089, max 0.0145; docs/gpu.md, run 4); the tiny recipe
+    sets its own from the measurement. The KL figure is a lower bound of the full-vocabulary KL (top-k
+    with the tail lumped), so these bounds are at least as loose on the full KL as they read."""
+
+    max_mean_kl: float = Field(
+        0.01, ge=0, description="mean over all positions of the top-k KL(reference || server) estimate, nats "
+                                "(11x the 0.00089 vLLM gave against transformers on the tiny model; 350x the "
+                                "2.9e-5 a correct server gave against the reference)")
+    max_p99_kl: float = Field(
+        0.05, ge=0, description="99th percentile over all positions of that estimate, nats (3.4x the 0.0145 "
+                                "maximum vLLM gave against transformers on the tiny model; 160x the 3.1e-4 p99 "
+                                "against the reference)")
+    min_same_top1: float = Field(
+        0.9, ge=0, le=1, description="share of positions where the server's top-1 token is the reference's; a "
+                                     "trained model's top-1 rarely flips under kernel noise (a random model's does: "
+                                     "the tiny recipe lowers it)")
+
+
 class MatchSpec(_Strict):
     """Config values (of the text config) that a source must have for this recipe to be chosen."""
 
@@ -140,6 +169,7 @@ class Recipe(_Strict):
     lm_head: HeadSpec = Field(default_factory=HeadSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
     validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")
+    verify: VerifySpec = Field(default_factory=VerifySpec)
     serve: ServeSpec = Field(default_factory=ServeSpec)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

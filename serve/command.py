@@ -20,11 +20,13 @@ def register(sub, common) -> None:
         "serve", parents=[common], formatter_class=ExampleFormatter,
         help="serve an artifact with vLLM (dense, dflash, base or mtp profile)",
         description="Start vLLM for an artifact with one of its recipe's serve profiles, wait until it is "
-                    "ready, smoke-test it and print the OpenAI base URL. dense = hybrid checkpoint + int8 "
+                    "ready, check it against the artifact's reference (`hybrid-build verify`), smoke-test it and "
+                    "print the OpenAI base URL. dense = hybrid checkpoint + int8 "
                     "lm-head + DFlash; dflash = DFlash only; base = no speculation; mtp = the model's MTP head.",
         epilog="examples:\n"
                "  hybrid-build serve out/ --profile dense --dry-run\n"
                "  hybrid-build serve out/ --profile base --port 8001\n"
+               "  hybrid-build serve out/ --profile dense --disable-fix marlin_moe_scale --dry-run   # a fix off\n"
                "  hybrid-build serve out/ --engine docker --profile dense   # DGX Spark image, patched vLLM 0.23\n"
                "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
                "--dry-run")
@@ -45,7 +47,13 @@ def register(sub, common) -> None:
     p.add_argument("--ready-timeout", type=float, default=1800, help="seconds to wait for READY (default 1800)")
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check the server against the artifact's reference before calling it ready "
+                        "(`hybrid-build verify`; a failed check stops the server)")
     p.add_argument("--dry-run", action="store_true", help="print the exact command and environment, start nothing")
+    p.add_argument("--disable-fix", action="append", default=[], metavar="ID",
+                   help="leave this runtime fix or patch out (repeatable; `all` for every one), to see whether "
+                        "your vLLM still needs it: sets HYBRID_BUILD_DISABLE_FIXES (ids: docs/serve.md)")
     g = p.add_argument_group("several nodes (vLLM on a Ray cluster; docs/multinode.md)")
     g.add_argument("--nodes", metavar="HOST1,HOST2", help="serve across these machines: [user@]host, each by its "
                    "address on the link; the first is the Ray head and runs vLLM. One of them may be this machine; "
@@ -74,12 +82,12 @@ def register(sub, common) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
-    from .launcher import check_prerequisites, smoke_test, start, wait_ready
+    from .launcher import check_prerequisites, smoke_test, start, wait_ready, warn_if_untested
 
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
                        host=args.host,
-                       hardware=args.hardware,
+                       hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image)
     if args.nodes or args.nodes_file:
         return _run_nodes(args, plan)
@@ -94,15 +102,17 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {n}")
         return 0
     check_prerequisites(plan)
+    warn_if_untested(plan)  # an untested vLLM still runs: verify checks what it serves
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
     server = start(plan, log_path)
     try:
         bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
         ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
         bar.close()
+        verified = _verify(args, plan, plan.base_url)
         answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect)
         info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
-                "smoke_answer": answer, "pid": server.process.pid, "log": str(log_path)}
+                "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path)}
         if args.json:
             emit_json(info)
         else:
@@ -118,6 +128,44 @@ def run(args: argparse.Namespace) -> int:
         return interrupt_exit_code(e)
     finally:
         server.stop()
+
+
+def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
+    """`hybrid-build verify` against the artifact being served, once vLLM answers and before it is called
+    ready: prints the figures; a failed check raises (the caller's ``finally`` stops the server). An
+    artifact without a current reference, or a Hub id, cannot be checked: one line says why and serving
+    goes on. Returns what ``--json`` reports under ``verify``."""
+    from hybrid_build.core.errors import CannotVerify, NumericsError
+    from hybrid_build.validate.verify import load_reference, render, verify_server
+
+    from .engine import resolve_recipe
+
+    if args.no_verify:
+        return {"outcome": "skipped", "reason": "--no-verify"}
+    say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
+    artifact = Path(args.artifact).expanduser()
+    try:
+        if not artifact.is_dir():
+            raise CannotVerify(f"could not verify: {args.artifact} is a Hub id, not a local artifact holding a "
+                               "reference")
+        reference = load_reference(artifact)
+    except CannotVerify as e:
+        say(f"{e}; serving without the check")
+        return {"outcome": "could not run", "reason": str(e)}
+    recipe, _ = resolve_recipe(args.artifact, args.recipe)
+    side = recipe.serve.profiles[plan.profile].artifact  # the dense profile serves the hybrid, the others the source
+    try:
+        report = verify_server(base_url, artifact, side=side, model=plan.model_name, timeout=300,
+                               thresholds=recipe.verify, reference=reference)
+    except CannotVerify as e:
+        raise CannotVerify(f"{e} (stopped the server; --no-verify serves without the check)") from None
+    say(render(report))
+    if report.outcome == "failed":
+        if args.json:
+            emit_json({"verify": report.to_json()})
+        raise NumericsError(f"the server does not reproduce the artifact's reference ({'; '.join(report.failures)}): "
+                            "stopped it (--no-verify serves it anyway)")
+    return report.to_json()
 
 
 def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
@@ -151,7 +199,8 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
     say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))
     try:
         cluster, info = bring_up(mplan, log_path.parent, log_path, join_timeout=args.join_timeout,
-                                 ready_timeout=args.ready_timeout, smoke=not args.no_smoke, on_event=say)
+                                 ready_timeout=args.ready_timeout, smoke=not args.no_smoke, on_event=say,
+                                 verify=lambda: _verify(args, plan, mplan.base_url))
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     try:

@@ -18,6 +18,8 @@ from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, selec
 
 from hybrid_build.recipes.profiles import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER, ServeProfile
 
+from .runtime_fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
+
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
 CONTAINER_DRAFTER = "/drafter"
@@ -37,6 +39,7 @@ class LaunchPlan:
     model: str
     notes: list[str] = field(default_factory=list)
     smoke_expect: str | None = SMOKE_EXPECT  # the recipe's serve.smoke_expect
+    image: str | None = None  # the docker engine's image (its vLLM is the one served)
 
     @property
     def base_url(self) -> str:
@@ -192,6 +195,27 @@ def apply_patches_command() -> str:
     return f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\""
 
 
+def fixes_off(given: tuple[str, ...] | list[str]) -> frozenset[str]:
+    """The runtime fixes to leave out: ``given`` plus this environment's switch; an unknown id is a
+    UserError (one line listing the valid ids)."""
+    import os
+
+    try:
+        return parse_ids(",".join([os.environ.get(ENV_DISABLE, ""), *given]), "--disable-fix / " + ENV_DISABLE)
+    except UnknownFixError as e:
+        raise UserError(str(e)) from None
+
+
+def fixes_off_note(off: frozenset[str], engine: str) -> str:
+    """Which fixes are off, and which of those this engine never applies (plugin vs source patch)."""
+    applies = {f.id for f in FIXES if (f.plugin if engine == "local" else f.patch)}
+    note = f"runtime fixes off ({ENV_DISABLE}): {', '.join(sorted(off))}"
+    idle = sorted(off - applies)
+    if idle:
+        note += f"; the {engine} engine does not apply {', '.join(idle)} anyway"
+    return note + "; `hybrid-build verify` shows whether this vLLM needs them (docs/serve.md)"
+
+
 GPU_PRESETS = (("GB10", "gb10"), ("H200", "h200"), ("H100", "h100"), ("RTX PRO 6000", "rtx-pro-6000"))
 
 
@@ -227,11 +251,15 @@ def _lever_note(artifact: Path, hardware: str | None) -> str | None:
 def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,
                 host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
                 source: str | None = None, image: str = DOCKER_IMAGE,
-                patches_dir: Path | None = None, hardware: str | None = None) -> LaunchPlan:
+                patches_dir: Path | None = None, hardware: str | None = None,
+                disable_fixes: tuple[str, ...] | list[str] = ()) -> LaunchPlan:
     """``hardware`` (a ``plan`` preset; default: the GPU ``nvidia-smi`` names, if it is one) is
-    only used to say when the profile's levers are predicted to gain little there."""
+    only used to say when the profile's levers are predicted to gain little there. ``disable_fixes``
+    (``--disable-fix``) adds to the ids ``HYBRID_BUILD_DISABLE_FIXES`` already names here; the
+    union goes into the served processes' environment."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
+    off = fixes_off(disable_fixes)
     rec, config = resolve_recipe(artifact, recipe)
     name = profile_name or rec.serve.default_profile
     profiles = rec.serve.profiles
@@ -242,10 +270,12 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     drafter = resolve_drafter(name, profile, drafter, artifact, config, source)
     pin = ["--revision", revision] if revision else []
     env = dict(profile.extra_env)
+    if off:
+        env[ENV_DISABLE] = ",".join(sorted(off))
     hybrid = (config or {}).get("hybrid_build") or {}
     if profile.artifact == "hybrid" and profile.int8_lm_head and hybrid.get("lm_head") == "quantize-at-load":
         env["HYBRID_BUILD_LM_HEAD"] = "quantize-at-load"
-    notes = []
+    notes = [fixes_off_note(off, engine)] if off else []
     if profile.artifact == "hybrid" and not profile.int8_lm_head and hybrid.get("lm_head") == "gptq-int8":
         notes.append("the artifact stores an int8 lm-head; it is served as stored")
     if profile.artifact == "hybrid" and hybrid and (Path(artifact) / "config.json").is_file():
@@ -284,4 +314,4 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
              "-v", "hf-cache:/root/.cache/huggingface"] + mounts + env_flags +
             [image, "bash", "-c", script])
     return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes,
-                      rec.serve.smoke_expect)
+                      rec.serve.smoke_expect, image=image)

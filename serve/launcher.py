@@ -45,6 +45,37 @@ def check_prerequisites(plan: LaunchPlan) -> None:
         raise ExternalToolError("no NVIDIA GPU found (no nvidia-smi, no /dev/nvidiactl): vLLM needs a CUDA GPU")
 
 
+def served_vllm_version(plan: LaunchPlan) -> str | None:
+    """The vLLM version the plan would serve: ``vllm --version`` (local), or the image's (a tested
+    image by its name, any other by asking it); None when it cannot be read."""
+    from .runtime_fixes import tested_image, version_in
+
+    if plan.engine == "docker":
+        known = tested_image(plan.image or "")
+        if known is not None:
+            return known.version
+        argv = ["docker", "run", "--rm", "--entrypoint", "python3", plan.image or "", "-c",
+                "from importlib.metadata import version; print(version('vllm'))"]
+    else:
+        argv = [plan.argv[0], "--version"]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return version_in(r.stdout) if r.returncode == 0 else None
+
+
+def warn_if_untested(plan: LaunchPlan) -> str | None:
+    """Log one warning line when the vLLM to be served is outside the tested set; serving goes on
+    (``hybrid-build verify`` is what checks its numerics). Returns the line, if any."""
+    from .runtime_fixes import untested_warning
+
+    line = untested_warning(served_vllm_version(plan))
+    if line:
+        log.warning(line)
+    return line
+
+
 def tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -51,7 +51,7 @@ CONTAINER_PREFIX = "hybrid-build-ray"
 SSH = ["ssh", "-o", "BatchMode=yes"]
 PARALLEL = ("tp", "pp")
 # the hybrid-build code that changes vLLM at run time: every node must run the same
-RUNTIME_FILES = ("patches/*.py", "vllm_plugin.py", "upstream_fixes.py", "int8_gemv.py")
+RUNTIME_FILES = ("patches/*.py", "vllm_plugin.py", "upstream_fixes.py", "runtime_fixes.py", "int8_gemv.py")
 # asked on the head: the nodes Ray knows, by address (the Ray API, as a driver that leaves at once)
 NODES_SCRIPT = ('import json,sys,ray;ray.init(address=sys.argv[1],logging_level="ERROR",log_to_driver=False);'
                 'print(json.dumps([{"ip":n["NodeManagerAddress"],"alive":n["Alive"],'
@@ -659,14 +659,21 @@ def wait_for(condition: Callable[[], object], cluster: Cluster, timeout: float, 
 
 def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout: float = 600,
              ready_timeout: float = 1800, smoke: bool = True, on_event: Callable[[str], None] = lambda _m: None,
-             cluster: Cluster | None = None) -> tuple[Cluster, dict]:
+             cluster: Cluster | None = None, verify: Callable[[], dict | None] | None = None) -> tuple[Cluster, dict]:
     """Check, start and smoke-test the cluster; on any failure stop what was started and re-raise.
-    Returns the running cluster and what the caller prints."""
+    ``verify`` (serve's check against the artifact's reference, through the head) runs once vLLM
+    answers, before the smoke test. Returns the running cluster and what the caller prints."""
     from .launcher import Server, smoke_test, wait_ready
 
     answers = check_nodes(plan)
     on_event(f"checked {len(plan.nodes)} nodes: same artifact, vLLM {answers[0]['vllm']}, Ray {answers[0]['ray']}, "
              f"runtime patches {answers[0]['runtime'][:12]}")
+    if plan.engine == "local":  # an untested vLLM still runs (the docker image's is the one tested)
+        from .runtime_fixes import untested_warning, version_in
+
+        untested = untested_warning(version_in(answers[0]["vllm"] or ""))
+        if untested:
+            log.warning(untested)
     cluster = cluster or Cluster(plan)
     try:
         head = plan.ray[0]
@@ -687,9 +694,10 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
         vllm = cluster.start(plan.vllm, log_path)
         server = Server(vllm.process, plan.serve, log_path)
         ready_s = wait_ready(server, ready_timeout)
+        verified = verify() if verify else None
         answer = smoke_test(plan.base_url, plan.serve.model_name, expect=plan.serve.smoke_expect) if smoke else None
         return cluster, {"base_url": plan.base_url, "model": plan.serve.model_name, "ready_s": round(ready_s, 1),
-                         "smoke_answer": answer, "nodes": [n.ip for n in plan.nodes],
+                         "smoke_answer": answer, "verify": verified, "nodes": [n.ip for n in plan.nodes],
                          "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp, "log": str(log_path)}
     except BaseException:
         cluster.stop()

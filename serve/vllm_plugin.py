@@ -16,6 +16,9 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
   for the kernel and the logits back;
 - everything else: INC's own answer, unchanged.
 ``register()`` also installs the upstream bug fixes in ``upstream_fixes`` (Marlin MoE scale layout).
+Each part is a fix of ``runtime_fixes`` (``inc_fp8_dispatch``, ``int8_lm_head``, ``marlin_moe_scale``)
+that ``HYBRID_BUILD_DISABLE_FIXES`` can turn off: that part is then not installed (the INC method is
+not replaced at all when both of its parts are off) and the process logs one line saying so.
 It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
 head, or the launcher set ``HYBRID_BUILD_LM_HEAD=quantize-at-load``. Works with vLLM 0.25.x and
 0.33.x; nothing here is imported before vLLM calls ``register``.
@@ -206,8 +209,9 @@ def _load_time_int8_head_method():
     return Int8HeadAtLoadMethod()
 
 
-def make_config_class(base: type) -> type:
-    """A subclass of vLLM's ``INCConfig`` that honours the hybrid per-layer entries."""
+def make_config_class(base: type, off: frozenset[str] = frozenset()) -> type:
+    """A subclass of vLLM's ``INCConfig`` that honours the hybrid per-layer entries, less the parts
+    named in ``off`` (``inc_fp8_dispatch``, ``int8_lm_head``: those layers get INC's own answer)."""
 
     class HybridINCConfig(base):  # type: ignore[misc, valid-type]
         hybrid_build = True
@@ -231,6 +235,8 @@ def make_config_class(base: type) -> type:
             extra = self.extra_config or {}
             packed = getattr(self, "packed_modules_mapping", None) or {}
             if isinstance(layer, ParallelLMHead):
+                if "int8_lm_head" in off:
+                    return None
                 if is_int8_entry(exact_entry(extra, prefix)):
                     method = _int8_head_method(self, layer, prefix)
                     if os.environ.get(ENV_HEAD_KERNEL) == "triton":
@@ -239,7 +245,7 @@ def make_config_class(base: type) -> type:
                 if os.environ.get(ENV_LM_HEAD) == "quantize-at-load":
                     return _load_time_int8_head_method()
                 return None
-            if isinstance(layer, LinearBase):
+            if isinstance(layer, LinearBase) and "inc_fp8_dispatch" not in off:
                 block = layer_fp8_block(extra, prefix, packed)
                 if block is not None:
                     log.debug("hybrid-build: %s -> FP8 block %s", prefix, block)
@@ -250,30 +256,45 @@ def make_config_class(base: type) -> type:
     return HybridINCConfig
 
 
-_registered: type | None = None
+_registered: type | None = None  # the ``inc`` class registered, if any
+_done = False
 
 
 def register() -> None:
-    """vLLM entry point: replace the ``inc`` method with the hybrid-aware subclass (idempotent)."""
-    global _registered
-    if _registered is not None:
+    """vLLM entry point: replace the ``inc`` method with the hybrid-aware subclass and install the
+    upstream fixes, each unless ``HYBRID_BUILD_DISABLE_FIXES`` turns it off (idempotent). An unknown
+    id in that variable stops vLLM with one line: a typo must not leave a fix on."""
+    global _registered, _done
+    if _done:
         return
+    from hybrid_build.serve.runtime_fixes import FIXES, disabled_fixes, off_line
     from hybrid_build.serve.upstream_fixes import fix_marlin_moe_scale_layout
 
-    fix_marlin_moe_scale_layout()
+    off = disabled_fixes() & {f.id for f in FIXES if f.plugin}
+    for fix_id in sorted(off):
+        log.warning(off_line(fix_id))
+    if "marlin_moe_scale" not in off:
+        fix_marlin_moe_scale_layout()
+    _registered = _register_inc(off)
+    _done = True
+
+
+def _register_inc(off: frozenset[str]) -> type | None:
+    """Replace the ``inc`` method unless both of its parts are off; the class now registered, if any."""
+    if {"inc_fp8_dispatch", "int8_lm_head"} <= off:
+        return None  # stock INC stays as it is
     try:
         from vllm.model_executor.layers.quantization import register_quantization_config
         from vllm.model_executor.layers.quantization.inc import INCConfig
     except ImportError as e:  # a vLLM without the INC package: nothing to teach
         log.warning("hybrid-build plugin: vLLM's INC quantization is not importable (%s); plugin inactive", e)
-        return
+        return None
     if getattr(INCConfig, "hybrid_build", False):
-        _registered = INCConfig
-        return
-    cls = make_config_class(INCConfig)
+        return INCConfig
+    cls = make_config_class(INCConfig, off)
     register_quantization_config("inc")(cls)
-    _registered = cls
     log.info("hybrid-build plugin: per-layer FP8 and int8 lm-head enabled for auto-round checkpoints")
+    return cls
 
 
 __all__ = ["register", "make_config_class", "layer_fp8_block", "exact_entry", "declares_hybrid",

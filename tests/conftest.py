@@ -58,3 +58,16 @@ def tiny_copy(tiny_checkpoint, tmp_path) -> Path:
     dst = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def referenced_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny checkpoint's artifact built and validated by ``hybrid-build run`` (read-only): it holds
+    the reference (``validate/reference.py``) that ``verify`` and ``serve`` compare servers with."""
+    from hybrid_build.pipeline.cli import main
+
+    out = tmp_path_factory.mktemp("referenced") / "out"
+    rc = main(["run", str(tiny_checkpoint), "-o", str(out), "-q"])
+    if rc != 0 or not (out / "hybrid_build" / "reference.json").is_file():
+        pytest.fail(f"hybrid-build run exited {rc} and left no reference in {out}")
+    return out

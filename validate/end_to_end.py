@@ -113,9 +113,10 @@ def estimate_seconds(source: Checkpoint) -> tuple[float, str]:
 
 
 def run(engine: str, source: Checkpoint, artifact: Checkpoint, token_ids: dict[str, list[int]],
-        progress=None) -> tuple[dict, dict | None]:
+        progress=None, recorder=None) -> tuple[dict, dict | None]:
     """Run ``engine``; return its figures (``figures``) and, for the streamed engine, the source's
-    final-norm hidden states per text."""
+    final-norm hidden states per text. Only the streamed engine feeds ``recorder``
+    (``reference.ReferenceRecorder``): the others never see whole-vocabulary fp32 logits."""
     if engine == "streamed":
         from .streamed import compare_streamed
 
@@ -129,7 +130,7 @@ def run(engine: str, source: Checkpoint, artifact: Checkpoint, token_ids: dict[s
             bar["bar"].update(1)
 
         try:
-            cmp = compare_streamed(source, artifact, token_ids, progress=step)
+            cmp = compare_streamed(source, artifact, token_ids, progress=step, recorder=recorder)
         finally:
             if "bar" in bar:
                 close = getattr(bar["bar"], "close", None)

@@ -1,7 +1,9 @@
 """``validate_artifact``: run every check on a built artifact and write the validation report.
 
 The report goes to ``ARTIFACT/hybrid_build/validation.{json,md,png}``: JSON for tools, Markdown for
-the model card, and a plot of error per layer. A numerics or structure failure never raises: the
+the model card, and a plot of error per layer. When the streamed engine ran the end-to-end forward, the
+reference (``reference``: the hybrid's own top-k log-probabilities) is written with the report and
+only with it; the other engines record none. A numerics or structure failure never raises: the
 report says ``passed: false`` and lists one line per failure naming the tensor and the metric.
 Only input that cannot be read at all (no artifact, no source) raises.
 """
@@ -23,6 +25,7 @@ from hybrid_build.recipes.schema import Recipe, parse_recipe, select_recipe
 
 from . import checks
 from .checks import Findings, ValidationInputs, exceeds
+from .reference import ReferenceRecorder, write_reference
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +185,9 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
 
     # the end-to-end forward first: its final-norm hidden states are the lm-head check's inputs
     run_e2e = spec.e2e if e2e is None else e2e
+    recorded = None  # the streamed engine's reference.ReferenceRecorder, once its forward completed
     if run_e2e:
-        report.end_to_end = _end_to_end(inp, f, engine, texts_by_name, announce)
+        report.end_to_end, recorded = _end_to_end(inp, f, engine, texts_by_name, announce)
     else:
         report.end_to_end = {"skipped": True, "reason": "validate.e2e is false in the recipe" if e2e is None
                              else "turned off for this run"}
@@ -211,6 +215,8 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
         report.kept = stronger_report(art.root, report)
         if report.kept is None:
             report.written = [str(p) for p in write_report(report, art.root)]
+            if recorded is not None:  # the report it goes with was written: both describe this build
+                report.written += [str(p) for p in write_reference(art.root, recorded.reference(built))]
     log.info("validation %s in %.1f s", report.outcome, report.seconds)
     return report
 
@@ -234,7 +240,18 @@ def stronger_report(artifact: Path, report: ValidationReport) -> str | None:
     return f"{VALIDATION.main} of this build passed with more checks run ({', '.join(more)}); it is kept"
 
 
-def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str, str], announce=None) -> dict:
+def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str, str],
+                announce=None) -> tuple[dict, ReferenceRecorder | None]:
+    """The end-to-end figures, and the reference recorder the streamed engine filled (None for
+    the other engines, or when the forward did not complete)."""
+    recorder = ReferenceRecorder() if engine == "streamed" else None
+    result = _run_end_to_end(inp, f, engine, texts, announce, recorder)
+    complete = recorder is not None and recorder.complete and not ({"error", "could_not_run", "skipped"} & set(result))
+    return result, recorder if complete else None
+
+
+def _run_end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str, str], announce=None,
+                    recorder: ReferenceRecorder | None = None) -> dict:
     from . import end_to_end
     from .transformers_forward import run_end_to_end, strip_ansi
 
@@ -260,7 +277,7 @@ def _end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict[str
                         else f"about {seconds / 60:.1f} min")
                 announce(f"end-to-end forward ({engine}, {inp.source.text_config.get('num_hidden_layers')} layers, "
                          f"{sum(len(v) for v in ids.values())} tokens): {when} ({basis})")
-            result, hidden = end_to_end.run(engine, inp.source, inp.artifact, ids, inp.progress)
+            result, hidden = end_to_end.run(engine, inp.source, inp.artifact, ids, inp.progress, recorder)
             if hidden is not None and "lm_head" not in inp.activations:
                 import torch
 

@@ -42,6 +42,7 @@ from hybrid_build.core.checkpoint import Checkpoint, TensorInfo
 from hybrid_build.core.errors import ArtifactError, UserError
 
 from .divergence import BOOTSTRAP_RESAMPLES, DivergenceAccumulator, PositionStats, divergence_report
+from .reference import ReferenceRecorder
 
 log = logging.getLogger(__name__)
 
@@ -625,12 +626,14 @@ def compare_streamed(source: Checkpoint | str | os.PathLike, artifact: Checkpoin
                      token_ids: TokenIds, *, device: str | torch.device | None = None,
                      progress: Progress | None = None, position_block: int = POSITION_BLOCK,
                      vocab_chunk: int = VOCAB_CHUNK, resamples: int = BOOTSTRAP_RESAMPLES,
-                     seed: int = 0) -> StreamedComparison:
+                     seed: int = 0, recorder: ReferenceRecorder | None = None) -> StreamedComparison:
     """Teacher-forced source vs artifact on the texts (token ids per text name, at least 2 tokens
     each). Both run layer by layer in lockstep; then each lm-head is read once per block of
     ``position_block`` positions, ``vocab_chunk`` rows at a time, and each chunk's logits of both
     models are folded into per-position statistics at once (``DivergenceAccumulator``): no
-    ``[positions, vocab]`` logits exist. Position t is scored on predicting token t + 1."""
+    ``[positions, vocab]`` logits exist. Position t is scored on predicting token t + 1.
+    ``recorder`` (``reference.ReferenceRecorder``) is fed the same chunks and keeps each
+    position's top-k of both models."""
     ckpts = [_open(source), _open(artifact)]
     cfgs = [_TextConfig.of(c) for c in ckpts]
     _check_compatible(cfgs, ckpts)
@@ -638,6 +641,8 @@ def compare_streamed(source: Checkpoint | str | os.PathLike, artifact: Checkpoin
     if vocab_chunk % FP8_BLOCK:
         raise ValueError(f"vocab_chunk must be a multiple of {FP8_BLOCK}")
     ids = _token_tensors(token_ids, cfg.vocab, 2)
+    if recorder is not None:
+        recorder.start(ids)
     dev = torch.device(device) if device is not None else default_device()
     n_pos = sum(t.numel() - 1 for t in ids.values())
     blocks = [(lo, min(n_pos, lo + position_block)) for lo in range(0, n_pos, position_block)]
@@ -655,15 +660,23 @@ def compare_streamed(source: Checkpoint | str | os.PathLike, artifact: Checkpoin
             parts, step = [], len(cfg.layer_types)
             for lo, hi in blocks:
                 acc = DivergenceAccumulator(targets[lo:hi].to(dev))
+                if recorder is not None:
+                    recorder.begin(lo, hi)
                 xs = [h[lo:hi].to(dev) for h in hs]
                 for v0, v1 in chunks:
                     w_src, w_art = weights.get(cfg.head_module, rows=(v0, v1))
-                    acc.update(v0, F.linear(xs[0], w_src), F.linear(xs[1], w_art))
+                    z_src, z_art = F.linear(xs[0], w_src), F.linear(xs[1], w_art)
+                    acc.update(v0, z_src, z_art)
+                    if recorder is not None:
+                        recorder.update(v0, z_src, z_art)
+                    del z_src, z_art
                     del w_src, w_art
                     step += 1
                     if progress:
                         progress(step, total, f"lm-head rows {v0}-{v1} (positions {lo}-{hi})")
                 parts.append(acc.result())
+                if recorder is not None:
+                    recorder.end()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             head_s = time.perf_counter() - t0

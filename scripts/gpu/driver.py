@@ -616,6 +616,81 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
         record(out, key, res)
 
 
+# ------------------------------------------------------------------------------ verify (issue 27)
+
+
+def serve_verified(out: Path, key: str, cmd: list[str], env: dict, limit: float) -> dict:
+    """``hybrid-build serve --json`` with its verify-before-ready: the JSON it prints at READY (with
+    the verify figures) or its exit code and last lines when verify (or anything) stops it; then
+    Ctrl-C. Also ``hybrid-build verify --json`` against the running server, for the figures."""
+    t0 = now()
+    res: dict = {"command": " ".join(cmd), "env": env}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, **env))
+    lines: list[str] = []
+    try:
+        while now() - t0 < limit and proc.poll() is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            try:
+                res["ready_json"] = json.loads("".join(lines))
+                break
+            except ValueError:
+                continue
+        res["ready_s"] = round(now() - t0, 1)
+        if "ready_json" in res and "base_url" not in res["ready_json"]:  # verify failed: serve stops by itself
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        elif "ready_json" in res:
+            base = res["ready_json"]["base_url"]
+            v = subprocess.run(["hybrid-build", "verify", base, "--artifact", cmd[2], "--json"]
+                               + (["--against", "source"] if "--profile" in cmd and cmd[cmd.index("--profile") + 1]
+                                  in ("base", "mtp", "dflash") else []),
+                               capture_output=True, text=True, timeout=max(30, limit - (now() - t0)))
+            res["verify_rc"] = v.returncode
+            try:
+                res["verify"] = json.loads(v.stdout)
+            except ValueError:
+                res["verify_out"] = (v.stdout + v.stderr)[-1500:]
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(25)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        res["serve_rc"] = proc.returncode
+        res["serve_stderr"] = (proc.stderr.read() if proc.stderr else "")[-1500:]
+        res["wall_s"] = round(now() - t0, 1)
+        record(out, key, res)
+    return res
+
+
+def verify_step(out: Path, hb: Path, src: Path, recipe: Path, left, only: str | None = None) -> None:
+    """A correct server passes (dense: the hybrid against its own reference; base: the source
+    against the reference's source side), and the hybrid with the Marlin MoE scale fix switched
+    off (the tiny model is one the bug hits) fails and is stopped before READY."""
+    cases = (("verify_dense", "dense", {}, []),
+             ("verify_base", "base", {}, []),
+             ("verify_dense_without_marlin_fix", "dense", {}, ["--disable-fix", "marlin_moe_scale"]))
+    for i, (key, profile, env, extra) in enumerate(cases):
+        if only and key != only:
+            continue
+        if left() < 120:
+            record(out, key, {"skipped": f"no time left ({left():.0f} s)"})
+            continue
+        cmd = serve_command(hb, src, recipe, profile, 8200 + i, min(420, left() - 40), out / f"{key}.log",
+                            hb / "drafter-dflash" if profile == "dense" else None) + extra
+        serve_verified(out, key, cmd, env, min(480, left()))
+
+
 # ------------------------------------------------------------------------------ A/B servers (issues 17, 18)
 
 # the tiny artifact's four profiles side by side on one GPU (eager, 2 GiB of KV cache each)
@@ -883,6 +958,11 @@ def main() -> int:
         import multinode_steps
 
         multinode_steps.run(multinode, record, http, a.out, a.hb, a.src, recipe, a.work, left)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
+    if "verify" in steps or "verify_broken" in steps:  # issue 27: verify before READY against real vLLM
+        verify_step(a.out, a.hb, a.src, recipe, left, None if "verify" in steps else "verify_dense_without_marlin_fix")
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0

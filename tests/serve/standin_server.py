@@ -16,6 +16,17 @@ then every step drafts K tokens, accepts the next number of ``--accepted`` (cycl
 accepted tokens plus the bonus token in one chunk, advancing ``vllm:spec_decode_*`` as it goes.
 Without it there are no spec counters, as on a vLLM serving without a speculative config.
 
+``/v1/completions`` with ``--reference ARTIFACT`` answers a prompt of token ids that is one of the
+artifact's reference texts (``validate/reference.py``) with ``prompt_logprobs`` as vLLM 0.23-0.33 do:
+entry 0 null, then per position a dict keyed by token id (a string) holding the top-k and the actual
+token, each ``{"logprob", "rank", "decoded_token"}``, taken from the reference's ``--side`` (hybrid).
+``echo`` + ``logprobs: k`` gives the same plus the legacy string-keyed ``top_logprobs``. To simulate
+servers: ``--logprob-noise X`` (a correct server whose kernels move every log-probability by N(0, X)),
+``--corrupt`` (each position answers another position's distribution: what a loader that ignores
+``weight_scale_inv`` gives), ``--no-prompt-logprobs`` (null, and only the legacy echo form),
+``--legacy-echo`` (``prompt_logprobs`` ignored; only ``echo`` + ``logprobs`` answers). Reading the
+reference needs torch and safetensors (the project's venv); the rest is stdlib.
+
 ``FakeServer`` / ``FakeNetwork`` are the same stand-in in process, behind a fake ``urlopen`` and
 a fake clock, for tests whose assertions are exact arithmetic on times.
 """
@@ -123,6 +134,55 @@ class Engine:
         return "\n".join(lines) + "\n"
 
 
+class PromptLogprobs:
+    """What vLLM's ``/v1/completions`` returns as prompt log-probabilities for the reference texts."""
+
+    def __init__(self, artifact: str, side: str = "hybrid", noise: float = 0.0, corrupt: bool = False,
+                 enabled: bool = True, legacy_echo: bool = False):
+        from hybrid_build.validate.reference import read_reference
+
+        self.ref = read_reference(artifact)
+        self.side, self.noise, self.corrupt, self.enabled, self.legacy_echo = side, noise, corrupt, enabled, legacy_echo
+
+    def _row(self, text, row: int, k: int, rng) -> dict:
+        """One position: the top-k (noisy, re-ranked) plus the actual token with its rank."""
+        src = (row + 7) % text.positions if self.corrupt else row
+        ids = text.top_ids[self.side][src].tolist()[:k]
+        lps = [lp + rng.gauss(0, self.noise) if self.noise else lp for lp in text.top_logprobs[self.side][src].tolist()[:k]]
+        mass = sum(math.exp(v) for v in lps)
+        if mass >= 1:  # noise must not give the top-k more than all the mass: vLLM's are a log_softmax
+            lps = [v - math.log(mass) - 1e-6 for v in lps]
+        order = sorted(range(len(ids)), key=lambda i: -lps[i])
+        out = {str(ids[i]): {"logprob": lps[i], "rank": r + 1, "decoded_token": f"t{ids[i]}"}
+               for r, i in enumerate(order)}
+        actual = text.token_ids[row + 1]
+        if str(actual) not in out:
+            lp = float(text.target_logprob[self.side][row]) + (rng.gauss(0, self.noise) if self.noise else 0.0)
+            out[str(actual)] = {"logprob": min(lp, min(lps) - 1e-3), "rank": k + 1, "decoded_token": f"t{actual}"}
+        return out
+
+    def answer(self, req: dict) -> dict | None:
+        """The completion choice for ``req``, or None when its prompt is no reference text."""
+        import random
+        import zlib
+
+        prompt = req.get("prompt")
+        text = next((t for t in self.ref.texts.values() if t.token_ids == prompt), None)
+        if text is None:
+            return None
+        k = None if self.legacy_echo else req.get("prompt_logprobs")
+        if k is None and req.get("echo"):
+            k = req.get("logprobs")  # what vLLM's CompletionRequest.to_sampling_params does
+        rng = random.Random(zlib.crc32(text.name.encode()))  # the same noise in every run
+        rows = [None] + [self._row(text, r, k, rng) for r in range(text.positions)] if k else None
+        legacy = None
+        if req.get("echo") and req.get("logprobs"):
+            legacy = {"tokens": [f"t{i}" for i in prompt], "top_logprobs": [None] + [
+                {v["decoded_token"]: v["logprob"] for v in row.values()} for row in (rows or [None])[1:] if row]}
+        return {"index": 0, "text": "t0", "logprobs": legacy, "finish_reason": "length",
+                "prompt_logprobs": rows if self.enabled else None, "prompt_token_ids": prompt}
+
+
 class _Body:
     """A urlopen response: a context manager that reads or iterates its bytes."""
 
@@ -227,7 +287,16 @@ def main() -> int:
     ap.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step (0: no speculation)")
     ap.add_argument("--accepted", default="1", help="accepted tokens per draft, a comma list used in turn")
     ap.add_argument("--no-metrics", action="store_true", help="/metrics answers 404 (not vLLM)")
+    ap.add_argument("--reference", metavar="ARTIFACT", help="answer /v1/completions prompt log-probabilities "
+                    "from this artifact's reference")
+    ap.add_argument("--side", default="hybrid", help="the reference's side to answer with")
+    ap.add_argument("--logprob-noise", type=float, default=0.0, help="N(0, X) on every log-probability")
+    ap.add_argument("--corrupt", action="store_true", help="answer each position with another's distribution")
+    ap.add_argument("--no-prompt-logprobs", action="store_true", help="prompt_logprobs null")
+    ap.add_argument("--legacy-echo", action="store_true", help="only echo + logprobs gives prompt log-probabilities")
     a = ap.parse_args()
+    scores = (PromptLogprobs(a.reference, a.side, a.logprob_noise, a.corrupt, not a.no_prompt_logprobs,
+                             a.legacy_echo) if a.reference else None)
     engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()))
     print("stand-in: loading weights", flush=True)
 
@@ -260,10 +329,16 @@ def main() -> int:
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            if self.path != "/v1/chat/completions":
+            if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 return self._json(404, {"error": "not found"})
             if req.get("model") != a.model:
                 return self._json(404, {"error": f"model {req.get('model')!r} does not exist"})
+            if self.path == "/v1/completions":
+                choice = scores.answer(req) if scores else None
+                if choice is None:
+                    return self._json(400, {"error": "the stand-in answers only the reference texts (--reference)"})
+                return self._json(200, {"id": "cmpl-standin", "object": "text_completion", "model": a.model,
+                                        "choices": [choice], "usage": {"prompt_tokens": len(req["prompt"])}})
             if not req.get("stream"):
                 return self._json(200, {"choices": [{"message": {"role": "assistant", "content": a.answer}}],
                                         "usage": {"completion_tokens": 2}})

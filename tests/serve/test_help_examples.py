@@ -65,6 +65,8 @@ def why_not(cmd: str, cwd: Path) -> str | None:
         return "the 122B recipe refuses the 4-layer demo model"
     if "--engine" in args and args[args.index("--engine") + 1] == "vllm" and verb == "validate":
         return "runs both models in vLLM: needs a GPU"
+    if verb == "verify":
+        return "checks a running server against the artifact's reference (hybrid-build serve; tests/validate/test_verify.py)"
     if verb == "eval" and any("://" in a for a in args):
         return "evaluates running OpenAI-compatible servers (hybrid-build serve)"
     if "--texts" in args and not (cwd / args[args.index("--texts") + 1]).exists():

@@ -27,12 +27,13 @@ sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 
 
-def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 300) -> dict:
-    """Run ``script ARGS... OUT`` in a subprocess with vLLM ``version``'s sources importable; its JSON."""
+def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 300, disable: str = "") -> dict:
+    """Run ``script ARGS... OUT`` in a subprocess with vLLM ``version``'s sources importable, with
+    ``disable`` as HYBRID_BUILD_DISABLE_FIXES; its JSON."""
     pp = vllm_sources.cpu_pythonpath(version)
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
-    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR")
+    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR", HYBRID_BUILD_DISABLE_FIXES=disable)
     env.pop(vllm_plugin.ENV_LM_HEAD, None)
     r = subprocess.run([sys.executable, str(HERE / script), *args, str(out)], env=env, capture_output=True,
                        text=True, timeout=timeout)
@@ -40,8 +41,9 @@ def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 
     return json.loads(out.read_text())
 
 
-def _probe(version: str, artifact: Path, mode: str, tmp_path: Path) -> dict:
-    return _run_probe("vllm_probe.py", version, tmp_path / f"{version}-{mode}.json", str(artifact), mode)
+def _probe(version: str, artifact: Path, mode: str, tmp_path: Path, disable: str = "") -> dict:
+    return _run_probe("vllm_probe.py", version, tmp_path / f"{version}-{mode}.json", str(artifact), mode,
+                      disable=disable)
 
 
 def _expected(layer: str, info: dict) -> str:
@@ -87,6 +89,20 @@ def test_stock_vllm_misreads_the_fp8_shared_experts(version, tiny_artifact, tmp_
     layers = _probe(version, tiny_artifact, "stock", tmp_path)["layers"]
     shared = [v for k, v in layers.items() if ".shared_expert." in k]
     assert shared and all(_observed(v) != "fp8" for v in shared)
+
+
+@pytest.mark.vllm
+def test_switched_off_fp8_dispatch_leaves_the_shared_experts_to_stock_inc(tiny_artifact, tmp_path):
+    """HYBRID_BUILD_DISABLE_FIXES=inc_fp8_dispatch through the real INCConfig of 0.33.0: the shared
+    experts resolve as stock vLLM resolves them, the int8 head (another fix) as with the plugin."""
+    off = _probe("0.33.0", tiny_artifact, "plugin", tmp_path, disable="inc_fp8_dispatch")
+    stock = _probe("0.33.0", tiny_artifact, "stock", tmp_path)["layers"]
+    assert off["config_class"] == "HybridINCConfig"
+    layers = off["layers"]
+    shared = {k: v for k, v in layers.items() if ".shared_expert." in k}
+    assert shared and all(_observed(v) != "fp8" for v in shared.values())
+    assert shared == {k: stock[k] for k in shared}
+    assert _observed(layers["language_model.lm_head"]) == "int8"
 
 
 @pytest.mark.vllm
@@ -209,3 +225,14 @@ def test_marlin_moe_scale_fix_on_vllms_real_weight_prep(version, tmp_path):
         for w in ("w13", "w2"):
             assert fixed[inter][w] == _marlin_layout(fixed[inter][f"{w}_shape"], perms), (inter, w)
     assert fixed["256"] == stock["256"]
+
+
+@pytest.mark.vllm
+def test_marlin_moe_scale_fix_switched_off_is_not_installed(tmp_path):
+    """HYBRID_BUILD_DISABLE_FIXES=marlin_moe_scale: register() leaves vLLM 0.25.1's real
+    ``marlin_moe_permute_scales`` as it is, so the bug's layout comes back."""
+    res = _run_probe("marlin_probe.py", "0.25.1", tmp_path / "marlin.json", disable="marlin_moe_scale")
+    assert not res["installed"]
+    assert res["fixed"] == res["stock"]
+    bug = res["fixed"]["128"]
+    assert bug["w13"] != _marlin_layout(bug["w13_shape"], res["perms"])

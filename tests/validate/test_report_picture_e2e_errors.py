@@ -111,7 +111,7 @@ def test_strip_ansi(coded, plain):
 
 def test_colour_codes_from_the_child_never_reach_the_report(artifact_copy, tiny_checkpoint, monkeypatch):
     planted = "\x1b[31;1m2026-12-01 05:14:32 ERROR backend.py L1176: something broke\n  in two lines\x1b[0m"
-    monkeypatch.setattr(e2e, "run_end_to_end", lambda *a, **k: {"error": planted})
+    monkeypatch.setattr(transformers_forward, "run_end_to_end", lambda *a, **k: {"error": planted})
     report = validate_artifact(artifact_copy, tiny_checkpoint, e2e=True, engine="transformers")
     expected = "2026-12-01 05:14:32 ERROR backend.py L1176: something broke in two lines"
     assert report.end_to_end == {"error": expected, "engine": "transformers"}
@@ -272,14 +272,14 @@ def test_picture_marks_the_failing_layer(artifact_copy, tiny_checkpoint, plant):
     assert "validation FAILED" in fig.get_suptitle()
 
 
-def test_picture_of_a_report_whose_end_to_end_could_not_run(artifact_copy, tiny_checkpoint, monkeypatch):
+def test_picture_of_a_report_whose_end_to_end_failed_to_run(artifact_copy, tiny_checkpoint, monkeypatch):
     sentence = "the source has no tokenizer files (tokenizer.json, ...): copy them or pass --no-e2e"
-    monkeypatch.setattr(e2e, "run_end_to_end", lambda *a, **k: {"error": sentence})
+    monkeypatch.setattr(transformers_forward, "run_end_to_end", lambda *a, **k: {"error": sentence})
     report = validate_artifact(artifact_copy, tiny_checkpoint, e2e=True, write=False, engine="transformers")
     fig = render_figure(report)
     note = fig.axes[-1]
     assert note.title.get_color() == FAIL_COLOR and note.get_title().endswith("FAIL")
-    assert " ".join(note.texts[0].get_text().split()) == f"could not run: {sentence}"
+    assert " ".join(note.texts[0].get_text().split()) == f"failed to run: {sentence}"
 
 
 # ------------------------------------------------------------------------------------- item 6: -q

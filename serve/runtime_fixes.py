@@ -1,0 +1,144 @@
+"""The registry of what hybrid-build changes inside vLLM at run time, the switch that turns each
+change off, and the vLLM versions this project has tested with what each needs.
+
+Two mechanisms apply the fixes: the plugin's ``register()`` (local engine, every vLLM process:
+``vllm_plugin`` and ``upstream_fixes``) and the source patches of ``patches/`` (docker engine,
+``patches/apply.py`` inside the image before ``vllm serve``). One fix may have both (the same rule
+written for 0.25+ and as an anchor edit on 0.23). Either way it has one id here and one switch:
+
+    HYBRID_BUILD_DISABLE_FIXES=marlin_moe_scale,kv_unify     (or ``all``)
+
+``hybrid-build serve --disable-fix ID`` sets it. An unknown id is refused (a typo must not leave a
+fix on while its user thinks it is off). Turning a fix off and running ``hybrid-build verify``
+shows whether a given vLLM still needs it.
+
+Standard library only: ``patches/apply.py`` imports this module in the container, where
+hybrid-build is not installed.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_DISABLE = "HYBRID_BUILD_DISABLE_FIXES"
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class Fix:
+    id: str
+    fixes: str                 # what goes wrong in stock vLLM without it
+    upstream: str              # vLLM issue(s) where known, else ""
+    needed_on: tuple[str, ...]  # the tested versions it is applied on
+    plugin: bool               # applied by the plugin's register() (local engine)
+    patch: str | None = None   # module in patches/ (docker engine, vLLM 0.23.0)
+
+
+FIXES: tuple[Fix, ...] = (
+    Fix("inc_fp8_dispatch", "FP8 layers (the shared experts) inside an auto-round INT4 checkpoint are read as "
+        "8-bit integers: INC takes data_type from the global config; the fix gives them the block-FP8 method",
+        "46311 (fix PR 46322)", ("0.23.0", "0.25.1", "0.33.0"), plugin=True, patch="inc_fp8_dispatch"),
+    Fix("int8_lm_head", "the int8 lm-head: a stored 8-bit head under the bare `lm_head` key reaches the VL "
+        "model's nested head, a BF16 head is quantized at load (HYBRID_BUILD_LM_HEAD=quantize-at-load) and runs "
+        "the int8 GEMV; off, the head is served as stock vLLM reads it",
+        "53896 (review: the head may never get quant_config)", ("0.23.0", "0.25.1", "0.33.0"), plugin=True,
+        patch="int8_lm_head"),
+    Fix("marlin_moe_scale", "Marlin MoE gate/up (w13) scales get the channel-wise layout when "
+        "moe_intermediate_size <= group_size < hidden_size: the routed experts compute garbage (the tiny "
+        "fixture; not the 122B, so the docker image does without it)",
+        "50196", ("0.25.1", "0.33.0"), plugin=True),
+    Fix("kv_unify", "a DFlash drafter's KV pages that do not divide the hybrid target's raise "
+        "NotImplementedError (0.25.1 and 0.33.0 pad them themselves)",
+        "43626, 46480", ("0.23.0",), plugin=False, patch="kv_unify"),
+    Fix("prefix_align", "prefix caching with a drafter on a hybrid model: mamba_block_size not a multiple of "
+        "the attention block size, so cached prefixes never line up", "", ("0.23.0",), plugin=False,
+        patch="prefix_align"),
+    Fix("fla_smem_sm121", "FLA chunk kernels on GB10 (sm121, 99 KiB shared memory per block) pick the small "
+        "tiles (speed only); threshold from HYBRID_BUILD_FLA_SMEM_BYTES", "", ("0.23.0",), plugin=False,
+        patch="fla_smem_sm121"),
+)
+FIX_IDS: tuple[str, ...] = tuple(f.id for f in FIXES)
+
+
+@dataclass(frozen=True)
+class TestedVersion:
+    version: str
+    engine: str                # "docker" or "local"
+    how: str                   # what was tested
+    fixes: tuple[str, ...]     # the fixes applied there
+    image: str | None = None   # the docker image that carries it
+
+
+TESTED_VERSIONS: tuple[TestedVersion, ...] = (
+    TestedVersion("0.23.0", "docker", "the DGX Spark image with the source patches (anchors checked against "
+                  "the real 0.23.0 source)",
+                  ("kv_unify", "prefix_align", "inc_fp8_dispatch", "int8_lm_head", "fla_smem_sm121"),
+                  image="ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"),
+    TestedVersion("0.25.1", "local", "served on the H200 with the plugin (docs/gpu.md)",
+                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale")),
+    TestedVersion("0.33.0", "local", "the plugin checked against its source on CPU (layer dispatch, Marlin "
+                  "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale")),
+)
+
+
+class UnknownFixError(ValueError):
+    """The switch names an id that is not in the registry."""
+
+
+def parse_ids(text: str, source: str = ENV_DISABLE) -> frozenset[str]:
+    """The fix ids in a comma-separated list (``all`` is every fix); an unknown id raises
+    ``UnknownFixError`` with one line listing the valid ids."""
+    ids = {part.strip().replace("-", "_") for part in text.split(",") if part.strip()}
+    if ALL in ids:
+        return frozenset(FIX_IDS)
+    unknown = sorted(ids - set(FIX_IDS))
+    if unknown:
+        raise UnknownFixError(f"{source}: unknown runtime fix {', '.join(map(repr, unknown))} "
+                              f"(valid: {', '.join(FIX_IDS)}, or {ALL})")
+    return frozenset(ids)
+
+
+def disabled_fixes(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The ids the environment switches off (``HYBRID_BUILD_DISABLE_FIXES``)."""
+    return parse_ids((os.environ if environ is None else environ).get(ENV_DISABLE, ""))
+
+
+def off_line(fix_id: str) -> str:
+    """The one line a process logs for a fix it leaves out."""
+    return f"hybrid-build: runtime fix {fix_id} is off ({ENV_DISABLE}); vLLM runs without it"
+
+
+def base_version(version: str) -> str:
+    """``0.25.1`` from ``0.25.1+cu130`` or ``v0.25.1``; a dev/rc build keeps its suffix (untested)."""
+    return version.strip().lstrip("v").split("+", 1)[0]
+
+
+def tested(version: str) -> TestedVersion | None:
+    return next((t for t in TESTED_VERSIONS if t.version == base_version(version)), None)
+
+
+def tested_image(image: str) -> TestedVersion | None:
+    return next((t for t in TESTED_VERSIONS if t.image == image), None)
+
+
+def untested_warning(version: str | None) -> str | None:
+    """The one warning line for a vLLM outside the tested set (None for a tested one)."""
+    if version is not None and tested(version) is not None:
+        return None
+    what = f"vLLM {version}" if version else "this vLLM (its version could not be read)"
+    listed = ", ".join(f"{t.version} ({t.engine})" for t in TESTED_VERSIONS)
+    return (f"{what} is not one hybrid-build has tested ({listed}; docs/serve.md); serving anyway: "
+            "`hybrid-build verify` checks the numerics it serves")
+
+
+VERSION_RE = re.compile(r"\bv?(\d+\.\d+\.\d+\S*)")
+
+
+def version_in(text: str) -> str | None:
+    """The version on a tool's last output line (``vllm --version`` prints it there; earlier lines
+    may be log lines holding other dotted numbers, such as addresses)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    found = VERSION_RE.search(lines[-1]) if lines else None
+    return found.group(1) if found else None
