@@ -413,3 +413,18 @@ def test_each_head_bar_is_drawn_once_and_finishes(tiny_checkpoint, tmp_path, bui
     head = [b for b in bars if b.desc.startswith("quantize ")]
     assert [b.desc for b in head] == [f"quantize {c.module}" for c in ctx.plan.of_kind("int8")]
     assert all(b.n == b.total and b.total > 0 for b in head)
+
+
+def test_vv_says_why_each_stage_runs_or_is_skipped(tiny_checkpoint, tmp_path, capsys):
+    """-vv adds hybrid-build's own debug lines: per stage, its key or why it has to run."""
+    from hybrid_build.pipeline.cli import main
+
+    out = tmp_path / "out"
+    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--no-validate", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--no-validate", "-vv"]) == 0
+    assert "DEBUG hybrid_build.pipeline.runner: assemble: current (key " in capsys.readouterr().err
+    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--no-validate", "--from", "record", "-vv"]) == 0
+    err = capsys.readouterr().err
+    assert "DEBUG hybrid_build.pipeline.runner: record: forced" in err
+    assert "DEBUG hybrid_build.pipeline.runner: record: manifest saved (key " in err

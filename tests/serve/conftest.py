@@ -1,7 +1,10 @@
 """Serve-test fixtures: a real hybrid artifact built by `hybrid-build run` from the tiny checkpoint."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,3 +21,45 @@ def tiny_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         pytest.fail(f"hybrid-build run exited {rc}")
     return out
+
+
+STANDIN = Path(__file__).resolve().parent / "standin_server.py"
+
+FAKE_VLLM = '''#!{python}
+import os, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("0.0.0-standin")
+    sys.exit(0)
+opt = lambda name: args[args.index(name) + 1]
+ref = ["--reference", args[1]] if os.path.exists(os.path.join(args[1], "hybrid_build", "reference.json")) else []
+os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), "--model", opt("--served-model-name"),
+                          *ref, *os.environ.get("HB_STANDIN_FLAGS", "").split()])
+'''
+
+
+@pytest.fixture
+def serve_env(tmp_path):
+    """A bin folder with a stand-in `vllm` (it serves the OpenAI stand-in, answering prompt
+    log-probabilities from the artifact's reference when there is one; more flags from
+    ``HB_STANDIN_FLAGS``) and `nvidia-smi` first on PATH, a free port, and a check that the server
+    does not outlive the test."""
+    from test_multinode import _processes_mentioning, free_port
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm").write_text(FAKE_VLLM.format(python=sys.executable, standin=str(STANDIN)))
+    (bindir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")  # check_prerequisites looks for a GPU
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    port = free_port()
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    marks = [f"--port {port}"]
+    yield {"env": env, "port": port, "marks": marks, "cwd": tmp_path}
+    left = _processes_mentioning(marks)
+    for line in left:
+        try:
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"the server outlived the command: {left}"
