@@ -138,7 +138,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     from hybrid_build.core.errors import CannotVerify, NumericsError
     from hybrid_build.validate.verify import load_reference, render, verify_server
 
-    from .engine import resolve_recipe
+    from .engine import recipe_for_serving
 
     if args.no_verify:
         return {"outcome": "skipped", "reason": "--no-verify"}
@@ -152,7 +152,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     except CannotVerify as e:
         say(f"{e}; serving without the check")
         return {"outcome": "could not run", "reason": str(e)}
-    recipe, _ = resolve_recipe(args.artifact, args.recipe)
+    recipe, _ = recipe_for_serving(args.artifact, args.recipe)
     side = recipe.serve.profiles[plan.profile].artifact  # the dense profile serves the hybrid, the others the source
     try:
         report = verify_server(base_url, artifact, side=side, model=plan.model_name, timeout=300,

@@ -62,7 +62,7 @@ def _read_json(path: Path) -> dict:
         raise UserError(f"{path}: cannot read ({e})")
 
 
-def resolve_recipe(artifact: str, recipe_arg: str | None) -> tuple[Recipe, dict | None]:
+def recipe_for_serving(artifact: str, recipe_arg: str | None) -> tuple[Recipe, dict | None]:
     """The recipe (``--recipe``; else the artifact's own; else chosen from its config) and the
     artifact's config.json (None for a Hub id)."""
     path = Path(artifact).expanduser()
@@ -260,7 +260,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
     off = fixes_off(disable_fixes)
-    rec, config = resolve_recipe(artifact, recipe)
+    rec, config = recipe_for_serving(artifact, recipe)
     name = profile_name or rec.serve.default_profile
     profiles = rec.serve.profiles
     if name not in profiles:

@@ -131,7 +131,7 @@ def _load_artifact(artifact: Path) -> Checkpoint:
         raise ArtifactError(f"artifact unreadable: {e}") from None
 
 
-def _resolve_recipe(artifact: Checkpoint, source: Checkpoint, f: Findings) -> Recipe:
+def _recipe_to_validate_with(artifact: Checkpoint, source: Checkpoint, f: Findings) -> Recipe:
     data = read_recipe_data(artifact.root, missing_ok=True)
     if data is not None:
         return parse_recipe(data, RECIPE)
@@ -166,7 +166,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     # any check runs: no report is written, and a passing one is never overwritten
     src = open_recorded_source(art.root, provenance, source, progress)
     f = Findings()
-    recipe = recipe or _resolve_recipe(art, src, f)
+    recipe = recipe or _recipe_to_validate_with(art, src, f)
     plan = plan_conversion(src, recipe)
     inp = ValidationInputs(art, src, recipe, provenance, plan, progress, checks.load_activations(activations))
     spec = recipe.validate_
