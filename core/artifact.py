@@ -83,6 +83,9 @@ REPORTS: dict[str, Report] = {r.kind: r for r in (
     # from the build's bytes after the build, so a report, tied to the build by provenance
     Report("reference", ("reference.json", "reference.safetensors"), "hybrid-build validate",
            ("provenance_sha256",)),
+    # the model card `publish` would upload as README.md, rendered for the folder by `run` (Markdown:
+    # it names no build; it is never uploaded under this name)
+    Report("card", ("card.md",), "hybrid-build run", None),
 )}
 REPORT_FILES = tuple(f for r in REPORTS.values() for f in r.files)
 
@@ -210,11 +213,13 @@ def report_state(artifact: Path, report: Report) -> tuple[str, str]:
     path = report.path(artifact)
     if not path.is_file():
         return "missing", f"no {report.main} (written by `{report.command}`)"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        return "stale", f"it is unreadable ({type(e).__name__})"
-    recorded = report.recorded_build(data) if isinstance(data, dict) else None
+    recorded = None
+    if report.build_field is not None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            return "stale", f"it is unreadable ({type(e).__name__})"
+        recorded = report.recorded_build(data) if isinstance(data, dict) else None
     actual = provenance_sha256(artifact)
     if recorded:
         if recorded == actual:

@@ -26,7 +26,7 @@ from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_bench, \
     read_evaluation, read_frontmatter, reference_current, render_card
 from hybrid_build.core.progress import null_progress
-from hybrid_build.core.safetensors_io import INDEX_NAME
+from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         files.append(PublishFile(path, recorded[path]["bytes"], recorded[path]["sha256"], "provenance", artifact / path))
     for path in [PROVENANCE, *REPORT_FILES]:
         local = artifact / path
-        if local.is_file():
+        if local.is_file() and path not in REPORTS["card"].files:  # the card goes up as README.md
             files.append(PublishFile(path, local.stat().st_size, _sha256_file(local), "local", local))
 
     config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
@@ -217,6 +217,19 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
     artifact_id = provenance_sha256(artifact)[:12]
     return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
                        artifact_id, lic, notes)
+
+
+def write_card(artifact: str | Path) -> Path:
+    """Render the card ``publish`` would upload into the folder (``core.artifact`` names it), for a
+    repo id made from the folder's name: what a reader of the folder sees before it is published."""
+    artifact = Path(artifact)
+    from hybrid_build.core.checkpoint import HUB_ID
+
+    repo_id = f"local/{artifact.resolve().name}"
+    plan = plan_publish(artifact, repo_id if HUB_ID.match(repo_id) else "local/artifact", force=True)
+    path = REPORTS["card"].path(artifact)
+    path.parent.mkdir(exist_ok=True)
+    return write_text_atomic(path, plan.card_text)
 
 
 # ------------------------------------------------------------------------------------ retries

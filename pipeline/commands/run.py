@@ -108,16 +108,33 @@ def _handle(args: argparse.Namespace) -> int:
                        type(e).__name__, "report": str(report_path) if report_path.exists() else None,
                        "seconds": round(time.perf_counter() - t0, 3), "stages": [_stage_json(r) for r in results]})
         raise
+    card = _write_card(args.out)
     if args.json:
         emit_json({**where, "status": "ok", "seconds": round(time.perf_counter() - t0, 3),
-                   "stages": [_stage_json(r) for r in results]})
+                   "card": str(card) if card else None, "stages": [_stage_json(r) for r in results]})
     elif not args.quiet:
         print(f"hybrid checkpoint in {args.out} ({time.perf_counter() - t0:.1f} s)")
         if report_path.exists() and "validate" in stages:
             print(f"validation report: {report_path}")
+        if card:
+            print(f"model card (what `publish` uploads as README.md): {card}")
         if demo:
             print(f"demo source (the tiny INT4 checkpoint it was built from): {ctx.source.root.resolve()}")
     return 0
+
+
+def _write_card(out: Path) -> Path | None:
+    """The model card, beside the build, once the build is complete; a card that cannot be made
+    (a build stopped before ``record``) is left out with one log line, never a failed run."""
+    from hybrid_build.core.errors import HybridBuildError
+
+    from ..publish import write_card
+
+    try:
+        return write_card(out)
+    except HybridBuildError as e:
+        logging.getLogger(__name__).info("no model card written: %s", e)
+        return None
 
 
 def _stage_json(r) -> dict:

@@ -133,3 +133,21 @@ def test_a_new_stage_that_writes_into_the_artifact_needs_only_its_module(tiny_ch
     report = validate_artifact(out, e2e=False)
     assert report.passed, report.failures
     assert main(["publish", str(out), "--repo-id", REPO, "--dry-run", "-q"]) == 0
+
+
+def test_run_leaves_the_model_card_in_the_folder(tiny_checkpoint, tmp_path, capsys):
+    """The card `publish` uploads as README.md is in the folder after `run`, names only the checks
+    that ran, is a known report (validate passes beside it) and is not uploaded a second time."""
+    from hybrid_build.pipeline.publish import plan_publish
+
+    out = tmp_path / "out"
+    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--json", "-q"]) == 0
+    card = REPORTS["card"].path(out)
+    assert json.loads(capsys.readouterr().out)["card"] == str(card)
+    text = card.read_text()
+    assert text.startswith("---\n") and "## Validation" in text and "Validation passed" in text
+    assert "a teacher-forced end-to-end comparison with the source model" in text
+    assert is_report(REPORTS["card"].main) and not is_build_output(REPORTS["card"].main)
+    assert main(["validate", str(out), "--no-e2e", "-q"]) == 0
+    paths = [f.path for f in plan_publish(out, REPO).files]
+    assert "README.md" in paths and REPORTS["card"].main not in paths
