@@ -395,7 +395,7 @@ def _serve_section(inp: CardInputs) -> list[str]:
     fmt = _format_of(inp.provenance)
     lines = ["## How to serve", "",
              "With hybrid-build, which picks the engine settings measured for this model (it is not on PyPI: "
-             "install it from its source, `pip install -e .` in a clone of the project):", "", "```bash",
+             f"{_install_hint()}):", "", "```bash",
              *_hybrid_build_serve(repo, recipe), "```", ""]
     if dense.get("description"):
         lines += [f"The `dense` profile: {dense['description']}.", ""]
@@ -520,6 +520,23 @@ def render_body(inp: CardInputs) -> str:
                   f"`{UNKNOWN_LICENSE}`. The terms of {src_link} apply: check them and set the license before "
                   "sharing this repository.", ""]
     return "\n".join(lines)
+
+
+def _install_hint() -> str:
+    """Where to get hybrid-build: the source address its package metadata declares (pyproject's
+    ``[project.urls]``), or, where it declares none, the step and the fact that no address is known."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        urls = metadata("hybrid-build").get_all("Project-URL") or []
+    except PackageNotFoundError:
+        urls = []
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() in ("source", "repository", "homepage") and url.strip():
+            return f"install it from its source, {url.strip()}, with `pip install -e .` in a clone"
+    return ("install it from its source with `pip install -e .` in a clone of the project; this build's "
+            "hybrid-build declares no address for it")
 
 
 def _what_validation_ran(rep: dict) -> str:

@@ -331,3 +331,26 @@ def test_validation_and_bench_figures_in_the_metadata(artifact):
     assert rows["prose"] == ["prose", "101.5", "95.0", "0.051", "3.21"] and rows["code"][4] == "-"
     assert "hybrid_build/bench.json" in {f.path for f in plan.files}
     assert "## Task accuracy" not in body  # no eval report, no section
+
+
+def test_the_card_links_the_source_address_the_package_declares(monkeypatch):
+    """A Project-URL in the package metadata is the card's install link; without one the card says
+    that no address is declared rather than pointing nowhere."""
+    import importlib.metadata as md
+
+    from hybrid_build.pipeline import modelcard
+
+    real = md.metadata
+
+    class Meta:
+        def __init__(self, urls):
+            self.urls = urls
+
+        def get_all(self, key):
+            return self.urls if key == "Project-URL" else None
+
+    monkeypatch.setattr(md, "metadata", lambda name: Meta(["Source, https://example.org/hybrid-build"]))
+    assert "https://example.org/hybrid-build" in modelcard._install_hint()
+    monkeypatch.setattr(md, "metadata", lambda name: Meta([]))
+    assert "declares no address" in modelcard._install_hint()
+    monkeypatch.setattr(md, "metadata", real)
