@@ -60,15 +60,20 @@ class StageManifest:
         write_text_atomic(path, json.dumps(asdict(self), indent=2, default=str) + "\n")
 
     def still_valid(self, root: Path, key: str) -> bool:
-        if self.key != key:
-            return False
-        for rel, info in self.outputs.items():
+        return self.key == key and self.output_problem(root) is None
+
+    def output_problem(self, root: Path) -> str | None:
+        """The first recorded output that is missing or changed, in words (None: all intact).
+        Files up to ``QUICK_HASH_LIMIT`` are hashed again; larger ones are compared by size."""
+        for rel, info in sorted(self.outputs.items()):
             p = root / rel
-            if not p.exists() or p.stat().st_size != info["bytes"]:
-                return False
-            if info["bytes"] <= QUICK_HASH_LIMIT and info.get("sha256") and sha256_file(p) != info["sha256"]:
-                return False
-        return True
+            if not p.is_file():
+                return f"{rel} is missing"
+            if p.stat().st_size != info.get("bytes"):
+                return f"{rel} has {p.stat().st_size} bytes, the stage wrote {info.get('bytes')}"
+            if info.get("sha256") and info["bytes"] <= QUICK_HASH_LIMIT and sha256_file(p) != info["sha256"]:
+                return f"{rel} changed since the stage wrote it"
+        return None
 
 
 def describe_outputs(root: Path, paths: list[Path], hashes: dict[str, str] | None = None) -> dict[str, dict]:

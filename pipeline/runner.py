@@ -239,7 +239,7 @@ class _Run:
         key = stage_key(self.ctx, name)
         if m.key != key:
             return f"key {m.key[:12]} -> {key[:12]} (its inputs or an upstream stage changed)"
-        return "an output it recorded is missing or changed"
+        return m.output_problem(self.ctx.out) or "its outputs are intact"
 
     def _will_run(self, name: str) -> bool:
         if name not in self.stages or name in self.done:

@@ -21,7 +21,7 @@ from hybrid_build.core.artifact import (
     report_state, unexpected_files,
 )
 from hybrid_build.core.errors import HybridBuildError, UserError
-from hybrid_build.core.manifest import QUICK_HASH_LIMIT, StageManifest, sha256_file
+from hybrid_build.core.manifest import StageManifest
 from hybrid_build.core.progress import ProgressFactory, null_progress
 from hybrid_build.core.source_identity import (
     DIGEST_CACHE, LOCATION_FILE, SourceDigests, SourceRecord, mismatch, read_record,
@@ -187,7 +187,7 @@ def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest |
             return f"the {up} result it read is gone"
         if got.key != key:
             return f"{up} ran again since, with other inputs"
-    problem = _output_problem(out, m)
+    problem = m.output_problem(out)
     if problem:
         return problem
     if ctx is not None:
@@ -197,18 +197,6 @@ def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest |
             if load_stage(m.stage).inputs(ctx) != m.inputs.get("inputs"):
                 return "its recipe section differs from the recorded recipe"
             return "its inputs differ from the recorded ones"
-    return None
-
-
-def _output_problem(out: Path, m: StageManifest) -> str | None:
-    for rel, info in sorted(m.outputs.items()):
-        p = out / rel
-        if not p.is_file():
-            return f"{rel} is missing"
-        if p.stat().st_size != info.get("bytes"):
-            return f"{rel} has {p.stat().st_size} bytes, the stage wrote {info.get('bytes')}"
-        if info.get("sha256") and info["bytes"] <= QUICK_HASH_LIMIT and sha256_file(p) != info["sha256"]:
-            return f"{rel} changed since the stage wrote it"
     return None
 
 
