@@ -62,11 +62,30 @@ def _candidates() -> dict[int, list[tuple[str, object]]]:
         ("tiled", G(128, 128, 4, 4, block_m=16, o_evict="evict_last")),
         ("tiled", G(128, 256, 4, 3, block_m=16, o_evict="evict_last")),
     ]
+    # B = 17-64 (issue 28: >= 88 % of the ceiling at every B <= 64): at these batches mma.sync runs
+    # out of tensor-core rate (B = 64 needs ~150 us of it against a ~200 us budget), so the
+    # candidates are wgmma shapes: x as the left operand with the weight staged through shared
+    # memory (block_m 64, also padding B = 17-32 to 64), or the weight as the left operand from
+    # registers (swap), with 4 or 8 warps and 2-4 stages; every one checked for sm_121's 99 KiB
+    # first (tests/serve/test_int8_gemv.py compiles the shipped ones for sm_121).
+    E = "evict_last"
+    wide = [
+        ("tiled", G(128, 128, 4, 3, block_m=64, o_evict=E)),
+        ("tiled", G(128, 128, 8, 3, block_m=64, o_evict=E)),
+        ("tiled", G(128, 128, 4, 2, block_m=64, o_evict=E)),
+        ("tiled", G(128, 128, 8, 2, block_m=64, o_evict=E)),
+        ("tiled", G(128, 128, 4, 3, block_m=64, o_evict=E, swap=True)),
+        ("tiled", G(128, 128, 8, 3, block_m=64, o_evict=E, swap=True)),
+        ("tiled", G(128, 128, 4, 4, block_m=64, o_evict=E, swap=True)),
+    ]
     return {
         8: small,
         16: small,
-        32: [("rows", rows_t[32]), ("tiled", tiled_t[32]), ("tiled", R(tiled_t[32], o_evict=""))],
-        64: [("rows", rows_t[64]), ("tiled", tiled_t[64]), ("tiled", R(tiled_t[64], o_evict=""))],
+        32: [("rows", rows_t[32]), ("tiled", tiled_t[32]), ("tiled", R(tiled_t[32], o_evict="")),
+             ("tiled", G(128, 128, 8, 4, block_m=16, dots=2, o_evict=E)),
+             ("tiled", G(128, 128, 4, 4, block_m=32, o_evict=E, swap=True)),
+             ("tiled", G(128, 128, 8, 3, block_m=32, o_evict=E, swap=True))] + wide,
+        64: [("rows", rows_t[64]), ("tiled", tiled_t[64]), ("tiled", R(tiled_t[64], o_evict=""))] + wide[1:],
     }
 
 
@@ -156,6 +175,31 @@ def reference(x, w, s, w32_cache: dict) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), w32_cache["w32"])
 
 
+def marlin_contender(w_lin: torch.Tensor, dev) -> tuple[object, str]:
+    """vLLM's stock int8 weight-only kernel (GPTQ-Marlin, uint8b128, per-channel scales) on the same
+    dequantized weight, as a stored 8-bit GPTQ head runs in vLLM: ``(fn(x), note)``, or ``(None,
+    why)`` where vLLM cannot be imported. Its own quantization of the weight, so only its time is
+    compared."""
+    try:
+        from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+        from vllm.scalar_type import scalar_types
+    except Exception as exc:  # no vLLM here: a contender that could not run, said so
+        return None, f"not run: vLLM not importable ({type(exc).__name__}: {str(exc)[:120]})"
+    n, k = w_lin.shape
+    wtype = scalar_types.uint8b128
+    _, q, ms, g_idx, sort_idx, _ = marlin_quantize(w_lin.t().contiguous(), wtype, -1, False)
+    workspace = mu.marlin_make_workspace_new(dev)
+    zp = mu.marlin_make_empty_g_idx(dev)
+
+    def fn(x):
+        return mu.apply_gptq_marlin_linear(x, q, ms, zp, g_idx, sort_idx, workspace, wtype, n, k, True)
+
+    import vllm
+
+    return fn, f"vLLM {vllm.__version__} apply_gptq_marlin_linear, uint8b128, channelwise"
+
+
 def median(v: list[float]) -> float:
     v = sorted(v)
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
@@ -173,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab-rounds", type=int, default=7)
     ap.add_argument("--classes", default=None, help="table classes the sweep times (default: all, 8,16,32,64)")
     ap.add_argument("--out", type=Path, required=True, help="JSON output path")
+    ap.add_argument("--table-from-sweep", action="store_true",
+                    help="the table times the sweep's fastest tiled config per swept class (what a table edit "
+                         "would ship) instead of config_for's")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every step on the CPU under TRITON_INTERPRET=1 at --n/--k (checks the script only)")
     args = ap.parse_args(argv)
@@ -203,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                 "triton": triton.__version__, "python": platform.python_version()},
         "timing": "triton.testing.do_bench median, L2 flushed before each call",
         "metrics": "GBps: weight + scales + x + output bytes over the time; frac_read_bw: that over the 2 GiB "
-                   "bf16 sum; frac_ceiling: the weight bytes alone (N * K) over the time, over the 4 GiB fp32 "
-                   "sum (issue 17's metric and ceiling; the goal is >= 0.90 for every B <= 16)",
+                   "bf16 sum; frac_ceiling: the int8 weight and its scales over the time, over the larger of "
+                   "the 4 GiB fp32 sum and the 2 GiB bf16 sum (issue 28's metric and ceiling: the goal is "
+                   ">= 0.88 at every B <= 64 and >= 0.90 for B <= 16)",
     }
 
     def save() -> None:
@@ -223,11 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     del big
     big = torch.randn(2**30 if not SMOKE else 2**16, device=dev, dtype=torch.float32, generator=gen)
     t_sum32 = bench_ms(lambda: big.sum())
-    ceiling_gbs = big.numel() * 4 / t_sum32 / 1e6
+    ceiling_gbs = big_gbs32 = big.numel() * 4 / t_sum32 / 1e6
     del big
     t_sum_w = bench_ms(lambda: w.sum(dtype=torch.int32))
-    result["read_bandwidth"] = {"bf16_sum_2GiB_GBps": read_gbs, "ms": t_sum, "fp32_sum_4GiB_GBps": ceiling_gbs,
-                                "int8_weight_sum_GBps": w.numel() / t_sum_w / 1e6}
+    # Issue 28's ceiling: the larger of the two sums, measured here.
+    ceiling_gbs = max(ceiling_gbs, read_gbs)
+    result["read_bandwidth"] = {"bf16_sum_2GiB_GBps": read_gbs, "ms": t_sum, "fp32_sum_4GiB_GBps": big_gbs32,
+                                "ceiling_GBps": ceiling_gbs, "int8_weight_sum_GBps": w.numel() / t_sum_w / 1e6}
     log(f"read bandwidth: {read_gbs:.0f} GB/s (2 GiB bf16 sum), ceiling {ceiling_gbs:.0f} GB/s (4 GiB fp32 sum); "
         f"int8 weight sum {w.numel() / t_sum_w / 1e6:.0f} GB/s")
 
@@ -235,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         return n * k * w_bytes + n * 4 + b * k * 2 + b * n * 2
 
     def frac_ceiling(ms: float) -> float:
-        return n * k / ms / 1e6 / ceiling_gbs
+        """The int8 weight and its scales over the time, over the ceiling."""
+        return (n * k + n * s.element_size()) / ms / 1e6 / ceiling_gbs
 
     tiled_cache: dict = {}
 
@@ -386,8 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     w_t = g.tile_weight(w)
     for dtype in dtypes:
         w_lin = (w.float() * s[:, None]).to(dtype)
+        marlin_fn, result["marlin"] = marlin_contender(w_lin, dev) if not SMOKE else (None, "not run: CPU smoke run")
         for b in batches:
             cfg = g.config_for(b, dev, dtype, tile=g.TILE)
+            picked = best.get(g.table_class(b)) if args.table_from_sweep else None
+            if picked is not None and picked["layout"] == "tiled":
+                cfg = g.dataclasses.replace(g.GemvConfig(**picked["config"]), dequant=cfg.dequant)
             cfg = g.dataclasses.replace(cfg, dequant=dq(cfg.dequant))
             x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
             out = torch.full((b, n), float("nan"), device=dev, dtype=dtype)
@@ -395,21 +450,28 @@ def main(argv: list[str] | None = None) -> int:
             chk = check(out, x, w, s, reference(x, w, s, w32_cache))
             t_int8 = bench_ms(lambda: g.int8_linear(x, w_t, s, out=out, config=cfg))
             t_lin = bench_ms(lambda: torch.nn.functional.linear(x, w_lin))
+            t_marlin = bench_ms(lambda: marlin_fn(x)) if marlin_fn is not None else None
             gbs = kernel_bytes(b) / t_int8 / 1e6
             gbs_lin = kernel_bytes(b, 2) / t_lin / 1e6
             dname = str(dtype)[6:]
             row = {"B": b, "dtype": dname, "layout": "tiled", "config": cfg.as_dict(), "int8_ms": t_int8, "int8_GBps": gbs,
                    "int8_frac_read_bw": gbs / read_gbs, "int8_frac_ceiling": frac_ceiling(t_int8),
                    "linear_ms": t_lin, "linear_GBps": gbs_lin, "linear_frac_read_bw": gbs_lin / read_gbs,
-                   "speedup_vs_linear": t_lin / t_int8, "check": chk}
+                   "speedup_vs_linear": t_lin / t_int8, "check": chk,
+                   "marlin_ms": t_marlin, "marlin_frac_ceiling": frac_ceiling(t_marlin) if t_marlin else None}
             table.append(row)
             log(f"{dname} B={b:2d} int8 {t_int8 * 1e3:7.1f} us {gbs:6.0f} GB/s ({gbs / read_gbs:5.1%}; "
                 f"ceiling {frac_ceiling(t_int8):5.1%})  F.linear {t_lin * 1e3:7.1f} us ({gbs_lin / read_gbs:5.1%})  "
                 f"x{t_lin / t_int8:4.2f}  err/bound {chk['max_err_over_bound']:.2f} "
-                f"argmax {'ok' if chk['argmax_equal'] else 'DIFF'}")
-        del w_lin
+                f"argmax {'ok' if chk['argmax_equal'] else 'DIFF'}"
+                + (f"  Marlin {t_marlin * 1e3:7.1f} us ({frac_ceiling(t_marlin):5.1%})" if t_marlin else ""))
+        del w_lin, marlin_fn
     result["table"] = table
-    result["marlin"] = "not run: vLLM is not installed on the GPU machine and its wheel is over the transfer limit"
+    result["not_run_here"] = {
+        "seed_v3": "the seed's patch_int8_lmhead_v3 kernel: its source is not available here; ../shared/FACTS.md "
+                   "records ~251 us at B = 1 on this H200",
+        "albond_v2": "albond's v2 kernel: source not available here; FACTS.md records 219 us at B = 1 and 440 us "
+                     "at B = 4 (a loop over rows above B = 4)"}
     result["wall_s"] = time.time() - t0
     save()
     log(f"wrote {args.out} in {time.time() - t0:.0f} s")

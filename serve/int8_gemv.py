@@ -86,7 +86,10 @@ class GemvConfig:
     pads the batch to 16, 32 or 64. ``w_evict`` and ``o_evict`` are the L2 eviction priorities
     of the weight loads and the output stores (``EVICT_MODES``): they change what L2 keeps,
     never the result. With a tiled weight (:func:`tile_weight`), ``block_n`` x ``block_k`` must be
-    its tile.
+    its tile. ``swap`` makes the dequantized weight the dot's left operand (``acc[block_n, M] =
+    W @ x^T``): on sm_90 Triton then runs wgmma (the tensor cores' full rate) with the weight in
+    registers and x from shared memory, instead of ``mma.sync`` (B <= 32) or staging the weight
+    through shared memory (M = 64); one dot (``dots=1``), M up to 64.
     """
 
     block_n: int
@@ -98,6 +101,7 @@ class GemvConfig:
     dots: int = 1
     w_evict: str = ""
     o_evict: str = ""
+    swap: bool = False
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -107,6 +111,8 @@ class GemvConfig:
         m = self.block_m or block_b_for(batch)
         if self.dots not in (1, 2, 4):
             raise ValueError(f"dots must be 1, 2 or 4, got {self.dots}")
+        if self.swap and self.dots != 1:
+            raise ValueError(f"a swapped config runs one dot, got dots={self.dots}")
         if m * self.dots < batch:
             raise ValueError(f"config covers {m * self.dots} batch rows, got {batch}")
         return m, self.dots
@@ -345,7 +351,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
         BLOCK_H=block_h, N_DOTS=dots, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DEQUANT=_DEQUANT_CODE[cfg.dequant], EVEN_K=(k % cfg.block_k == 0), X_F16=(x.dtype == torch.float16),
         STAGE={"full": 0, "no_dot": 1, "load": 2, "no_store": 3}[stage], W_EVICT=cfg.w_evict,
-        W_TILED=(w.dim() == 4), O_EVICT=cfg.o_evict,
+        W_TILED=(w.dim() == 4), O_EVICT=cfg.o_evict, SWAP=cfg.swap,
         # The interpreter (triton 3.9) multiplies bf16 dot operands as their raw uint16 bits;
         # upcasting both is exact (bf16, fp16 and int8 values are fp32 values) and keeps the
         # dequant arithmetic under test.
@@ -382,6 +388,7 @@ def _int8_gemv_kernel(
     BLOCK_H: tl.constexpr, N_DOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DEQUANT: tl.constexpr, EVEN_K: tl.constexpr, STAGE: tl.constexpr, DOT_F32: tl.constexpr,
     X_F16: tl.constexpr, W_EVICT: tl.constexpr, W_TILED: tl.constexpr, O_EVICT: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -406,6 +413,8 @@ def _int8_gemv_kernel(
     h1_ok = (offs_h[:, None] + BLOCK_H) < B
     h2_ok = (offs_h[:, None] + 2 * BLOCK_H) < B
     h3_ok = (offs_h[:, None] + 3 * BLOCK_H) < B
+    if SWAP:
+        acc_t = tl.full((BLOCK_N, BLOCK_H), 0.0, dtype=tl.float32)
     acc = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
     acc1 = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
     acc2 = tl.full((BLOCK_H, BLOCK_N), 0.0, dtype=tl.float32)
@@ -498,6 +507,13 @@ def _int8_gemv_kernel(
                 )
             if STAGE == 1:
                 acc_w += wb
+            elif SWAP:
+                # The weight is the left operand (M = BLOCK_N rows of W, N = the batch): wgmma
+                # with the weight from registers and x^T from shared memory on sm_90.
+                if DOT_F32:
+                    acc_t = tl.dot(wb.to(tl.float32), tl.trans(xa.to(tl.float32)), acc_t, input_precision="ieee")
+                else:
+                    acc_t = tl.dot(wb, tl.trans(xa), acc_t)
             elif DOT_F32:
                 wt = tl.trans(wb.to(tl.float32))
                 acc = tl.dot(xa.to(tl.float32), wt, acc, input_precision="ieee")
@@ -522,6 +538,8 @@ def _int8_gemv_kernel(
         else:
             w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc_t)
     if STAGE == 1 or STAGE == 2:
         # Keep the loads alive for the stage-drop timings; the values are meaningless.
         acc += tl.sum(acc_w.to(tl.float32), axis=1)[None, :]

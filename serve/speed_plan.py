@@ -1,4 +1,5 @@
-"""What ``hybrid-build plan`` predicts: single-stream decode speed per serve profile, from headers.
+"""What ``hybrid-build plan`` predicts: decode speed per serve profile, from headers: one stream, or
+several sharing each verify step (``--concurrency``), at one or more context lengths.
 
 ``build_plan(ckpt, PlanOptions)`` sizes the four profiles with the same recipe and conversion plan
 ``inspect`` and ``run`` use and applies the bandwidth model of ``bandwidth``; ``render_text`` and
@@ -21,7 +22,10 @@ from . import multinode_plan as mnp
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: "recipe" is the name, "recipe_choice" the note; drafter.assumed
+# 2: "recipe" is the name, "recipe_choice" the note; drafter.assumed. 3: "concurrency" rows, "contexts",
+# "context_layout", "stream_overlap", "published_gb10_concurrency"; drafter.context_bytes is per stream
+# at the KV dtype; published rows include the hardware's floor. Every schema-2 field keeps its meaning.
+SCHEMA_VERSION = 3
 DEFAULT_ACCEPT = (2.0, 4.0, 6.0, 8.0, 10.0)
 KV_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1}
 STATE_DTYPES = {"auto": None, "bf16": 2, "fp32": 4}
@@ -46,6 +50,10 @@ class PlanOptions:
     published: bool = False
     recipe: str | None = None
     nodes: int | None = None  # predict for N nodes too (TP=N, PP=N): serve/multinode_plan.py
+    contexts: list[int] | None = None  # "concurrency" rows for each; the per-token tables use ``context``
+    concurrency: list[int] | None = None  # streams sharing each verify step: a row set per count
+    profile: list[str] | None = None  # the profiles whose speculative and concurrency rows are shown
+    stream_overlap: float = 0.0  # share of steps in which the streams emit the same tokens (bandwidth.batch_experts)
     link_gbps: float = mnp.LINK_GBPS
     link_latency_us: float = mnp.LINK_LATENCY_US
 
@@ -108,6 +116,29 @@ def drafter_of(args: PlanOptions) -> bw.Drafter:
     return d
 
 
+def _check_workload(ckpt: Checkpoint, args: PlanOptions) -> tuple[list[int], list[int] | None]:
+    """The contexts and stream counts asked for, refused with one line where the model cannot take them."""
+    contexts = list(dict.fromkeys(args.contexts or [args.context]))
+    longest, source = bw.max_context(ckpt.text_config)
+    for c in [args.context] + contexts:
+        if c < 0:
+            raise UserError(f"--context must be >= 0, got {c}")
+        if c > longest:
+            raise UserError(f"--context {c} exceeds {longest:,} tokens, {source}")
+    streams = None
+    if args.concurrency is not None:
+        streams = list(dict.fromkeys(args.concurrency))
+        bad = [n for n in streams if n < 1]
+        if bad or not streams:
+            raise UserError(f"--concurrency counts streams, so it is >= 1, got {bad[0] if bad else 'nothing'}")
+    if not 0 <= args.stream_overlap <= 1:
+        raise UserError(f"--stream-overlap is a share of steps, in [0, 1], got {args.stream_overlap:g}")
+    for p in args.profile or []:
+        if p not in bw.PROFILES:
+            raise UserError(f"unknown profile {p!r}: choose from {', '.join(bw.PROFILES)}")
+    return contexts, streams
+
+
 def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
     """Everything ``plan`` prints, as the JSON document of docs/plan.md."""
     accepts = list(args.accept) if args.accept else list(DEFAULT_ACCEPT)
@@ -116,8 +147,7 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
             raise UserError(f"--accept {a:g}: an acceptance length counts the bonus token, so it is >= 1")
         if args.verify_block is not None and a > args.verify_block:
             raise UserError(f"--accept {a:g} exceeds --verify-block {args.verify_block}")
-    if args.context < 0:
-        raise UserError(f"--context must be >= 0, got {args.context}")
+    contexts, streams = _check_workload(ckpt, args)
     if args.verify_block is not None and args.verify_block < 1:
         raise UserError(f"--verify-block must be >= 1, got {args.verify_block}")
     hw = _hardware(args)
@@ -129,8 +159,9 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         report = build_report(ckpt, args.recipe)
         plan, recipe_note = report.plan, report.recipe_note
         recipe_name = report.recipe.name if report.recipe else None
-    reads = bw.profile_reads(ckpt, bytes_per_token(ckpt), plan, context=args.context,
-                             kv_bytes=KV_DTYPES[args.kv_dtype], state_bytes=STATE_DTYPES[args.state_dtype])
+    per_token = bytes_per_token(ckpt)
+    kv_bytes, state_bytes = KV_DTYPES[args.kv_dtype], STATE_DTYPES[args.state_dtype]
+    reads = bw.profile_reads(ckpt, per_token, plan, context=args.context, kv_bytes=kv_bytes, state_bytes=state_bytes)
     types = bw.layer_types(ckpt.text_config)
     floor_ms = hw.floor.ms(types)
     spec_floor = bw.spec_floor_ms(hw.floor, types, drafter)
@@ -150,17 +181,24 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         tok_s = bw.decode_tok_s(reads.total(p), hw.bandwidth_gbps, hw.efficiency, floor_ms)
         profiles[p] = {"label": bw.PROFILE_LABELS[p], "bytes_per_token": reads.total(p), "tok_s": tok_s,
                        "speedup": tok_s / base_tok_s}
+    shown = list(dict.fromkeys(args.profile)) if args.profile else list(bw.PROFILES)
     spec = []
     for a in accepts:
         base_spec = None
         for p in bw.PROFILES:
             tok_s, step = bw.speculative_tok_s(reads.parts[p], reads.experts, reads.top_k, a, hw.bandwidth_gbps,
-                                               hw.efficiency, drafter, args.context, args.verify_block, spec_floor)
+                                               hw.efficiency, drafter, args.context, args.verify_block, spec_floor,
+                                               kv_bytes=kv_bytes)
             base_spec = base_spec or tok_s
             positions = a if args.verify_block is None else args.verify_block
-            spec.append({"profile": p, "accept": a, "tok_s": tok_s, "bytes_per_step": step,
-                         "experts_per_layer": bw.expected_experts(reads.experts, reads.top_k, positions),
-                         "speedup": tok_s / base_spec})
+            if p in shown:
+                spec.append({"profile": p, "accept": a, "tok_s": tok_s, "bytes_per_step": step,
+                             "experts_per_layer": bw.expected_experts(reads.experts, reads.top_k, positions),
+                             "speedup": tok_s / base_spec})
+    rows = []
+    if streams is not None or len(contexts) > 1:
+        rows = _concurrency_rows(ckpt, args, per_token, plan, hw, drafter, accepts, contexts, streams or [1],
+                                 spec_floor, shown)
     data = {
         "schema_version": SCHEMA_VERSION,
         "source": ckpt.source_id or str(ckpt.root),
@@ -176,26 +214,127 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         "bandwidth_gbps": hw.bandwidth_gbps,
         "efficiency": hw.efficiency,
         "context": args.context,
+        "contexts": contexts,
+        "context_layout": dict(bw.context_layout(ckpt.text_config, kv_bytes, state_bytes),
+                               max_context=bw.max_context(ckpt.text_config)[0],
+                               max_context_source=bw.max_context(ckpt.text_config)[1]),
         "kv_dtype_bytes": KV_DTYPES[args.kv_dtype],
         "state_dtype_bytes": STATE_DTYPES[args.state_dtype] or bw.state_dtype_bytes(ckpt.text_config),
         "experts": reads.experts,
         "top_k": reads.top_k,
         "drafter": {"name": drafter.name, "weight_bytes": drafter.weight_bytes,
-                    "context_bytes": drafter.context_bytes(args.context), "shares_lm_head": drafter.shares_lm_head,
+                    "context_bytes": drafter.context_bytes(args.context, kv_bytes),
+                    "shares_lm_head": drafter.shares_lm_head,
                     "assumed": _drafter_assumed(ckpt, args)},
         "verify_positions": "accepted" if args.verify_block is None else args.verify_block,
         "bytes_per_token": reads.parts,
         "profiles": profiles,
         "speculative": spec,
+        "stream_overlap": args.stream_overlap,
+        "concurrency": rows,
         "notes": reads.notes + lever_notes(profiles, hw, floor_ms, reads.total("base")) + _drafter_notes(ckpt, args, drafter),
     }
+    if rows:
+        data["concurrency_basis"] = concurrency_basis(ckpt, args, hw, spec_floor, drafter)
+        data["notes"] += _memory_notes(ckpt, args, hw, contexts, streams or [1], drafter, kv_bytes, state_bytes)
     if args.nodes is not None:
         data["multinode"] = _multinode(ckpt, args, reads, hw, floor_ms, hybrid)
     if args.published:
-        data["published_gb10"] = bw.published_comparison(reads, hw, drafter, args.context)
+        data["published_gb10"] = bw.published_comparison(reads, hw, drafter, args.context, floor_ms, spec_floor)
+        seed_reads = bw.profile_reads(ckpt, per_token, plan, context=bw.SEED_CONTEXT, state_bytes=state_bytes)
+        data["published_gb10_concurrency"] = bw.published_concurrency(seed_reads, hw, drafter, bw.SEED_CONTEXT,
+                                                                      spec_floor)
         if hw.name != "gb10" or hw.bandwidth_gbps != bw.HARDWARE["gb10"].bandwidth_gbps:
             data["notes"].append("--published compares with GB10 measurements, but the hardware here is not GB10")
     return data
+
+
+def _concurrency_rows(ckpt: Checkpoint, args: PlanOptions, per_token: dict, plan, hw: bw.Hardware,
+                      drafter: bw.Drafter, accepts: list[float], contexts: list[int], streams: list[int],
+                      spec_floor: float, shown: list[str]) -> list[dict]:
+    """One row per context, acceptance, stream count and profile: ``streams`` streams, each at
+    acceptance ``accept`` and ``context`` tokens, share every verify step (bandwidth.step_reads)."""
+    kv_bytes, state_bytes = KV_DTYPES[args.kv_dtype], STATE_DTYPES[args.state_dtype]
+    rows = []
+    for c in contexts:
+        reads = bw.profile_reads(ckpt, per_token, plan, context=c, kv_bytes=kv_bytes, state_bytes=state_bytes)
+        for a in accepts:
+            positions = a if args.verify_block is None else args.verify_block
+            for n in streams:
+                base = None
+                for p in bw.PROFILES:
+                    parts = reads.parts[p]
+                    tok_s, step = bw.speculative_tok_s(parts, reads.experts, reads.top_k, a, hw.bandwidth_gbps,
+                                                       hw.efficiency, drafter, c, args.verify_block, spec_floor, n,
+                                                       args.stream_overlap, kv_bytes)
+                    base = base or tok_s
+                    if p not in shown:
+                        continue
+                    rows.append({
+                        "profile": p, "accept": a, "concurrency": n, "context": c,
+                        "positions_per_stream": positions,
+                        "experts_per_layer": bw.batch_experts(reads.experts, reads.top_k, positions, n,
+                                                              args.stream_overlap),
+                        "kv_bytes_per_stream": parts["kv_cache"],
+                        "state_bytes_per_stream": parts["linear_state"],
+                        "drafter_kv_bytes_per_stream": drafter.context_bytes(c, kv_bytes),
+                        "bytes_per_step": step,
+                        "floor_ms": spec_floor,
+                        "step_ms": 1e3 * a / tok_s,
+                        "tok_s_per_stream": tok_s,
+                        "tok_s_total": n * tok_s,
+                        "speedup": tok_s / base,
+                    })
+    return rows
+
+
+def concurrency_basis(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, spec_floor: float,
+                      drafter: bw.Drafter) -> list[str]:
+    """What the concurrency rows rest on, one sentence each."""
+    tc = ckpt.text_config
+    lay = bw.context_layout(tc, KV_DTYPES[args.kv_dtype], STATE_DTYPES[args.state_dtype])
+    over = ("accepted positions" if args.verify_block is None else f"{args.verify_block} verified positions")
+    out = [
+        f"bandwidth: {hw.label}, efficiency {hw.efficiency:.3f}: {hw.calibration}"
+        + ("" if hw.calibrated else " (not backed by a measurement on this hardware)"),
+        (f"floor: {spec_floor:.2f} ms per step, paid once whatever the streams ({hw.floor.source}"
+         + ("" if hw.floor.measured else "; not measured on this hardware") + "; fitted on one stream only)")
+        if spec_floor else f"floor: {hw.floor.source}",
+        "one verify step serves every stream: attention, DeltaNet, shared-expert, router and lm-head weights"
+        + (" and the drafter's weights (and the lm-head it shares)" if drafter.weight_bytes else "")
+        + " are read once per step; each stream's KV cache"
+        + (", DeltaNet state and drafter KV" if drafter.weight_bytes else " and DeltaNet state")
+        + " are read per stream",
+        f"routed experts: the expected union over every stream's {over}, each token picking "
+        f"{int(tc.get('num_experts_per_tok') or 1)} of {int(tc.get('num_experts') or 1)} uniformly and "
+        "independently (an assumption: real routing is skewed and correlated, which reads fewer experts)"
+        + ("" if not args.stream_overlap else
+           f"; the streams emit the same tokens in {args.stream_overlap:.0%} of steps (--stream-overlap)"),
+        f"every stream at the same acceptance and context; KV per token {lay['kv_bytes_per_token']:,} B "
+        f"({lay['full_attention_layers']} full-attention layers x 2 x {lay['kv_heads']} KV heads x "
+        f"{lay['head_dim']} x {lay['kv_dtype_bytes']} B, from config.json); DeltaNet state "
+        f"{lay['state_size_per_stream']:,} B per stream ({lay['linear_attention_layers']} layers, whatever the "
+        "context), read and written back each step",
+        "per-stream tok/s = acceptance / step time; total = streams x per-stream",
+    ]
+    return out
+
+
+def _memory_notes(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, contexts: list[int], streams: list[int],
+                  drafter: bw.Drafter, kv_bytes: int, state_bytes: int | None) -> list[str]:
+    """A note where the weights and the largest asked KV pool exceed the hardware's memory."""
+    memory = mnp.MEMORY_GB.get(hw.name)
+    if memory is None:
+        return []
+    c, n = max(contexts), max(streams)
+    ctx = bw.context_reads(ckpt.text_config, c, kv_bytes, state_bytes)
+    per_stream = ctx["kv_cache"] + ctx["linear_state"] // 2 + drafter.context_bytes(c, kv_bytes)
+    weights = sum(t.nbytes for t in ckpt.tensors.values() if t.klass != "mtp") + drafter.weight_bytes
+    if weights + n * per_stream <= memory * 1e9:
+        return []
+    return [f"{n} streams at {c:,} tokens hold {n * per_stream / 1e9:.1f} GB of KV cache and state on top of "
+            f"{weights / 1e9:.1f} GB of weights: more than the {memory:g} GB of {hw.label}; the engine would "
+            "run fewer streams at once (or --kv-dtype fp8 halves the KV cache)"]
 
 
 def _multinode(ckpt: Checkpoint, args: PlanOptions, reads: bw.ProfileReads, hw: bw.Hardware, floor_ms: float,
@@ -268,27 +407,76 @@ def render_text(data: dict) -> str:
         d = data["drafter"]
         over = ("the accepted positions" if data["verify_positions"] == "accepted"
                 else f"{data['verify_positions']} positions")
+        shown = list(dict.fromkeys(r["profile"] for r in data["speculative"]))
+        gain = "base" in shown and "dense" in shown
         lines += ["", f"speculative decoding: drafter {d['name']} ({d['weight_bytes'] / 1e9:.2f} GB"
                       f"{' + target lm-head' if d['shares_lm_head'] else ''}); experts = union over {over}",
-                  f"{'accept':>8}{'experts/layer':>15}" + "".join(f"{p:>11}" for p in profiles) + f"{'dense gain':>12}"]
+                  f"{'accept':>8}{'experts/layer':>15}" + "".join(f"{p:>11}" for p in shown)
+                  + (f"{'dense gain':>12}" if gain else "")]
         by_accept: dict[float, dict] = {}
         for row in data["speculative"]:
             by_accept.setdefault(row["accept"], {})[row["profile"]] = row
         for a, rows in by_accept.items():
             first = next(iter(rows.values()))
-            gain = rows["dense"]["tok_s"] / rows["base"]["tok_s"] - 1 if "dense" in rows and "base" in rows else 0.0
             lines.append(f"{a:>8g}{first['experts_per_layer']:>15.1f}"
-                         + "".join(f"{rows[p]['tok_s']:>11.1f}" for p in profiles if p in rows) + f"{gain:>+12.1%}")
+                         + "".join(f"{rows[p]['tok_s']:>11.1f}" for p in shown)
+                         + (f"{rows['dense']['tok_s'] / rows['base']['tok_s'] - 1:>+12.1%}" if gain else ""))
+    if data.get("concurrency"):
+        lines += _render_concurrency(data)
     if data.get("published_gb10"):
         lines += ["", "against published GB10 figures", f"{'profile':<11}{'accept':>7}{'published':>11}{'predicted':>11}{'gap':>8}  note"]
         for r in data["published_gb10"]:
             acc = "-" if r["accept"] is None else f"{r['accept']:g}"
             lines.append(f"{r['profile']:<11}{acc:>7}{r['tok_s']:>11.1f}{r['predicted']:>11.1f}{r['gap']:>+8.1%}  {r['note']}")
+    if data.get("published_gb10_concurrency"):
+        lines += ["", f"against the seed's concurrency table (GB10, dense, DFlash n=12, one prompt in every stream, "
+                      f"context <= {bw.SEED_CONTEXT}); streams in step {bw.SEED_STREAM_OVERLAP:.1%} of steps "
+                      "(calibrated on code at 2 streams) / independent",
+                  f"{'workload':<9}{'accept':>7}{'streams':>8}{'published':>10}{'predicted':>10}{'gap':>8}"
+                  f"{'independent':>12}{'gap':>8}   experts/layer: model, independent, implied"]
+        for r in data["published_gb10_concurrency"]:
+            lines.append(f"{r['workload']:<9}{r['accept']:>7g}{r['concurrency']:>8}{r['tok_s']:>10.1f}"
+                         f"{r['predicted']:>10.1f}{r['gap']:>+8.1%}{r['predicted_independent']:>12.1f}"
+                         f"{r['gap_independent']:>+8.1%}   {r['experts_per_layer']:.1f}, "
+                         f"{r['experts_independent']:.1f}, {r['experts_implied']:.1f}" + ("   (calibration)" if r["calibrates"] else ""))
     for n in data["notes"]:
         lines.append(f"note: {n}")
     if data.get("multinode"):
         lines.append(mnp.render_text(data["multinode"]))
     return "\n".join(lines)
+
+
+def _render_concurrency(data: dict) -> list[str]:
+    rows = data["concurrency"]
+    shown = list(dict.fromkeys(r["profile"] for r in rows))
+    lay = data["context_layout"]
+    kv = {1: "fp8", 2: "bf16", 4: "fp32"}.get(lay["kv_dtype_bytes"], f"{lay['kv_dtype_bytes']} B")
+    lines = ["", f"context reads per stream: KV cache {lay['full_attention_layers']} full-attention layers x 2 x "
+                 f"{lay['kv_heads']} KV heads x {lay['head_dim']} x {kv} = {lay['kv_bytes_per_token'] / 1024:g} KiB "
+                 f"per token; DeltaNet state {lay['state_size_per_stream'] / 1e6:.1f} MB per stream "
+                 f"({lay['linear_attention_layers']} layers, any context; max context {lay['max_context']:,})",
+             "GB read per step per stream (the state is read and written back)",
+             f"{'context':>9}{'KV cache':>10}{'DeltaNet state':>16}{'drafter KV':>12}"]
+    seen = set()
+    for r in rows:
+        if r["context"] in seen:
+            continue
+        seen.add(r["context"])
+        lines.append(f"{r['context']:>9}{r['kv_bytes_per_stream'] / 1e9:>10.3f}"
+                     f"{r['state_bytes_per_stream'] / 1e9:>16.3f}{r['drafter_kv_bytes_per_stream'] / 1e9:>12.3f}")
+    lines += ["", "concurrent streams sharing each verify step: tok/s per stream / total"
+                  + (f" (streams in step {data['stream_overlap']:.0%} of steps)" if data["stream_overlap"] else ""),
+              f"{'context':>9}{'accept':>7}{'streams':>8}{'experts/layer':>14}"
+              + "".join(f"{p + ' /stream':>17}{'total':>8}" for p in shown)]
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        groups.setdefault((r["context"], r["accept"], r["concurrency"]), {})[r["profile"]] = r
+    for (c, a, n), by in groups.items():
+        first = next(iter(by.values()))
+        lines.append(f"{c:>9}{a:>7g}{n:>8}{first['experts_per_layer']:>14.1f}"
+                     + "".join(f"{by[p]['tok_s_per_stream']:>17.1f}{by[p]['tok_s_total']:>8.1f}" for p in shown))
+    lines += [f"rests on: {b}" for b in data.get("concurrency_basis", [])]
+    return lines
 
 
 def write_plot(data: dict, path: Path, reads_args: dict) -> None:

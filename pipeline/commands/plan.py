@@ -1,4 +1,5 @@
-"""``hybrid-build plan``: predict single-stream decode speed per profile before building anything.
+"""``hybrid-build plan``: predict decode speed per profile (one stream or several, one context or several)
+before building anything.
 
 Reads headers only (a folder, a Hub id, or ``synthetic:qwen3.5-122b-a10b``); the prediction is
 ``serve.speed_plan.build_plan``.
@@ -22,7 +23,10 @@ from ..generators.sources import open_source
 
 
 def _handle(args: argparse.Namespace) -> int:
-    options = PlanOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions) if hasattr(args, f.name)}
+    values["contexts"] = values["context"]  # --context takes several; the first is the tables' context
+    values["context"] = values["contexts"][0]
+    options = PlanOptions(**values)
     if args.plot and not Path(args.plot).parent.exists():
         raise UserError(f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist")
     with tempfile.TemporaryDirectory(prefix="hybrid-build-plan-") as tmp:
@@ -32,7 +36,8 @@ def _handle(args: argparse.Namespace) -> int:
         write_plot(data, Path(args.plot), dict(
             experts=data["experts"], top_k=data["top_k"], bandwidth_gbps=data["bandwidth_gbps"],
             efficiency=data["efficiency"], drafter=drafter_of(options), context=data["context"],
-            verify_positions=args.verify_block))
+            verify_positions=args.verify_block, kv_bytes=data["kv_dtype_bytes"],
+            floor_ms=data["spec_step_floor_ms"]))
         data["plot"] = str(args.plot)
     if args.json:
         emit_json(data)
@@ -48,14 +53,18 @@ def register(sub, common) -> None:
         "plan", parents=[common], formatter_class=ExampleFormatter,
         help="predict decode tok/s per profile from the checkpoint's headers (bandwidth model)",
         description="Count the bytes a decoded token reads, by part, for the source (base), FP8 shared experts, "
-                    "int8 lm-head and both (dense), and predict single-stream tok/s from a step time of bytes / "
+                    "int8 lm-head and both (dense), and predict tok/s from a step time of bytes / "
                     "(bandwidth x efficiency) plus the hardware's per-step floor (time that is not bytes), with and "
-                    "without speculative decoding. Headers only: nothing is downloaded but "
-                    "headers, nothing is built. A hybrid artifact is read as the dense profile.",
+                    "without speculative decoding, for one stream or several sharing each verify step "
+                    "(--concurrency), at one context or several (--context). Headers only: nothing is downloaded "
+                    "but headers, nothing is built. A hybrid artifact is read as the dense profile.",
         epilog="examples:\n"
                "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware gb10 --published\n"
                "  hybrid-build plan ./Qwen3.5-122B-A10B-int4-AutoRound --accept 3 6.5 8.3 --plot plan.png\n"
                "  hybrid-build plan ./ckpt --bandwidth 1000 --calibrate 45 --json > plan.json\n"
+               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --concurrency 1 2 3 --accept 2.3 5.4 --profile dense --published\n"
+               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware h200 --concurrency 1 2 4 --profile base dense "
+               "--context 4096 262144 --kv-dtype fp8\n"
                "  hybrid-build plan synthetic:qwen3.5-397b-a17b --nodes 2 --accept 1   # two DGX Sparks, TP=2 / PP=2")
     p.add_argument("source", metavar="SRC_OR_ARTIFACT",
                    help="checkpoint folder, Hub id, hybrid artifact, or synthetic:qwen3.5-122b-a10b / "
@@ -72,13 +81,25 @@ def register(sub, common) -> None:
     g.add_argument("--calibrate", type=float, metavar="TOK_S",
                    help="set the efficiency so that the base profile decodes at this measured tok/s")
     g = p.add_argument_group("workload")
-    g.add_argument("--context", type=int, default=bw.DEFAULT_CONTEXT, help="context length in tokens (default: %(default)s)")
+    g.add_argument("--context", type=int, nargs="+", default=[bw.DEFAULT_CONTEXT], metavar="N",
+                   help="context lengths in tokens, up to the model's max_position_embeddings; the first is the "
+                        "per-token table's; several give a row set each (default: %(default)s)")
     g.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16", help="KV-cache dtype (default: bf16)")
     g.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="auto",
                    help="DeltaNet state dtype (default: the config's mamba_ssm_dtype, else bf16)")
     g.add_argument("--accept", type=float, nargs="+", metavar="L",
                    help="acceptance lengths (tokens per verify step, bonus token included; "
                         f"default: {' '.join(f'{a:g}' for a in DEFAULT_ACCEPT)})")
+    g.add_argument("--concurrency", type=int, nargs="+", metavar="N",
+                   help="streams sharing each verify step, each at the acceptance and context given: per-stream and "
+                        "total tok/s for each count")
+    g.add_argument("--stream-overlap", type=float, default=0.0, metavar="F",
+                   help="share of steps in which the streams emit the same tokens, as when one prompt is sent to "
+                        f"every stream at temperature 0 (default: 0, independent conversations; the seed's benchmark: "
+                        f"{bw.SEED_STREAM_OVERLAP:g})")
+    g.add_argument("--profile", nargs="+", choices=bw.PROFILES, metavar="P",
+                   help=f"profiles whose speculative and concurrency rows are shown ({', '.join(bw.PROFILES)}; "
+                        "default: all)")
     g.add_argument("--drafter", choices=["dflash", "none"], default="dflash",
                    help="drafter read per step: DFlash (1.6 GB + the target lm-head) or none (default: dflash)")
     g.add_argument("--drafter-gb", type=float, help="drafter weight bytes in GB (default: 1.6)")

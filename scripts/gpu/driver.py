@@ -381,6 +381,45 @@ def child_floor(model: str, label: str, mode: str, tokens: str, profile_steps: s
     return res
 
 
+def child_concurrency(model: str, label: str, tokens: str, streams: str = "1,2,4", timings: str = "3") -> dict:
+    """Issue 28: decode of ``streams`` concurrent sequences on a config-only checkpoint with dummy
+    weights (full CUDA graphs of the decode step, as the floor step). For N streams, N distinct
+    prompts are generated together, all ``tokens`` long (ignore_eos), so the N decode in lockstep:
+    per-stream tok/s = n / (t(n + 1) - t(1)), total = N x that; median of ``timings`` pairs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n, ns = int(tokens), [int(x) for x in streams.split(",")]
+    sizes = sorted({1, 2, 4, *ns})
+    kw = dict(load_format="dummy", gpu_memory_utilization=0.1, max_num_seqs=max(ns), enforce_eager=False,
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes})
+    t0 = now()
+    llm = make_llm(model, **kw)
+    res: dict = {"label": label, "mode": "graphs", "load_s": round(now() - t0, 1), "model": Path(model).name,
+                 "head_kernel": os.environ.get("HYBRID_BUILD_INT8_HEAD_KERNEL", "vllm"), "decode_tokens": n,
+                 "streams": {}}
+
+    def timed(prompts, max_tokens: int) -> float:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return dt
+
+    for count in ns:
+        prompts = [TokensPrompt(prompt_token_ids=[(37 * i + 101 * j) % 900 + 100 for i in range(32)])
+                   for j in range(count)]
+        timed(prompts, n + 1)  # warm-up
+        pairs = [(timed(prompts, 1), timed(prompts, n + 1)) for _ in range(int(timings))]
+        per_stream = [n / (tn - t1) for t1, tn in pairs]
+        med = statistics.median(per_stream)
+        res["streams"][str(count)] = {"tok_s_per_stream_runs": [round(x, 2) for x in per_stream],
+                                      "tok_s_per_stream": round(med, 2), "tok_s_total": round(count * med, 2),
+                                      "step_ms": round(1e3 / med, 4)}
+    return res
+
+
 def child_main(argv: list[str]) -> int:
     kind, args = argv[0], argv[1:]
     try:
@@ -388,7 +427,8 @@ def child_main(argv: list[str]) -> int:
             from hybrid_build.serve.vllm_plugin import register
 
             register()  # the entry point does this too; in-process it must be there before LLM()
-        res = {"correct": child_correct, "speed": child_speed, "floor": child_floor}[kind](*args)
+        res = {"correct": child_correct, "speed": child_speed, "floor": child_floor,
+               "conc": child_concurrency}[kind](*args)
     except Exception as e:
         traceback.print_exc()
         res = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
@@ -673,6 +713,32 @@ def serve_verified(out: Path, key: str, cmd: list[str], env: dict, limit: float)
     return res
 
 
+def kv_fp8_recipe(recipe: Path) -> Path:
+    """The GPU recipe with every profile's KV cache in fp8 (issue 28: vLLM's --kv-cache-dtype fp8,
+    checked with verify before any shipped profile turns it on)."""
+    import yaml
+
+    rec = yaml.safe_load(recipe.read_text())
+    for prof in rec["serve"]["profiles"].values():
+        prof["kv_cache_dtype"] = "fp8"
+    path = recipe.with_name("gpu-tiny-recipe-kv-fp8.yaml")
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    return path
+
+
+def verify_kv_fp8_step(out: Path, hb: Path, src: Path, recipe: Path, left) -> None:
+    """Issue 28: the dense (hybrid + DFlash drafter) and base (source) profiles with an fp8 KV cache,
+    each verified before READY against the same reference as with the default KV cache."""
+    fp8 = kv_fp8_recipe(recipe)
+    for i, (key, profile) in enumerate((("verify_dense_kv_fp8", "dense"), ("verify_base_kv_fp8", "base"))):
+        if left() < 120:
+            record(out, key, {"skipped": f"no time left ({left():.0f} s)"})
+            continue
+        cmd = serve_command(hb, src, fp8, profile, 8300 + i, min(420, left() - 40), out / f"{key}.log",
+                            hb / "drafter-dflash" if profile == "dense" else None)
+        serve_verified(out, key, cmd, {}, min(480, left()))
+
+
 def verify_step(out: Path, hb: Path, src: Path, recipe: Path, left, only: str | None = None) -> None:
     """A correct server passes (dense: the hybrid against its own reference; base: the source
     against the reference's source side), and the hybrid with the Marlin MoE scale fix switched
@@ -816,6 +882,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="engines per speed variant, interleaved")
     ap.add_argument("--floor", type=Path, help="the config-only checkpoints of floor_configs.py (.gpufloor)")
     ap.add_argument("--round0", type=int, default=0, help="first floor round's number (a later call goes on)")
+    ap.add_argument("--conc-streams", default="1,2,4", help="conc step: the concurrent stream counts (issue 28)")
     ap.add_argument("--mix", default="L24,L24h,L24e,L12", help="compositions the mix step times (base)")
     ap.add_argument("--bench-pairs", default="dflash:dense,base:mtp", help="A:B profile pairs the bench step runs")
     ap.add_argument("--bench-runs", type=int, default=5)
@@ -947,6 +1014,14 @@ def main() -> int:
         if "eagerprof" in steps:
             for label, folder in (("base", "L48-base"), ("dense", "L48-dense")):
                 floor_child(f"eagerprof_L48_{label}", folder, label, mode="eager", tokens=8, profile=4, limit=300)
+        if "conc" in steps:  # issue 28: 1, 2 and 4 concurrent streams at full depth, one engine each
+            for label, folder, env in (("base", "L48-base", {}), ("dense", "L48-dense", {}),
+                                       ("dense-triton-head", "L48-dense", triton_head)):
+                if left() < 100:
+                    record(a.out, f"conc_L48_{label}", {"skipped": f"no time left ({left():.0f} s)"})
+                    continue
+                run_child(a.out, f"conc_L48_{label}", ["conc", str(a.floor / folder), label, "128", a.conc_streams],
+                          min(300, left()), dict(inproc, **env))
         # two kernel sequences come back (the files from $OUT are few): 48-layer base and dense, graphs
         for label in ("base", "dense"):
             for seq in sorted(a.work.glob(f"kseq-{label}-graphs-L48-*.json.gz"))[:1]:
@@ -958,6 +1033,11 @@ def main() -> int:
         import multinode_steps
 
         multinode_steps.run(multinode, record, http, a.out, a.hb, a.src, recipe, a.work, left)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
+    if "verify_kv_fp8" in steps:  # issue 28: the fp8 KV cache, verified against the artifact's reference
+        verify_kv_fp8_step(a.out, a.hb, a.src, recipe, left)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0

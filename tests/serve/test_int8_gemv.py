@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -103,6 +105,10 @@ CASES = [
     (33, 50, 96, g.GemvConfig(32, 32, 4, 2, "bits", block_m=64)),
     (64, 100, 64, g.GemvConfig(64, 32, 4, 2, "bits", block_m=32, dots=2)),
     (50, 40, 96, g.GemvConfig(32, 64, 4, 2, "bits", block_m=16, dots=4)),
+    # the weight as the dot's left operand (swap): every batch class, tails in N and K
+    (5, 70, 96, g.GemvConfig(64, 32, 4, 2, "bits", block_m=16, swap=True)),
+    (29, 130, 160, g.GemvConfig(64, 32, 4, 2, "bits", block_m=32, swap=True)),
+    (64, 100, 64, g.GemvConfig(32, 64, 8, 3, "bits", block_m=64, swap=True)),
     (100, 33, 32, None),
 ]
 
@@ -431,3 +437,26 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     assert [(r["dtype"], r["B"]) for r in res["ab_b16"]] == [(d, b) for d in ("bfloat16", "float16") for b in (1, 13)]
     assert all(r["control"]["ratio_to_control"] == 1.0 for r in res["ab_b16"])
     assert all(c["within_bound"] for r in res["ab_b16"] for c in r["checks_B16"].values())
+
+
+def test_swapped_config_runs_one_dot():
+    with pytest.raises(ValueError, match="one dot"):
+        g.GemvConfig(128, 128, 4, 3, block_m=16, dots=2, swap=True).rows(32)
+
+
+def test_every_batch_class_compiles_for_gb10_within_its_shared_memory():
+    """Issue 28: every shipped config compiles for sm_121 (GB10: 99 KiB of shared memory per block)
+    and for the H200's sm_90, with Triton's own compiler and the divisibility a real launch has;
+    on sm_90 the B <= 64 class runs on wgmma. In a child: Triton imported in interpreter mode
+    (this session) cannot compile."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_lmhead_gemv.py"), "--cc", "90", "121",
+                           "--json"], capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert {(r["cc"], r["class"], r["dtype"]) for r in rows} == {
+        (cc, c, d) for cc in (90, 121) for c in g._H200_TABLE for d in ("bf16", "fp16")}
+    for r in rows:
+        assert 0 < r["shared_KiB"] <= r["limit_KiB"], r
+        assert r["mma"] == ("mma.sync" if r["cc"] == 121 else r["mma"]), r  # no wgmma on sm_121
+    assert {r["mma"] for r in rows if r["cc"] == 90 and r["class"] == 64} == {"wgmma"}
