@@ -45,6 +45,11 @@ class CannotVerify(HybridBuildError):
     exit_code = 3
 
 
+class KeyRefused(UserError):
+    """A server answered 401/403: it wants an API key and got none or another one. Fixing the
+    command line (``--api-key``, ``OPENAI_API_KEY``) fixes it: exit 2."""
+
+
 class SourceMismatch(UserError):
     """A source given or recorded is not, by content, the one the artifact was built from."""
 

@@ -1,5 +1,5 @@
-"""``hybrid-build bench``: single-stream speed and speculative acceptance of one server, the A/B of
-two (interleaved), or the A/B of two saved results."""
+"""``hybrid-build bench``: speed and speculative acceptance of one server (one stream, or N at
+once), the A/B of two (interleaved), or the A/B of two saved results."""
 from __future__ import annotations
 
 import argparse
@@ -7,23 +7,29 @@ import json
 import sys
 from pathlib import Path
 
+from hybrid_build.core.api_key import client_key
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, describe_os_error, emit_json, progress
 from hybrid_build.core.errors import UserError
 
-from .bench import (LOW_ACCEPTANCE_FRACTION, LOW_ACCEPTANCE_MIN_GAP, MIN_RUNS_FOR_VERDICT, WORKLOADS, bench,
-                    bench_pair, compare, compare_table, load_report, table)
+from .bench import (LOW_ACCEPTANCE_FRACTION, LOW_ACCEPTANCE_MIN_GAP, MAX_CONCURRENCY, MIN_RUNS_FOR_VERDICT,
+                    WORKLOADS, bench, bench_pair, compare, compare_table, load_report, table)
 
 
 def register(sub, common) -> None:
     p = sub.add_parser(
         "bench", parents=[common], formatter_class=ExampleFormatter,
         help="measure decode and end-to-end tok/s and speculative acceptance; A/B two servers",
-        description="Single stream, temperature 0, a bank of workloads:\n"
+        description="One stream (or --concurrency N at once), temperature 0, a bank of workloads:\n"
                     + "".join(f"  {w.name:<9} {w.about}\n" for w in WORKLOADS.values())
                     + "Per workload, RUNS measured runs after one discarded warm-up give decode tok/s (excludes the\n"
                       "time to first token), end-to-end tok/s (completion tokens / wall time) and TTFT, as median\n"
                       "and range; on a speculating vLLM, the mean acceptance length and draft acceptance rate, from\n"
                       "the deltas of its /metrics counters around each run.\n\n"
+                      "--concurrency N: rounds of N streams at once (threads released together), each with its own\n"
+                      "request from the bank (cycling; repeats get 'Request k.' first). Per stream the same figures and\n"
+                      "its overlap (share of its decode window while all N were decoding); per round total tok/s and\n"
+                      "the mean and min per-stream decode tok/s. Per-stream acceptance is decode tokens per streamed\n"
+                      "chunk (one chunk per engine step), checked against the server-wide counters.\n\n"
                       "A/B: two URLs are measured interleaved (A, B, A, B...); --compare reads two saved results.\n"
                       "Per workload it says 'B faster by x%' only where the two ranges of runs do not overlap (at\n"
                       f"least {MIN_RUNS_FOR_VERDICT} runs each), else 'within noise'. It flags a side whose accepted "
@@ -34,6 +40,8 @@ def register(sub, common) -> None:
                "  hybrid-build bench http://127.0.0.1:8000/v1\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --runs 3 --max-tokens 128 --json\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --workloads counting,agent --runs 3\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --concurrency 4 --runs 3   # 4 streams at once\n"
+               "  hybrid-build bench https://gpu.example/v1 --api-key \"$KEY\"      # default: $OPENAI_API_KEY\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 http://127.0.0.1:8000/v1 --runs 3   # A/A: the size of the noise\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out source.json     # serving the source\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out hybrid.json     # later, serving the hybrid\n"
@@ -50,6 +58,10 @@ def register(sub, common) -> None:
     p.add_argument("--thinking", action="store_true",
                    help="leave the chat template's thinking on (default: off, so that each workload answers with "
                         "its own kind of text)")
+    p.add_argument("--concurrency", type=int, default=1, metavar="N",
+                   help=f"streams at once, each its own request (default 1; at most {MAX_CONCURRENCY})")
+    p.add_argument("--api-key", help="sent as a Bearer token on every request (default: $OPENAI_API_KEY); "
+                                     "never printed")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file (input of --compare)")
     add_json_flag(p)
     p.set_defaults(handler=run)
@@ -76,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         if args.urls:
             raise UserError("give either URLs to measure or --compare A.json B.json, not both")
+        if args.concurrency != 1:
+            raise UserError("--concurrency is for measuring; --compare reads it from the two results")
         result = compare(_read(args.compare[0]), _read(args.compare[1]))
     else:
         if not 1 <= len(args.urls) <= 2:
@@ -88,15 +102,21 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--runs must be at least 1")
         if args.max_tokens < 1:
             raise UserError("--max-tokens must be at least 1")
+        if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+            raise UserError(f"--concurrency must be between 1 and {MAX_CONCURRENCY} (vLLM batches {MAX_CONCURRENCY} "
+                            f"sequences by default: more would queue, not run at once)")
         urls = [_url(u) for u in args.urls]
-        with progress(args.quiet, total=len(workloads) * (args.runs + 1) * len(urls), unit="request",
+        api_key = client_key(args.api_key)
+        per_run = len(workloads) if args.concurrency == 1 else args.concurrency
+        with progress(args.quiet, total=per_run * (args.runs + 1) * len(urls), unit="request",
                       desc="bench", leave=False) as bar:
             on_run = lambda *_: bar.update(1)  # noqa: E731
             if len(urls) == 1:
-                result = bench(urls[0], args.model, args.runs, args.max_tokens, workloads, args.thinking, on_run)
+                result = bench(urls[0], args.model, args.runs, args.max_tokens, workloads, args.thinking, on_run,
+                               args.concurrency, api_key)
             else:
                 result = bench_pair(urls[0], urls[1], args.model, args.runs, args.max_tokens, workloads,
-                                    args.thinking, on_run)
+                                    args.thinking, on_run, args.concurrency, api_key)
     if args.out:
         try:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -108,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(compare_table(result) if comparison else table(result))
     if comparison and result["flags"]:
-        print(f"bench: low speculative acceptance in {len(result['flags'])} workload(s) "
-              f"({'; '.join(f.split(':')[0] for f in result['flags'])}): see the FLAG lines", file=sys.stderr)
+        unit = "workload(s)" if result.get("concurrency", 1) == 1 else "stream(s)"
+        print(f"bench: low speculative acceptance in {len(result['flags'])} {unit} "
+              f"({'; '.join(f.split(': ')[0] for f in result['flags'])}): see the FLAG lines", file=sys.stderr)
         return 1
     return 0

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 import shlex
 import sys
@@ -13,6 +15,8 @@ from hybrid_build.core.errors import UserError
 
 from .engine import GPU_PRESETS
 from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
+
+log = logging.getLogger(__name__)
 
 
 def register(sub, common) -> None:
@@ -28,6 +32,7 @@ def register(sub, common) -> None:
                "  hybrid-build serve out/ --profile base --port 8001\n"
                "  hybrid-build serve out/ --profile dense --disable-fix marlin_moe_scale --dry-run   # a fix off\n"
                "  hybrid-build serve out/ --engine docker --profile dense   # DGX Spark image, patched vLLM 0.23\n"
+               "  hybrid-build serve out/ --profile dense --host 0.0.0.0 --dry-run   # beyond loopback: an API key\n"
                "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
                "--dry-run")
     p.add_argument("artifact", help="artifact folder (or a Hub id, with --recipe)")
@@ -35,7 +40,15 @@ def register(sub, common) -> None:
     p.add_argument("--engine", choices=("local", "docker"), default="local",
                    help="local: pip-installed vLLM with the hybrid-build plugin; docker: the sm121 image")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible server (default 8000)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); any but a loopback address needs an API key, "
+                        "generated when none is given (docs/serve.md, Security)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="the key clients must send (Bearer); vLLM gets it as VLLM_API_KEY in its environment. "
+                        "Default: --api-key-file, else $VLLM_API_KEY, else beyond loopback one generated into "
+                        "$XDG_STATE_HOME/hybrid-build/serve-api-key (default ~/.local/state/...; 0600; the path is "
+                        "printed, never the key). A flag shows in `ps`: prefer the file or the variable")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the API key from FILE (one line)")
     p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
     p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
     p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
@@ -54,7 +67,12 @@ def register(sub, common) -> None:
     p.add_argument("--disable-fix", action="append", default=[], metavar="ID",
                    help="leave this runtime fix or patch out (repeatable; `all` for every one), to see whether "
                         "your vLLM still needs it: sets HYBRID_BUILD_DISABLE_FIXES (ids: docs/serve.md)")
-    g = p.add_argument_group("several nodes (vLLM on a Ray cluster; docs/multinode.md)")
+    g = p.add_argument_group(
+        "several nodes (vLLM on a Ray cluster; docs/multinode.md)",
+        "Ray runs with token authentication: a token generated per run (or $RAY_AUTH_TOKEN_PATH, a file\n"
+        "of yours with mode 0600, or $RAY_AUTH_TOKEN), handed to each node in a 0600 file under\n"
+        "~/.cache/hybrid-build, never on a command line, and removed when the cluster stops. The Ray\n"
+        "dashboard stays on the head's loopback.")
     g.add_argument("--nodes", metavar="HOST1,HOST2", help="serve across these machines: [user@]host, each by its "
                    "address on the link; the first is the Ray head and runs vLLM. One of them may be this machine; "
                    "the others are reached over ssh")
@@ -76,19 +94,30 @@ def register(sub, common) -> None:
                         "(e.g. 1:CUDA_VISIBLE_DEVICES=0 2:CUDA_VISIBLE_DEVICES=1 for two nodes on one machine)")
     g.add_argument("--join-timeout", type=float, default=600,
                    help="seconds to wait for the head and for every node to join (default 600)")
+    g.add_argument("--force", action="store_true",
+                   help="serve across nodes whose addresses are not private or link-local anyway (refused "
+                        "otherwise: NCCL and Gloo traffic is not authenticated; docs/multinode.md, Security)")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
 
+def _api_key(args: argparse.Namespace, host: str):
+    """The served API's key (``served_key.resolve``); a ``--dry-run`` writes no generated key."""
+    from .served_key import resolve
+
+    return resolve(host, args.api_key, args.api_key_file, create=not args.dry_run)
+
+
 def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
-    from .launcher import check_prerequisites, smoke_test, start, wait_ready, warn_if_untested
+    from .launcher import check_prerequisites, plan_key, smoke_test, start, wait_ready, warn_if_untested
 
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
                        host=args.host,
                        hardware=args.hardware, disable_fixes=args.disable_fix,
-                       recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image)
+                       recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
+                       api_key=None if several else _api_key(args, args.host))
     if args.nodes or args.nodes_file:
         return _run_nodes(args, plan)
     if args.dry_run:
@@ -97,12 +126,18 @@ def run(args: argparse.Namespace) -> int:
         else:
             for k, v in sorted(plan.env.items()):
                 print(f"export {k}={v}")
+            if plan.api_key is not None:
+                print(plan.api_key.shell_line())
             print(shlex.join(plan.argv))
             for n in plan.notes:
                 print(f"# {n}")
+            if plan.api_key is not None:
+                print(f"# {plan.api_key.describe()}; {plan.api_key.client_hint()}")
         return 0
     check_prerequisites(plan)
     warn_if_untested(plan)  # an untested vLLM still runs: verify checks what it serves
+    if plan.api_key is not None and not (args.quiet or args.json):
+        print(f"{plan.api_key.describe()}; {plan.api_key.client_hint()}", flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
     server = start(plan, log_path)
     try:
@@ -110,9 +145,11 @@ def run(args: argparse.Namespace) -> int:
         ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
         bar.close()
         verified = _verify(args, plan, plan.base_url)
-        answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect)
+        answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
+                                                       api_key=plan_key(plan))
         info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
-                "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path)}
+                "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
+                "api_key": plan.api_key.to_json() if plan.api_key else None}
         if args.json:
             emit_json(info)
         else:
@@ -139,6 +176,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     from hybrid_build.validate.verify import load_reference, render, verify_server
 
     from .engine import recipe_for_serving
+    from .launcher import plan_key
 
     if args.no_verify:
         return {"outcome": "skipped", "reason": "--no-verify"}
@@ -156,7 +194,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     side = recipe.serve.profiles[plan.profile].artifact  # the dense profile serves the hybrid, the others the source
     try:
         report = verify_server(base_url, artifact, side=side, model=plan.model_name, timeout=300,
-                               thresholds=recipe.verify, reference=reference)
+                               thresholds=recipe.verify, reference=reference, api_key=plan_key(plan) or "")
     except CannotVerify as e:
         raise CannotVerify(f"{e} (stopped the server; --no-verify serves without the check)") from None
     say(render(report))
@@ -179,6 +217,19 @@ def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
     return out
 
 
+def _nodes_key_note(args: argparse.Namespace, mplan) -> str | None:
+    """Several nodes: the head's vLLM is started by ``multinode``, which has no way yet to give it a
+    key outside its command line, so none is given; where one is wanted (a key given, or vLLM
+    listening beyond loopback) this line says so. Nothing is generated or read: no key is used."""
+    from .served_key import SERVER_ENV, is_loopback
+
+    given = args.api_key is not None or args.api_key_file is not None or bool(os.environ.get(SERVER_ENV))
+    if not given and is_loopback(mplan.serve.host):
+        return None
+    return (f"with --nodes, serve cannot give vLLM an API key yet (serve/multinode.py): the API at {mplan.base_url} "
+            "may answer without one; keep it on a private link")
+
+
 def _run_nodes(args: argparse.Namespace, plan) -> int:
     """Several nodes: print the bring-up (--dry-run) or perform it, then hold until Ctrl-C."""
     from .multinode import bring_up, check_tools, parse_nodes, plan_multinode
@@ -187,13 +238,18 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
                            parallel=args.parallel, gpus_per_node=args.gpus_per_node, ray_port=args.ray_port,
                            ib_hca=args.ib_hca, remote_venv=args.remote_venv, ray_temp_dir=args.ray_temp_dir,
                            image=args.image if args.engine == "docker" else None,
-                           node_env=_node_env(args.node_env))
+                           node_env=_node_env(args.node_env), force=args.force)
+    open_api = _nodes_key_note(args, mplan)
     if args.dry_run:
         if args.json:
-            emit_json(mplan.to_json())
+            emit_json(dict(mplan.to_json(), **({"api_key_note": open_api} if open_api else {})))
         else:
             print(mplan.render())
+            if open_api:
+                print(f"# {open_api}")
         return 0
+    if open_api:
+        log.warning(open_api)
     check_tools(mplan)
     log_path = args.log or Path(f"hybrid-build-serve-{mplan.serve.profile}.log")
     say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))

@@ -19,6 +19,7 @@ from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, selec
 from hybrid_build.recipes.profiles import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER, ServeProfile
 
 from .runtime_fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
+from .served_key import SERVER_ENV, ApiKey, is_loopback
 
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
@@ -40,6 +41,8 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
     smoke_expect: str | None = SMOKE_EXPECT  # the recipe's serve.smoke_expect
     image: str | None = None  # the docker engine's image (its vLLM is the one served)
+    # the served API's key (``served_key``): in the child's environment only, never in argv or env
+    api_key: ApiKey | None = field(default=None, repr=False)
 
     @property
     def base_url(self) -> str:
@@ -50,9 +53,17 @@ class LaunchPlan:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return (env + " " if env else "") + shlex.join(self.argv)
 
+    @property
+    def secret_env(self) -> dict[str, str]:
+        """What the started process gets in its environment on top of ``env`` and is never shown."""
+        return self.api_key.env() if self.api_key and not self.api_key.pending else {}
+
     def to_json(self) -> dict:
-        return {"argv": self.argv, "env": self.env, "model_name": self.model_name, "base_url": self.base_url,
-                "profile": self.profile, "engine": self.engine, "model": self.model, "notes": self.notes}
+        out = {"argv": self.argv, "env": self.env, "model_name": self.model_name, "base_url": self.base_url,
+               "profile": self.profile, "engine": self.engine, "model": self.model, "notes": self.notes}
+        if self.api_key is not None:
+            out["api_key"] = self.api_key.to_json()
+        return out
 
 
 def _read_json(path: Path) -> dict:
@@ -154,6 +165,8 @@ def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: 
             "--enable-prefix-caching" if profile.enable_prefix_caching else "--no-enable-prefix-caching"]
     if profile.attention_backend:
         args += ["--attention-backend", profile.attention_backend]
+    if profile.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", profile.kv_cache_dtype]
     if profile.load_format:
         args += ["--load-format", profile.load_format]
     if profile.tool_call_parser:
@@ -252,11 +265,13 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
                 host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
                 source: str | None = None, image: str = DOCKER_IMAGE,
                 patches_dir: Path | None = None, hardware: str | None = None,
-                disable_fixes: tuple[str, ...] | list[str] = ()) -> LaunchPlan:
+                disable_fixes: tuple[str, ...] | list[str] = (), api_key: ApiKey | None = None) -> LaunchPlan:
     """``hardware`` (a ``plan`` preset; default: the GPU ``nvidia-smi`` names, if it is one) is
     only used to say when the profile's levers are predicted to gain little there. ``disable_fixes``
     (``--disable-fix``) adds to the ids ``HYBRID_BUILD_DISABLE_FIXES`` already names here; the
-    union goes into the served processes' environment."""
+    union goes into the served processes' environment. ``api_key`` (``served_key.resolve``) goes
+    into vLLM's environment as ``VLLM_API_KEY`` when the plan starts; the docker engine's argv
+    names the variable (``-e VLLM_API_KEY``) without its value."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
     off = fixes_off(disable_fixes)
@@ -276,6 +291,9 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if profile.artifact == "hybrid" and profile.int8_lm_head and hybrid.get("lm_head") == "quantize-at-load":
         env["HYBRID_BUILD_LM_HEAD"] = "quantize-at-load"
     notes = [fixes_off_note(off, engine)] if off else []
+    kv_note = _kv_cache_note(name, profile, model)
+    if kv_note:
+        notes.append(kv_note)
     if profile.artifact == "hybrid" and not profile.int8_lm_head and hybrid.get("lm_head") == "gptq-int8":
         notes.append("the artifact stores an int8 lm-head; it is served as stored")
     if profile.artifact == "hybrid" and hybrid and (Path(artifact) / "config.json").is_file():
@@ -287,7 +305,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
         argv = ["vllm"] + vllm_args(profile, local_model, port, host, drafter) + pin
         return LaunchPlan(argv, env, profile.served_model_name, port, host, name, engine, local_model, notes,
-                          rec.serve.smoke_expect)
+                          rec.serve.smoke_expect, api_key=api_key)
 
     # docker: the container serves on 8000 inside; our patches are mounted read-only and applied
     # to the image's vLLM before `vllm serve` starts
@@ -309,9 +327,42 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     env_flags: list[str] = []
     for k, v in sorted(env.items()):
         env_flags += ["-e", f"{k}={v}"]
+    if api_key is not None:
+        env_flags += ["-e", SERVER_ENV]  # docker copies the value from its own environment
     argv = (["docker", "run", "--rm", "--name", f"hybrid-build-{name}", "--gpus", "all", "--ipc", "host",
-             "-p", f"{'127.0.0.1:' if host in ('127.0.0.1', 'localhost') else ''}{port}:8000",
+             "-p", docker_publish(host, port),
              "-v", "hf-cache:/root/.cache/huggingface"] + mounts + env_flags +
             [image, "bash", "-c", script])
     return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes,
-                      rec.serve.smoke_expect, image=image)
+                      rec.serve.smoke_expect, image=image, api_key=api_key)
+
+
+def _kv_cache_note(name: str, profile: ServeProfile, model: str) -> str | None:
+    """What was measured about an fp8 KV cache, where it applies (docs/serve.md): on an H200 with
+    vLLM 0.25.1 the bf16-served hybrid passed verify with it, and a checkpoint vLLM served in
+    float16 (the tiny source, whose config.json names no dtype) died at the first prompt
+    (FlashAttention: "For FP8 input, output must have dtype BF16"); serve's verify before READY
+    stops such a server. vLLM picks the dtype itself when the config names none (it chose bf16 for
+    the tiny hybrid and float16 for its source), so this is a note, not a refusal."""
+    if not profile.kv_cache_dtype.startswith("fp8") or "--dtype" in profile.extra_args:
+        return None
+    cfg_path = Path(model).expanduser() / CONFIG
+    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    text = cfg.get("text_config") or {}
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    if dtype == "bfloat16":
+        return None
+    said = "says float16" if dtype == "float16" else f"names {dtype!r}" if dtype else "names no dtype"
+    return (f"the {name!r} profile asks for an {profile.kv_cache_dtype} KV cache and {model}'s config.json {said}: "
+            "if vLLM serves it in float16, FlashAttention stops at the first prompt (measured on an H200, vLLM "
+            "0.25.1) and verify stops the server; add \"--dtype\", \"bfloat16\" to the profile's extra_args to be sure")
+
+
+def docker_publish(host: str, port: int) -> str:
+    """``docker run -p``'s value: the container's 8000 on ``port`` of the loopback address ``host``
+    names (``localhost``: 127.0.0.1), or of every interface for any other host, as ``vllm serve
+    --host`` would listen; so a key is needed exactly where ``served_key.is_loopback`` says."""
+    if not is_loopback(host):
+        return f"{port}:8000"
+    address = "127.0.0.1" if host.lower() == "localhost" else host.strip("[]")
+    return f"{'[' + address + ']' if ':' in address else address}:{port}:8000"

@@ -3,6 +3,8 @@
 READY means ``GET /v1/models`` returns 200. While waiting, a server process that exits ends the
 wait at once with the tail of its log; a server that is not ready in time is stopped, with the
 same tail. The smoke test asks for the capital of France and requires "Paris" in the answer.
+With a served API key (``served_key``) the server gets it in its environment and every request
+here sends it; a server that refuses it ends the wait at once (``KeyRefused``).
 """
 from __future__ import annotations
 
@@ -18,18 +20,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid_build.core.api_key import REFUSED, bearer, refused
 from hybrid_build.core.errors import ArtifactError, ExternalToolError
 
 from .engine import LaunchPlan
+from .served_key import SERVER_ENV
 from hybrid_build.recipes.profiles import SMOKE_EXPECT, SMOKE_PROMPT
 
 log = logging.getLogger(__name__)
 
 
 
-def http_json(url: str, payload: dict | None = None, timeout: float = 10.0) -> dict:
+def serve_hint(sent: bool) -> str:
+    """What a 401 to serve's own request means: vLLM has another key than the one serve gave it, or
+    one serve did not give it."""
+    if sent:
+        return "serve sends the key it gave vLLM; does a profile's extra_args hold its own --api-key?"
+    return "serve gave vLLM no key; is VLLM_API_KEY set where vLLM runs, or --api-key in a profile's extra_args?"
+
+
+def plan_key(plan: LaunchPlan) -> str | None:
+    """The key the plan's server wants (None: none)."""
+    return plan.secret_env.get(SERVER_ENV)
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 10.0, api_key: str | None = None) -> dict:
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **bearer(api_key)})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
@@ -102,7 +119,7 @@ class Server:
 def start(plan: LaunchPlan, log_path: Path) -> Server:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
-    env = dict(os.environ, **plan.env)
+    env = {**os.environ, **plan.env, **plan.secret_env}  # the key last: it wins over an inherited one
     proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     out.close()
     log.info("started %s (pid %d), log %s", plan.argv[0], proc.pid, log_path)
@@ -114,14 +131,19 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
     """Seconds until ``/v1/models`` answered 200; raises ExternalToolError on exit or timeout."""
     t0 = time.monotonic()
     url = server.plan.base_url + "/models"
+    key = plan_key(server.plan)
     while True:
         code = server.process.poll()
         if code is not None:
             raise ExternalToolError(f"the server exited with code {code} before it was ready; last log lines:\n"
                                     + tail(server.log_path))
         try:
-            http_json(url, timeout=min(5.0, poll * 5))
+            http_json(url, timeout=min(5.0, poll * 5), api_key=key)
             return time.monotonic() - t0
+        except urllib.error.HTTPError as e:
+            if e.code in REFUSED:  # up, and refusing us: waiting longer changes nothing
+                server.stop()
+                raise refused(server.plan.base_url, e.code, bool(key), serve_hint(bool(key))) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
             pass
         elapsed = time.monotonic() - t0
@@ -134,14 +156,19 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
         time.sleep(poll)
 
 
-def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | None = SMOKE_EXPECT) -> str:
+def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | None = SMOKE_EXPECT,
+               api_key: str | None = None, hint: str | None = None) -> str:
     """Ask for the capital of France; the answer must contain ``expect`` (case-insensitive), or,
-    with ``expect=None`` (the recipe says the weights are random), be non-empty. Returns it."""
+    with ``expect=None`` (the recipe says the weights are random), be non-empty. Returns it.
+    ``api_key`` is sent as a Bearer token; a refused one is ``KeyRefused`` (``hint`` says what to do;
+    default: serve's own)."""
     try:
         r = http_json(base_url + "/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": SMOKE_PROMPT}],
-            "max_tokens": 64, "temperature": 0}, timeout=timeout)
+            "max_tokens": 64, "temperature": 0}, timeout=timeout, api_key=api_key)
     except urllib.error.HTTPError as e:
+        if e.code in REFUSED:
+            raise refused(base_url, e.code, bool(api_key), hint or serve_hint(bool(api_key))) from None
         raise ArtifactError(f"smoke test: the server answered HTTP {e.code}: {e.read()[:300].decode(errors='replace')}")
     except (urllib.error.URLError, OSError) as e:
         raise ArtifactError(f"smoke test: no answer from {base_url} ({e})")

@@ -12,12 +12,18 @@ this machine's runs its commands here; any other is reached with ``ssh -o BatchM
 for the long-running ones, so that closing the connection ends them). Nothing runs in
 ``plan_multinode``: ``--dry-run`` prints the plan, ``bring_up`` performs it.
 
+Only members get in: every Ray process runs with token authentication (``ray_auth``: one token
+per run, handed to each node in a file of its own that only its owner can read, never on a command
+line), the Ray dashboard stays on the head's loopback, and a node address that is not private
+(``check_private_link``) is refused without ``force``: NCCL's and Gloo's traffic between the nodes
+is not authenticated.
+
 ``bring_up`` checks every node first (same artifact by content, same vLLM, same Ray, same
-hybrid-build runtime patches), then starts the head, waits until it answers, starts the workers,
-waits until every node has joined with its GPUs, starts vLLM, waits for READY and runs the smoke
-test. Anything that fails, and Ctrl-C, stops what was started, last started first: vLLM, the
-workers, the head (``Cluster.stop``; a ``ray start --block`` that ends takes the Ray processes of
-its node with it).
+hybrid-build runtime patches), then writes each node's token file, starts the head, waits until it
+answers, starts the workers, waits until every node has joined with its GPUs, starts vLLM, waits
+for READY and runs the smoke test. Anything that fails, and Ctrl-C (or SIGTERM, SIGHUP), stops what
+was started, last started first: vLLM, the workers, the head (``Cluster.stop``; a ``ray start
+--block`` that ends takes the Ray processes of its node with it), then removes the token files.
 
 Run as ``python -m hybrid_build.serve.multinode probe JSON`` on a node, it prints that node's
 check as JSON (what ``bring_up`` compares).
@@ -25,23 +31,28 @@ check as JSON (what ``bring_up`` compares).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 
+from . import ray_auth
 from .engine import CONTAINER_DRAFTER, CONTAINER_MODEL, CONTAINER_SERVE, LaunchPlan, apply_patches_command
 
 log = logging.getLogger(__name__)
@@ -50,6 +61,7 @@ RAY_PORT = 6379
 CONTAINER_PREFIX = "hybrid-build-ray"
 SSH = ["ssh", "-o", "BatchMode=yes"]
 PARALLEL = ("tp", "pp")
+DASHBOARD_HOST = "127.0.0.1"  # Ray's dashboard (and its job API) on the head's loopback only
 # the hybrid-build code that changes vLLM at run time: every node must run the same
 RUNTIME_FILES = ("patches/*.py", "vllm_plugin.py", "upstream_fixes.py", "runtime_fixes.py", "int8_gemv.py")
 # asked on the head: the nodes Ray knows, by address (the Ray API, as a driver that leaves at once)
@@ -132,6 +144,27 @@ def resolve_nodes(specs: list[str]) -> list[Node]:
     return nodes
 
 
+def check_private_link(nodes: list[Node], force: bool = False) -> str | None:
+    """Refuse (one line, exit 2) a node whose address is neither private, link-local nor loopback:
+    Ray checks its token, but NCCL's and Gloo's traffic between the nodes (tensors, and the
+    rendezvous that sets it up) is neither authenticated nor encrypted, and Ray's token itself
+    crosses the link in clear. ``force``: go on, and return the warning to show."""
+    public = []
+    for node in nodes:
+        ip = ipaddress.ip_address(node.ip.split("%", 1)[0])  # an IPv6 scope (fe80::1%eth0) is not part of it
+        if not (ip.is_private or ip.is_link_local or ip.is_loopback):
+            spec = f" ({node.spec})" if node.spec.rsplit("@", 1)[-1].strip("[]") != node.ip else ""
+            public.append(f"node {node.index + 1}{spec} is at {node.ip}")
+    if not public:
+        return None
+    kind = "a private or link-local address" if len(public) == 1 else "private or link-local addresses"
+    why = (f"{' and '.join(public)}, not {kind}: NCCL and Gloo traffic between the nodes is not authenticated, so "
+           "the link must be one only the nodes reach")
+    if not force:
+        raise UserError(f"{why}; give the nodes' addresses on the private link, or --force")
+    return f"{why} (--force: going on)"
+
+
 # ----------------------------------------------------------------------------- plan
 
 
@@ -150,10 +183,19 @@ class Command:
         inner = (["env"] + [f"{k}={v}" for k, v in sorted(self.env.items())] if self.env else []) + self.argv
         if self.node.local:
             return inner
-        line = "exec " + shlex.join(inner)
+        line = "exec " + " ".join(_remote_word(w) for w in inner)
         if remote_venv:
             line = f"PATH={shlex.quote(remote_venv.rstrip('/') + '/bin')}:\"$PATH\" {line}"
         return SSH + (["-tt"] if self.tty else []) + [self.node.spec, line]
+
+
+def _remote_word(word: str) -> str:
+    """``shlex.quote`` for the node's shell, except that a leading ``~/`` (alone, after ``KEY=`` or
+    as a ``-v`` mount's source) stays the node user's home: ``"$HOME"/...``."""
+    m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*=)?~/(.+)", word, re.S)
+    if m is None:
+        return shlex.quote(word)
+    return (m[1] or "") + '"$HOME"/' + shlex.quote(m[2])
 
 
 @dataclass
@@ -174,6 +216,20 @@ class MultiNodePlan:
     ray_temp_dir: str | None = None
     notes: list[str] = field(default_factory=list)
     probe_args: dict = field(default_factory=dict)
+    token: ray_auth.RayToken = field(default_factory=lambda: ray_auth.RayToken("generated"))
+    token_files: list[str] = field(default_factory=list)  # one per node, on that node ("~/": its home)
+
+    def token_write(self, node: Node) -> Command:
+        """Writes the token, read from stdin, into ``node``'s file (another machine's; this machine's
+        are written in this process)."""
+        return Command(node, [sys_python(), "-m", "hybrid_build.serve.ray_auth", "write",
+                              self.token_files[node.index]],
+                       what=f"hand {node.describe()} the Ray token: into {self.token_files[node.index]} (0600)"
+                            + (", in this process" if node.local else ", read from stdin over ssh"))
+
+    def token_remove(self, node: Node) -> Command:
+        return Command(node, ["rm", "-f", self.token_files[node.index]],
+                       what=f"remove the Ray token file {self.token_files[node.index]} of {node.describe()}")
 
     @property
     def base_url(self) -> str:
@@ -184,6 +240,9 @@ class MultiNodePlan:
         out: list[tuple[str, list[str] | None]] = []
         for p in self.probes:
             out.append((p.what, None if p.node.local else p.local_argv(self.remote_venv)))
+        for node in self.nodes:
+            w = self.token_write(node)
+            out.append((w.what, None if node.local else w.local_argv(self.remote_venv)))
         out.append((self.ray[0].what, self.ray[0].local_argv(self.remote_venv)))
         out.append(("wait until the head answers: " + self.nodes_query.what,
                     self.nodes_query.local_argv(self.remote_venv)))
@@ -197,16 +256,22 @@ class MultiNodePlan:
 
     def teardown(self) -> list[tuple[str, list[str] | None]]:
         if self.stops:  # the head's container holds vLLM too: it goes last
-            return [("stop the `docker exec` of vLLM (vLLM itself ends with the head's container)", None)] + \
-                   [(s.what, s.local_argv(self.remote_venv)) for s in reversed(self.stops)]
-        return [("stop vLLM (SIGTERM; over ssh, closing its connection)", None)] + \
-               [(f"stop {c.what.split(':')[0]} (SIGTERM to its `ray start --block`, which stops that node's Ray)", None)
-                for c in reversed(self.ray)]
+            out = [("stop the `docker exec` of vLLM (vLLM itself ends with the head's container)", None)] + \
+                  [(s.what, s.local_argv(self.remote_venv)) for s in reversed(self.stops)]
+        else:
+            out = [("stop vLLM (SIGTERM; over ssh, closing its connection)", None)] + \
+                  [(f"stop {c.what.split(':')[0]} (SIGTERM to its `ray start --block`, which stops that node's Ray)",
+                    None) for c in reversed(self.ray)]
+        for node in self.nodes:  # once no Ray process is left to read them
+            r = self.token_remove(node)
+            out.append((r.what, None if node.local else r.local_argv(self.remote_venv)))
+        return out
 
     def to_json(self) -> dict:
         return {"nodes": [{"spec": n.spec, "ip": n.ip, "local": n.local, "role": n.role} for n in self.nodes],
                 "engine": self.engine, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
                 "gpus_per_node": self.gpus_per_node, "ray_address": self.ray_address,
+                "ray_auth": dict(self.token.to_json(), node_files=self.token_files, dashboard_host=DASHBOARD_HOST),
                 "model_name": self.serve.model_name, "base_url": self.base_url, "model": self.serve.model,
                 "profile": self.serve.profile,
                 "steps": [{"what": w, "argv": a} for w, a in self.steps()],
@@ -215,7 +280,9 @@ class MultiNodePlan:
 
     def render(self) -> str:
         lines = [f"# {len(self.nodes)} nodes, {self.engine} engine: vLLM with TP={self.tp} x PP={self.pp} over Ray "
-                 f"at {self.ray_address}"]
+                 f"at {self.ray_address}",
+                 f"# Ray token authentication: {self.token.describe()}, in a file per node that only its owner can "
+                 f"read (the token itself is never shown); the dashboard on {DASHBOARD_HOST}"]
         for what, argv in self.steps():
             lines.append(f"# {what}")
             if argv is not None:
@@ -241,7 +308,8 @@ def link_env(node: Node, ifname: str, ib_hca: str | None) -> dict[str, str]:
 
 def _ray_argv(node: Node, head: Node, port: int, gpus: int, temp_dir: str | None) -> list[str]:
     argv = ["ray", "start", "--block"]
-    argv += ["--head", "--port", str(port)] if node is head else ["--address", f"{head.ip}:{port}"]
+    argv += (["--head", "--port", str(port), "--dashboard-host", DASHBOARD_HOST] if node is head
+             else ["--address", f"{head.ip}:{port}"])
     argv += ["--node-ip-address", node.ip, "--num-gpus", str(gpus), "--disable-usage-stats"]
     if temp_dir:
         argv += ["--temp-dir", f"{temp_dir.rstrip('/')}/node{node.index + 1}"]
@@ -257,11 +325,14 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
                    parallel: str = "tp", gpus_per_node: int = 1, ray_port: int = RAY_PORT,
                    ib_hca: str | None = None, remote_venv: str | None = None, ray_temp_dir: str | None = None,
                    image: str | None = None, nodes: list[Node] | None = None,
-                   node_env: dict[int | None, dict[str, str]] | None = None) -> MultiNodePlan:
+                   node_env: dict[int | None, dict[str, str]] | None = None, force: bool = False,
+                   ray_token_file: Path | None = None) -> MultiNodePlan:
     """The multi-node bring-up of ``serve`` (the single-node plan of the same profile, built for the
     local engine: its argv is ``vllm serve ...``); ``image`` selects the docker engine. ``node_env``
     adds environment to every node (key None) or to node N (1-based): e.g. one GPU each with
-    ``CUDA_VISIBLE_DEVICES`` when two nodes share a machine."""
+    ``CUDA_VISIBLE_DEVICES`` when two nodes share a machine. A node address that is not private is
+    refused unless ``force``; the Ray token comes from ``ray_token_file``, ``$RAY_AUTH_TOKEN``,
+    ``$RAY_AUTH_TOKEN_PATH`` or is generated when the cluster starts (``ray_auth.resolve_token``)."""
     if not ifname:
         raise UserError("several nodes need --ifname: the network interface of the link (e.g. the ConnectX-7 port "
                         "`ibdev2netdev` shows); without it NCCL may pick the management network")
@@ -270,18 +341,28 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     if gpus_per_node < 1:
         raise UserError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     nodes = nodes or resolve_nodes(specs)
+    public = check_private_link(nodes, force)
     head = nodes[0]
     n = len(nodes)
     node_env = node_env or {}
     bad = [k for k in node_env if k is not None and not 1 <= k <= n]
     if bad:
         raise UserError(f"--node-env names node {bad[0]}, but there are {n} nodes (1..{n})")
+    owned = [k for part in node_env.values() for k in part if k.startswith("RAY_AUTH_")]
+    if owned:
+        raise UserError(f"--node-env {owned[0]}: serve sets Ray's authentication itself (docs/multinode.md, Security)")
+    token = ray_auth.resolve_token(ray_token_file)
+    token_files = [ray_auth.local_token_path(ray_port, node.index) if node.local
+                   else ray_auth.remote_token_path(ray_port, node.index) for node in nodes]
 
     def extra(node: Node) -> dict[str, str]:
         return dict(node_env.get(None, {}), **node_env.get(node.index + 1, {}))
     tp, pp = (n * gpus_per_node, 1) if parallel == "tp" else (gpus_per_node, n)
     address = f"{head.ip}:{ray_port}"
     notes = list(serve.notes)
+    if public:
+        log.warning("%s", public)
+        notes.append(public)
     host = serve.host
     if not head.local and host in ("127.0.0.1", "localhost"):
         host = head.ip  # the smoke test reaches the head from here
@@ -315,12 +396,17 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     stops: list[Command] = []
     if image is None:
         for node in nodes:
-            env = dict(serve_env, **link_env(node, ifname, ib_hca), **extra(node))  # Ray's workers inherit it
+            # Ray's workers inherit it: the link settings and the token's file
+            env = dict(serve_env, **link_env(node, ifname, ib_hca), **extra(node),
+                       **ray_auth.auth_env(token_files[node.index]))
             ray_cmds.append(Command(node, _ray_argv(node, head, ray_port, gpus_per_node, ray_temp_dir), env,
                                     f"Ray {node.role} on {node.describe()}", tty=True))
-        query = Command(head, ["python3", "-c", NODES_SCRIPT, address], what="the nodes Ray lists (Ray API, on the head)")
+        head_auth = ray_auth.auth_env(token_files[0])
+        query = Command(head, ["python3", "-c", NODES_SCRIPT, address], head_auth,
+                        what="the nodes Ray lists (Ray API, on the head)")
         vllm = Command(head, ["vllm"] + vllm_tail + _parallel_args(tp, pp),
-                       dict(serve_env, **link_env(head, ifname, ib_hca), **extra(head), RAY_ADDRESS=address),
+                       dict(serve_env, **link_env(head, ifname, ib_hca), **extra(head), **head_auth,
+                            RAY_ADDRESS=address),
                        f"vLLM on the head: TP={tp} x PP={pp} over Ray", tty=True)
     else:
         from . import patches as patches_pkg
@@ -337,11 +423,14 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
         rdma = ["--device", "/dev/infiniband", "--ulimit", "memlock=-1"] if ib_hca else []
         for node in nodes:
             name = f"{CONTAINER_PREFIX}-{node.index + 1}"
-            env = dict(serve_env, **link_env(node, ifname, ib_hca), **extra(node))
+            # the token's file mounted read-only; `docker exec` (vLLM, the query) inherits the environment
+            env = dict(serve_env, **link_env(node, ifname, ib_hca), **extra(node),
+                       **ray_auth.auth_env(ray_auth.CONTAINER_TOKEN))
             flags = [f for k, v in sorted(env.items()) for f in ("-e", f"{k}={v}")]
+            token_mount = ["-v", f"{token_files[node.index]}:{ray_auth.CONTAINER_TOKEN}:ro"]
             script = f"{apply_patches_command()} && exec {shlex.join(_ray_argv(node, head, ray_port, gpus_per_node, None))}"
             argv = (["docker", "run", "--rm", "--name", name, "--network", "host", "--ipc", "host", "--gpus", "all"]
-                    + rdma + mounts + flags + [image, "bash", "-c", script])
+                    + rdma + mounts + token_mount + flags + [image, "bash", "-c", script])
             ray_cmds.append(Command(node, argv, what=f"Ray {node.role} on {node.describe()}, in the image with "
                                                      "the runtime patches applied", tty=True))
             stops.append(Command(node, ["docker", "stop", name], what=f"stop the container of {node.describe()}"))
@@ -358,7 +447,7 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
                        + _parallel_args(tp, pp), what=f"vLLM in the head's container: TP={tp} x PP={pp} over Ray",
                        tty=True)
     return MultiNodePlan(nodes, "docker" if image else "local", tp, pp, gpus_per_node, address, probes, ray_cmds,
-                         query, vllm, stops, url_plan, remote_venv, ray_temp_dir, notes, probe_args)
+                         query, vllm, stops, url_plan, remote_venv, ray_temp_dir, notes, probe_args, token, token_files)
 
 
 def _drafter_of(argv: list[str]) -> str | None:
@@ -514,18 +603,22 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of commands run here: hybrid-build's own bin folder first on PATH, so the
     ``ray``, ``vllm`` and ``python3`` beside it are the ones that run."""
     env = dict(os.environ)
+    # a token in this environment would reach every child's (and override the file Ray is given):
+    # the nodes get the file only
+    env.pop(ray_auth.TOKEN_ENV, None)
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env.update(extra or {})
     return env
 
 
-def run_once(cmd: Command, remote_venv: str | None, timeout: float) -> str:
-    """Run a short command on its node; its stdout, or ExternalToolError with the last lines."""
+def run_once(cmd: Command, remote_venv: str | None, timeout: float, stdin_text: str | None = None) -> str:
+    """Run a short command on its node (``stdin_text`` on its stdin); its stdout, or
+    ExternalToolError with the last lines."""
     argv = cmd.local_argv(remote_venv)
+    stdin = {"input": stdin_text} if stdin_text is not None else {"stdin": subprocess.DEVNULL}
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env(),
-                           stdin=subprocess.DEVNULL)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env(), **stdin)
     except subprocess.TimeoutExpired:
         raise ExternalToolError(f"{cmd.node.describe()}: {cmd.argv[0]} did not answer in {timeout:.0f} s")
     except OSError as e:
@@ -579,25 +672,80 @@ class Started:
     stop_cmd: Command | None = None
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Hold a stop signal's Python handler back until the block ends: a signal that interrupted
+    ``Popen`` after its fork, or came before the child is listed, would leave a child no teardown
+    knows of (seen: a stand-in vLLM that outlived a SIGTERM). Only the main thread has handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    before = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if got:
+            signal.raise_signal(got[0])  # now, to the handler that was there
+
+
 class Cluster:
-    """What ``bring_up`` started, in order; ``stop`` ends it last-started first."""
+    """What ``bring_up`` started, in order, and the token files it wrote; ``stop`` ends the processes
+    last-started first, then removes the files."""
 
     def __init__(self, plan: MultiNodePlan) -> None:
         self.plan = plan
         self.started: list[Started] = []
+        self.token_nodes: list[Node] = []  # whose token file this run (may have) written
         self._lock = threading.Lock()
         self.stopped = threading.Event()
 
+    def write_tokens(self) -> None:
+        """Give every node the cluster's token in its file. A node is listed for removal before its
+        file is written (an interrupted write leaves nothing behind) and taken off again when the
+        write is refused (a file that was there already is not this run's)."""
+        token = self.plan.token.value()
+        for node in self.plan.nodes:
+            with self._lock:
+                self.token_nodes.append(node)
+            try:
+                if node.local:
+                    ray_auth.write_token_file(Path(self.plan.token_files[node.index]), token)
+                else:
+                    run_once(self.plan.token_write(node), self.plan.remote_venv, timeout=120, stdin_text=token + "\n")
+            except (UserError, ExternalToolError):
+                with self._lock:
+                    self.token_nodes.remove(node)
+                raise
+
+    def remove_tokens(self) -> None:
+        with self._lock:
+            todo, self.token_nodes = self.token_nodes, []
+        for node in todo:
+            path = self.plan.token_files[node.index]
+            try:
+                if node.local:
+                    Path(path).unlink(missing_ok=True)
+                else:
+                    run_once(self.plan.token_remove(node), self.plan.remote_venv, timeout=60)
+            except (OSError, ExternalToolError) as e:
+                log.warning("could not remove the Ray token file %s of %s: %s", path, node.describe(), e)
+
     def start(self, cmd: Command, log_path: Path, stop_cmd: Command | None = None) -> Started:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:
+        with open(log_path, "ab") as out, _stop_signals_held():
             # a session of its own: a Ctrl-C in the terminal reaches this process only, which stops
             # the others in order
             proc = subprocess.Popen(cmd.local_argv(self.plan.remote_venv), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True)
-        s = Started(cmd.what, proc, log_path, stop_cmd)
-        with self._lock:
-            self.started.append(s)
+            s = Started(cmd.what, proc, log_path, stop_cmd)
+            with self._lock:
+                self.started.append(s)
         log.info("started %s (pid %d), log %s", cmd.what, proc.pid, log_path)
         return s
 
@@ -619,6 +767,7 @@ class Cluster:
                     log.warning("%s did not stop in %.0f s: killed", s.what, grace)
                     s.process.kill()
                     s.process.wait()
+        self.remove_tokens()
         self.stopped.set()
 
     def dead(self) -> Started | None:
@@ -676,6 +825,8 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
             log.warning(untested)
     cluster = cluster or Cluster(plan)
     try:
+        cluster.write_tokens()
+        on_event(f"Ray token authentication: {plan.token.describe()}, in a 0600 file on each node")
         head = plan.ray[0]
         cluster.start(head, log_dir / "hybrid-build-ray-node1.log", plan.stops[0] if plan.stops else None)
         wait_for(lambda: query_nodes(plan), cluster, join_timeout, "the Ray head")

@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from hybrid_build.core.api_key import client_key
 from hybrid_build.core.artifact import REPORTS
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
 from hybrid_build.core.errors import UserError
@@ -61,6 +62,9 @@ def register(sub, common) -> None:
     s.add_argument("--tokenizer", metavar="FOLDER_OR_ID",
                    help="tokenizer for the requests (default: ARTIFACT's, else the server's /tokenize)")
     s.add_argument("--concurrency", type=int, default=4, help="requests in flight per server (default 4)")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="sent to both servers as a Bearer token (default: $OPENAI_API_KEY, which keeps the key off "
+                        "the command line); lm-eval gets it in its environment")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, metavar="FILE",
                    help=f"report JSON (a Markdown table beside it; default ARTIFACT/{REPORTS['eval'].main})")
@@ -133,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         report, raw = task_eval.evaluate_artifact(args.artifact, args.source, settings, progress=bar)
     else:
         source, hybrid = _servers(args)
-        report, raw = task_eval.evaluate_endpoints(source, hybrid, settings, args.artifact, progress=bar)
+        report, raw = task_eval.evaluate_endpoints(source, hybrid, settings, args.artifact, progress=bar,
+                                                   api_key=client_key(args.api_key))
     written = task_eval.write_report(report, out)
     if args.samples:
         written.append(task_eval.write_samples(raw, args.samples))

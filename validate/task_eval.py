@@ -18,6 +18,8 @@ Backends:
 - ``completions`` / ``chat``: lm-eval's ``local-completions`` / ``local-chat-completions`` against
   running OpenAI-compatible servers (``hybrid-build serve``): what the engine really computes.
   The chat backend runs generative tasks only (a chat API returns no prompt log-likelihoods).
+  An API key goes to lm-eval in its environment (``OPENAI_API_KEY``, which those models read at
+  each request), never in its model arguments, which lm-eval records.
 
 Tasks are any lm-eval task or group by name, plus the bundled offline set (``eval_taskset``:
 groups ``hybrid_build`` and ``hybrid_build_gen``), which needs no network.
@@ -37,9 +39,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.api_key import CLIENT_ENV, REFUSED, bearer, refused
 from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
@@ -273,12 +277,16 @@ def run_lm_eval(lm, settings: EvalSettings, manager) -> dict:
 # ------------------------------------------------------------------------------------ servers
 
 
-def list_models(url: str, timeout: float = 10.0) -> list[dict]:
-    """The server's ``/models`` entries; an unreachable server is one ExternalToolError."""
+def list_models(url: str, timeout: float = 10.0, api_key: str | None = None) -> list[dict]:
+    """The server's ``/models`` entries; an unreachable server is one ExternalToolError, a refused
+    key one ``KeyRefused``."""
+    req = urllib.request.Request(url.rstrip("/") + "/models", headers=bearer(api_key))
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/models", timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             data = json.loads(r.read().decode())
     except urllib.error.HTTPError as e:
+        if e.code in REFUSED:
+            raise refused(url, e.code, bool(api_key)) from None
         raise ExternalToolError(f"{url}: GET /models answered HTTP {e.code}: is this an OpenAI-compatible base URL "
                                 f"(ending in /v1)?") from None
     except (urllib.error.URLError, OSError) as e:
@@ -292,9 +300,9 @@ def list_models(url: str, timeout: float = 10.0) -> list[dict]:
     return [e for e in entries if isinstance(e, dict) and e.get("id")]
 
 
-def check_server(server: ServerModel, role: str) -> ServerModel:
+def check_server(server: ServerModel, role: str, api_key: str | None = None) -> ServerModel:
     """The server answers and serves the model named (or exactly one, taken when none is named)."""
-    entries = list_models(server.url)
+    entries = list_models(server.url, api_key=api_key)
     ids = [str(e["id"]) for e in entries]
     flag = f"--{role}-model"
     if server.model is None:
@@ -329,16 +337,36 @@ def _server_lm(server: ServerModel, settings: EvalSettings):
                         f"--tokenizer with a local folder holding the model's tokenizer") from None
 
 
+@contextmanager
+def client_key_env(api_key: str | None):
+    """``OPENAI_API_KEY`` set to ``api_key`` while lm-eval runs in this process (its API models read
+    it at every request), then restored; without a key, the environment as it is."""
+    if not api_key:
+        yield
+        return
+    before = os.environ.get(CLIENT_ENV)
+    os.environ[CLIENT_ENV] = api_key
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CLIENT_ENV, None)
+        else:
+            os.environ[CLIENT_ENV] = before
+
+
 def evaluate_servers(source: ServerModel, hybrid: ServerModel, settings: EvalSettings, manager,
-                     progress: ProgressFactory = null_progress) -> dict[str, dict]:
-    """lm-eval on both servers, one after the other; {"source": results, "hybrid": results}."""
+                     progress: ProgressFactory = null_progress, api_key: str | None = None) -> dict[str, dict]:
+    """lm-eval on both servers, one after the other; {"source": results, "hybrid": results}.
+    ``api_key`` reaches lm-eval as ``OPENAI_API_KEY`` in the environment."""
     events = ProgressEvents(progress)
     out = {}
     try:
         for role, server in (("source", source), ("hybrid", hybrid)):
             lm = counting_lm(_server_lm(server, settings), role, events, chunk=max(64, 4 * settings.concurrency))
             try:
-                out[role] = run_lm_eval(lm, settings, manager)
+                with client_key_env(api_key):
+                    out[role] = run_lm_eval(lm, settings, manager)
             except Exception as e:  # noqa: BLE001 - lm-eval re-raises the server's failure after its retries
                 if isinstance(e, (UserError, ExternalToolError)):
                     raise
@@ -678,12 +706,12 @@ def evaluate_artifact(artifact: Path, source: str | None, settings: EvalSettings
 
 
 def evaluate_endpoints(source: ServerModel, hybrid: ServerModel, settings: EvalSettings,
-                       artifact: Path | None = None,
-                       progress: ProgressFactory = null_progress) -> tuple[AccuracyReport, dict]:
+                       artifact: Path | None = None, progress: ProgressFactory = null_progress,
+                       api_key: str | None = None) -> tuple[AccuracyReport, dict]:
     """A server backend: both servers checked (reachable, serving the model named, not the same
-    model twice), then evaluated one after the other."""
-    source = check_server(source, "source")
-    hybrid = check_server(hybrid, "hybrid")
+    model twice, taking ``api_key``: sent as a Bearer token), then evaluated one after the other."""
+    source = check_server(source, "source", api_key)
+    hybrid = check_server(hybrid, "hybrid", api_key)
     if source.url.rstrip("/") == hybrid.url.rstrip("/") and source.model == hybrid.model:
         raise UserError(f"the source and the hybrid are the same model ({source.model!r} at {source.url}): give "
                         "each its own server (--source-url, --hybrid-url) or its own served name")
@@ -692,7 +720,7 @@ def evaluate_endpoints(source: ServerModel, hybrid: ServerModel, settings: EvalS
     manager = task_manager(settings.tasks)
     check_tasks(settings.tasks, manager, settings.backend)
     t0 = time.perf_counter()
-    raw = evaluate_servers(source, hybrid, settings, manager, progress)
+    raw = evaluate_servers(source, hybrid, settings, manager, progress, api_key)
     models = {role: {"name": m.model, "backend": LM_EVAL_MODELS[settings.backend], "url": m.url, "root": m.root,
                      "tokenizer": m.tokenizer}
               for role, m in (("source", source), ("hybrid", hybrid))}

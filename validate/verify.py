@@ -18,18 +18,20 @@ estimate <= KL(P||Q) over the full vocabulary. It is exact when the server retur
 top-k set and the tail is a single token.
 
 Three outcomes: ``passed`` and ``failed`` (a ``VerifyReport``), or ``CannotVerify`` (exit 3, one
-line): nothing answers, another model is served, no prompt log-probabilities, no reference.
+line): nothing answers, another model is served, no prompt log-probabilities, no reference. A
+server that refuses the API key (none, or another: HTTP 401/403) is ``KeyRefused``, a usage
+mistake (exit 2, one line).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.api_key import REFUSED, bearer, client_key, refused
 from hybrid_build.core.errors import CannotVerify, HybridBuildError
 from hybrid_build.recipes.schema import VerifySpec
 
@@ -106,10 +108,7 @@ class Position:
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
-    h = {"Content-Type": "application/json"}
-    if api_key:
-        h["Authorization"] = f"Bearer {api_key}"
-    return h
+    return {"Content-Type": "application/json", **bearer(api_key)}
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -147,8 +146,9 @@ def served_models(base_url: str, api_key: str | None, timeout: float) -> list[st
     try:
         data = _request(url, None, api_key, timeout)
     except urllib.error.HTTPError as e:
-        hint = " (pass --api-key or set OPENAI_API_KEY)" if e.code in (401, 403) else ""
-        raise CannotVerify(f"could not verify: {url} answered {_http_detail(e)}{hint}") from None
+        if e.code in REFUSED:
+            raise refused(base_url, e.code, bool(api_key)) from None
+        raise CannotVerify(f"could not verify: {url} answered {_http_detail(e)}") from None
     try:
         return [str(m["id"]) for m in data["data"]]
     except (KeyError, TypeError):
@@ -199,9 +199,8 @@ def prompt_logprobs(base_url: str, model: str, token_ids: list[int], k: int, api
         try:
             data = _request(url, request_body(protocol, model, token_ids, k), api_key, timeout)
         except urllib.error.HTTPError as e:
-            if e.code in (401, 403):
-                raise CannotVerify(f"could not verify: {url} answered {_http_detail(e)} (pass --api-key or set "
-                                   "OPENAI_API_KEY)") from None
+            if e.code in REFUSED:
+                raise refused(base_url, e.code, bool(api_key)) from None
             tried.append(f"{protocol}: {_http_detail(e)}")
             continue
         choices = data.get("choices") if isinstance(data, dict) else None
@@ -385,14 +384,16 @@ def check_model(base_url: str, model: str | None, artifact: Path, side: str, api
 def verify_server(url: str, artifact: Path, *, side: str = "hybrid", model: str | None = None,
                   api_key: str | None = None, timeout: float = 120.0, thresholds: VerifySpec | None = None,
                   reference=None) -> VerifyReport:
-    """Compare the server at ``url`` with ``artifact``'s reference; ``CannotVerify`` when that cannot run."""
+    """Compare the server at ``url`` with ``artifact``'s reference; ``CannotVerify`` when that cannot run,
+    ``KeyRefused`` when the server refuses the key. ``api_key``: sent as a Bearer token; None takes
+    ``$OPENAI_API_KEY``, "" sends none."""
     from hybrid_build.core.artifact import artifact_identity
 
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES}")
     ref = reference or load_reference(artifact)
     base = base_url_of(url)
-    api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+    api_key = client_key(api_key) if api_key is None else api_key  # "" sends none, whatever the environment holds
     name = check_model(base, model, artifact, side, api_key, timeout)
     texts, protocol = [], None
     for text in ref.texts.values():

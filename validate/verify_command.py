@@ -26,7 +26,7 @@ def register(sub, common) -> None:
                     "not change the figures (prompt log-probabilities do not go through the drafter). Exit 0 when "
                     "the server passes, 1 when it fails, 3 when the check could not run (nothing answers, another "
                     "model is served, no prompt log-probabilities, no reference in the artifact), 2 on a usage "
-                    "error.",
+                    "error (a server that refuses the API key, or wants one and got none, is one).",
         epilog="examples:\n"
                "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/\n"
                "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --json\n"
@@ -40,7 +40,8 @@ def register(sub, common) -> None:
                    help="which of the reference's sides the server should match: hybrid (the artifact, default) "
                         "or source (a server of the source checkpoint: the dflash, base and mtp profiles)")
     p.add_argument("--model", help="the served model name (default: the name the artifact's recipe serves it under)")
-    p.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--api-key", metavar="KEY", help="sent as a Bearer token (default: $OPENAI_API_KEY, which keeps "
+                                                   "the key off the command line; `serve` says where its key is)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request (default 120)")
     add_json_flag(p)
     p.set_defaults(handler=_handle)

@@ -26,11 +26,14 @@ def tiny_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
 STANDIN = Path(__file__).resolve().parent / "standin_server.py"
 
 FAKE_VLLM = '''#!{python}
-import os, sys
+import json, os, sys
 args = sys.argv[1:]
 if args == ["--version"]:
     print("0.0.0-standin")
     sys.exit(0)
+if os.environ.get("HB_STANDIN_RECORD"):  # what serve started vLLM with: its argv and its key variable
+    with open(os.environ["HB_STANDIN_RECORD"], "w") as f:
+        json.dump({{"argv": sys.argv, "VLLM_API_KEY": os.environ.get("VLLM_API_KEY")}}, f)
 opt = lambda name: args[args.index(name) + 1]
 ref = ["--reference", args[1]] if os.path.exists(os.path.join(args[1], "hybrid_build", "reference.json")) else []
 os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), "--model", opt("--served-model-name"),
@@ -42,8 +45,9 @@ os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), 
 def serve_env(tmp_path):
     """A bin folder with a stand-in `vllm` (it serves the OpenAI stand-in, answering prompt
     log-probabilities from the artifact's reference when there is one; more flags from
-    ``HB_STANDIN_FLAGS``) and `nvidia-smi` first on PATH, a free port, and a check that the server
-    does not outlive the test."""
+    ``HB_STANDIN_FLAGS``; with ``HB_STANDIN_RECORD=FILE`` it writes its argv and ``VLLM_API_KEY``
+    there) and `nvidia-smi` first on PATH, a free port, and a check that the server does not
+    outlive the test."""
     from test_multinode import _processes_mentioning, free_port
 
     bindir = tmp_path / "bin"

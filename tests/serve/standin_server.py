@@ -27,6 +27,10 @@ servers: ``--logprob-noise X`` (a correct server whose kernels move every log-pr
 ``--legacy-echo`` (``prompt_logprobs`` ignored; only ``echo`` + ``logprobs`` answers). Reading the
 reference needs torch and safetensors (the project's venv); the rest is stdlib.
 
+With ``VLLM_API_KEY`` in its environment the stand-in wants that key, as vLLM's OpenAI server does
+(``AuthenticationMiddleware``): every request under ``/v1`` without ``Authorization: Bearer KEY``
+gets 401 ``{"error": "Unauthorized"}``; ``/metrics`` stays open.
+
 ``FakeServer`` / ``FakeNetwork`` are the same stand-in in process, behind a fake ``urlopen`` and
 a fake clock, for tests whose assertions are exact arithmetic on times.
 """
@@ -42,6 +46,16 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 START = time.monotonic()
+GUARDED_PREFIX = ("/v1", "/v2", "/inference")  # vLLM 0.23.0 and 0.25.1's (0.33.0 adds /cohere)
+
+
+def authorized(path: str, header: str | None, key: str | None) -> bool:
+    """vLLM's rule: without a key everything passes; with one, a guarded path needs ``Bearer KEY``
+    (the scheme case-insensitive, the key exact)."""
+    if not key or not path.startswith(GUARDED_PREFIX):
+        return True
+    scheme, _, param = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and param == key
 
 
 def go_float(d: float) -> str:
@@ -298,6 +312,7 @@ def main() -> int:
     scores = (PromptLogprobs(a.reference, a.side, a.logprob_noise, a.corrupt, not a.no_prompt_logprobs,
                              a.legacy_echo) if a.reference else None)
     engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()))
+    api_key = os.environ.get("VLLM_API_KEY") or None
     print("stand-in: loading weights", flush=True)
 
     class Handler(BaseHTTPRequestHandler):
@@ -312,7 +327,16 @@ def main() -> int:
             self.end_headers()
             self.wfile.write(body)
 
+        def _refused(self) -> bool:
+            """Answer 401 as vLLM does when the request lacks the key; True if it did."""
+            if authorized(self.path, self.headers.get("Authorization"), api_key):
+                return False
+            self._json(401, {"error": "Unauthorized"})
+            return True
+
         def do_GET(self):
+            if self._refused():
+                return
             if self.path == "/metrics" and not a.no_metrics:
                 body = engine.render().encode()
                 self.send_response(200)
@@ -329,6 +353,8 @@ def main() -> int:
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self._refused():
+                return
             if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 return self._json(404, {"error": "not found"})
             if req.get("model") != a.model:
@@ -340,7 +366,8 @@ def main() -> int:
                 return self._json(200, {"id": "cmpl-standin", "object": "text_completion", "model": a.model,
                                         "choices": [choice], "usage": {"prompt_tokens": len(req["prompt"])}})
             if not req.get("stream"):
-                return self._json(200, {"choices": [{"message": {"role": "assistant", "content": a.answer}}],
+                message = {"role": "assistant", "content": a.answer}
+                return self._json(200, {"choices": [{"index": 0, "message": message}],
                                         "usage": {"completion_tokens": 2}})
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")

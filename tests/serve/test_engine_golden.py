@@ -7,6 +7,7 @@ after an intended change with ``HYBRID_BUILD_UPDATE_GOLDEN=1`` and review the di
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 from pathlib import Path
@@ -130,3 +131,69 @@ def test_dense_profile_says_when_its_levers_gain_little(tiny_artifact):
     assert any("bound by the per-step floor" in n for n in h200.notes)
     gb10 = plan_launch(str(tiny_artifact), "dense", drafter="z-lab/tiny-drafter", hardware="gb10")
     assert not any("per-step floor" in n for n in gb10.notes)
+
+
+def test_kv_cache_dtype_reaches_vllm_only_when_a_profile_asks(artifact, tmp_path):
+    """Issue 28: a profile's ``kv_cache_dtype`` becomes vLLM's --kv-cache-dtype; no shipped
+    profile sets it (fp8 KV is checked with verify first, docs/serve.md); a value vLLM does not
+    know is refused by the schema, and every value the schema takes is one that each vLLM
+    version this project targets lists in its CacheDType."""
+    import typing
+
+    import yaml
+    from pydantic import ValidationError
+
+    from hybrid_build.recipes.profiles import ServeProfile
+    from hybrid_build.recipes.schema import load_recipe
+    from tests.serve.vllm_sources import VERSIONS, unpacked
+
+    for p in PROFILES:
+        assert "--kv-cache-dtype" not in plan_launch(str(artifact), p, recipe="qwen3.5-122b-a10b").argv
+    data = load_recipe("qwen3.5-122b-a10b").model_dump(mode="json")
+    data["serve"]["profiles"]["dense"]["kv_cache_dtype"] = "fp8"
+    path = tmp_path / "fp8kv.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    argv = plan_launch(str(artifact), "dense", recipe=str(path)).argv
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--kv-cache-dtype" not in plan_launch(str(artifact), "base", recipe=str(path)).argv
+    with pytest.raises(ValidationError):
+        ServeProfile(kv_cache_dtype="fp9")
+    ours = set(typing.get_args(ServeProfile.model_fields["kv_cache_dtype"].annotation))
+    checked = 0
+    for version in VERSIONS:
+        src = unpacked(version)
+        if src is None:
+            continue
+        text = (src / "vllm" / "config" / "cache.py").read_text()
+        block = text[text.index("CacheDType = Literal["):]
+        theirs = set(re.findall(r'"([a-z0-9_]+)"', block[:block.index("]")]))
+        assert ours <= theirs, (version, ours - theirs)
+        checked += 1
+    if not checked:
+        pytest.skip("no vLLM sources unpacked (.ci/vllm_sources.sh)")
+
+
+def test_fp8_kv_cache_on_a_checkpoint_without_bf16_gets_the_measured_note(tiny_artifact, tmp_path):
+    """On the H200 (vLLM 0.25.1) the tiny source, served in float16, died at the first prompt with
+    an fp8 KV cache, while the tiny hybrid (served in bf16) passed verify with it (docs/serve.md).
+    Neither config names a dtype (vLLM chose), so both plans carry the note; giving vLLM's --dtype
+    takes it away, and a profile without fp8 KV never has it."""
+    import yaml
+
+    from hybrid_build.core.artifact import read_recipe_data
+
+    data = read_recipe_data(tiny_artifact)
+    path = tmp_path / "fp8kv.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert not any("KV cache" in n for n in plan_launch(str(tiny_artifact), "base", recipe=str(path)).notes)
+    for prof in data["serve"]["profiles"].values():
+        prof["kv_cache_dtype"] = "fp8"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    dense = plan_launch(str(tiny_artifact), "dense", recipe=str(path))
+    assert dense.argv[dense.argv.index("--kv-cache-dtype") + 1] == "fp8"
+    base = plan_launch(str(tiny_artifact), "base", recipe=str(path))
+    assert any(re.search(r"'base' profile asks for an fp8 KV cache .* names no dtype.*--dtype", n) for n in base.notes)
+    data["serve"]["profiles"]["base"]["extra_args"] = ["--dtype", "bfloat16"]
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    base = plan_launch(str(tiny_artifact), "base", recipe=str(path))
+    assert "--kv-cache-dtype" in base.argv and not any("KV cache" in n for n in base.notes)

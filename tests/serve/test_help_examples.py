@@ -69,6 +69,9 @@ def why_not(cmd: str, cwd: Path) -> str | None:
         return "checks a running server against the artifact's reference (hybrid-build serve; tests/validate/test_verify.py)"
     if verb == "eval" and any("://" in a for a in args):
         return "evaluates running OpenAI-compatible servers (hybrid-build serve)"
+    remote = next((a for a in args if "://" in a and not a.startswith("http://127.0.0.1:")), None)
+    if remote:
+        return f"talks to the server at {remote} (network)"
     if "--texts" in args and not (cwd / args[args.index("--texts") + 1]).exists():
         return f"reads the user's texts file {args[args.index('--texts') + 1]}"
     return None

@@ -4,14 +4,18 @@ The bring-up runs for real here: a Ray head and a worker node on loopback addres
 machine (127.0.0.2 and 127.0.0.3, their own ports and temp folders), a stand-in for ``vllm``
 (answers ``--version``; for ``serve`` it asks Ray which nodes joined, records what it was given,
 then runs the OpenAI stand-in server), the smoke test, and Ctrl-C, after which no process of the
-cluster may be left. Golden files hold the exact dry-run plan of the local and docker engines
-(``HYBRID_BUILD_UPDATE_GOLDEN=1`` rewrites them).
+cluster may be left. While it runs, processes without the cluster's Ray token try to join it and to
+connect to it, and are refused; the token is in no process's command line or environment, and its
+files are gone after the teardown. Golden files hold the exact dry-run plan of the local and docker
+engines (``HYBRID_BUILD_UPDATE_GOLDEN=1`` rewrites them).
 """
 from __future__ import annotations
 
 import json
 import os
 import queue
+import re
+import stat
 import shutil
 import signal
 import socket
@@ -28,6 +32,7 @@ from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from hybrid_build.serve import bandwidth as bw
 from hybrid_build.serve import multinode as mn
 from hybrid_build.serve import multinode_plan as mnp
+from hybrid_build.serve import ray_auth
 from hybrid_build.serve.engine import plan_launch
 
 HERE = Path(__file__).resolve().parent
@@ -40,6 +45,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch) -> Path:
+    """A home of the test's own (this machine's token files go under ~/.cache/hybrid-build, and Ray
+    looks for ~/.ray/auth_token there) and no Ray token from the environment running the tests."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for k in RAY_AUTH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    return home
 
 
 # ----------------------------------------------------------------------------- hosts
@@ -94,7 +114,7 @@ def _render(plan: mn.MultiNodePlan, art: Path) -> str:
 
     text = json.dumps(plan.to_json(), indent=1, sort_keys=True)
     return (text.replace(str(Path(patches.__file__).parent.parent.resolve()), "<SERVE>")
-                .replace(str(art.resolve()), "<ARTIFACT>")) + "\n"
+                .replace(str(art.resolve()), "<ARTIFACT>").replace(str(Path.home()), "<HOME>")) + "\n"
 
 
 @pytest.mark.parametrize("engine", ["local", "docker"])
@@ -159,8 +179,8 @@ def test_docker_plan_runs_ray_in_the_patched_image_on_every_node(artifact):
         assert " && exec ray start --block " in argv[-1]
     assert plan.vllm.argv[:5] == ["docker", "exec", "-e", "RAY_ADDRESS=127.0.0.2:6379", "hybrid-build-ray-1"]
     assert plan.vllm.argv[5:8] == ["vllm", "serve", "/model"]
-    # the head's container holds vLLM: it stops last
-    assert [w for w, _ in plan.teardown()][1:] == [s.what for s in reversed(plan.stops)]
+    # the head's container holds vLLM: it stops last; then the token files go
+    assert [w for w, _ in plan.teardown()][1:-2] == [s.what for s in reversed(plan.stops)]
 
 
 def test_dry_run_cli_text_and_json(artifact, capsys):
@@ -180,6 +200,185 @@ def test_dry_run_cli_text_and_json(artifact, capsys):
     assert "CUDA_VISIBLE_DEVICES=1 GLOO_SOCKET_IFNAME=lo NCCL_P2P_DISABLE=1" in out
     assert main(base + ["--node-env", "2:not an assignment"]) == 2
     assert "[N:]KEY=VALUE" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- who gets in
+
+
+def test_every_ray_process_runs_with_the_token_file_of_its_node(artifact, home):
+    plan = _plan(artifact)
+    head, worker = plan.ray
+    mine = str(home / ".cache" / "hybrid-build" / "ray-token-6379-node1")
+    assert plan.token_files == [mine, "~/.cache/hybrid-build/ray-token-6379-node2"]
+    for c, path in ((head, mine), (worker, plan.token_files[1]), (plan.nodes_query, mine), (plan.vllm, mine)):
+        assert (c.env["RAY_AUTH_MODE"], c.env["RAY_AUTH_TOKEN_PATH"]) == ("token", path)
+    # the dashboard (and its job API) on the head's loopback; workers have none
+    assert head.argv[head.argv.index("--dashboard-host") + 1] == "127.0.0.1" and "--dashboard-host" not in worker.argv
+    # on the other node its shell expands the home: the path, never the token, is on the line
+    line = worker.local_argv(plan.remote_venv)[-1]
+    assert ' RAY_AUTH_TOKEN_PATH="$HOME"/.cache/hybrid-build/ray-token-6379-node2 ' in line
+    assert plan.token_write(worker.node).local_argv(None)[-1] == \
+        'exec python3 -m hybrid_build.serve.ray_auth write "$HOME"/.cache/hybrid-build/ray-token-6379-node2'
+    assert [w for w, _ in plan.teardown()][-2:] == [plan.token_remove(n).what for n in plan.nodes]
+    docker = _plan(artifact, "docker", ray_port=7000)
+    for c in docker.ray:
+        assert "RAY_AUTH_MODE=token" in c.argv and f"RAY_AUTH_TOKEN_PATH={ray_auth.CONTAINER_TOKEN}" in c.argv
+        assert f"{docker.token_files[c.node.index]}:{ray_auth.CONTAINER_TOKEN}:ro" in c.argv
+    assert '-v "$HOME"/.cache/hybrid-build/ray-token-7000-node2:/run/hybrid-build/ray-token:ro ' in \
+        docker.ray[1].local_argv(None)[-1]
+    with pytest.raises(UserError, match="sets Ray's authentication itself"):
+        _plan(artifact, node_env={None: {"RAY_AUTH_MODE": "disabled"}})
+
+
+def test_the_token_is_never_shown_and_a_given_file_must_be_its_owners_alone(artifact, home, tmp_path, capsys,
+                                                                            monkeypatch):
+    base = ["serve", str(artifact), "--profile", "dense", "--recipe", "qwen3.5-122b-a10b", "--nodes",
+            "127.0.0.2,198.51.100.12", "--ifname", "lo", "--dry-run"]
+    assert main(base) == 0
+    assert "# Ray token authentication: a token generated for this run" in capsys.readouterr().out
+    assert not (home / ".cache").exists()  # a dry run writes no token
+    token = "tok-" + "x7" * 20
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    assert main(base) == 0 and main(base + ["--json"]) == 0
+    out = capsys.readouterr().out
+    assert token not in out and "the token given by $RAY_AUTH_TOKEN" in out and '"origin": "$RAY_AUTH_TOKEN"' in out
+    assert "RAY_AUTH_TOKEN" not in mn.child_env()  # the children get the file, not the variable
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+
+    f = tmp_path / "ray-token"
+    f.write_text(token + "\n")
+    f.chmod(0o644)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(f))
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`chmod 600 {f}`" in err and "mode 0644" in err
+    f.chmod(0o600)
+    assert main(base + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ray_auth"]["origin"] == "$RAY_AUTH_TOKEN_PATH" and data["ray_auth"]["file"] == str(f)
+    assert token not in json.dumps(data)
+    assert ray_auth.resolve_token().value() == token
+    f.write_text("short\n")
+    with pytest.raises(UserError, match="5 characters; use 16 or more"):
+        ray_auth.resolve_token()
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="cannot read it"):
+        ray_auth.resolve_token()
+    generated = ray_auth.resolve_token(environ={})
+    a, b = generated.value(), generated.value()
+    assert a != b and len(a) >= 40 and generated.origin == "generated"  # one per run
+
+
+def test_a_token_file_is_written_owner_only_and_never_replaced(tmp_path):
+    path = tmp_path / "cache" / "ray-token-1-node1"
+    token = "t" * 43
+    old = os.umask(0)  # whatever the umask, the file is 0600
+    try:
+        ray_auth.write_token_file(path, token)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token + "\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary file left
+    with pytest.raises(UserError, match="exists: a `serve --nodes` on the same Ray port"):
+        ray_auth.write_token_file(path, "u" * 43)
+    assert path.read_text() == token + "\n"
+    link = tmp_path / "cache" / "ray-token-1-node2"
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UserError, match="exists"):
+        ray_auth.write_token_file(link, token)
+    assert not (tmp_path / "elsewhere").exists()
+    with pytest.raises(UserError, match="one word of printable ASCII"):
+        ray_auth.write_token_file(tmp_path / "x", "two words here, long enough")
+
+
+FAKE_SSH = """#!/bin/sh
+# stand-in for ssh: records its arguments and its stdin, then runs the remote line here
+printf '%s\\n' "$@" >> {record}
+while [ "$#" -gt 1 ]; do shift; done
+tee -a {stdin} | sh -c "$1"
+"""
+
+
+def test_another_node_gets_the_token_on_stdin_and_loses_it_at_teardown(artifact, home, tmp_path, monkeypatch):
+    """The node over ssh (a stand-in that runs the remote line here, HOME being the test's): the
+    token reaches its file through stdin, never the command line; ``stop`` removes the files, but
+    not one that was there before this run."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record, stdin = tmp_path / "ssh-argv", tmp_path / "ssh-stdin"
+    (bindir / "ssh").write_text(FAKE_SSH.format(record=record, stdin=stdin))
+    (bindir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    token = "given-" + "k" * 40
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    plan = _plan(artifact, ray_port=7001)
+    cluster = mn.Cluster(plan)
+    cluster.write_tokens()
+    files = [Path(plan.token_files[0]), home / ".cache" / "hybrid-build" / "ray-token-7001-node2"]
+    for f in files:
+        assert f.read_text() == token + "\n" and stat.S_IMODE(f.stat().st_mode) == 0o600
+    assert token in stdin.read_text() and token not in record.read_text()
+    assert "hybrid_build.serve.ray_auth write" in record.read_text()
+    cluster.stop()
+    assert not any(f.exists() for f in files)
+    assert 'exec rm -f "$HOME"/.cache/hybrid-build/ray-token-7001-node2' in record.read_text()
+
+    files[1].write_text("another run's token " * 2)  # node 2's file is there already: refused, and kept
+    cluster = mn.Cluster(plan)
+    with pytest.raises(ExternalToolError, match="node 2 .*ray-token-7001-node2 exists"):
+        cluster.write_tokens()
+    cluster.stop()
+    assert files[1].exists() and not files[0].exists()
+
+
+def test_a_stop_signal_waits_until_a_started_child_is_listed():
+    """``Cluster.start`` holds SIGINT/SIGTERM/SIGHUP back from its ``Popen`` until the child is listed
+    for the teardown; the signal then reaches the handler that was there (a child started in that
+    window once outlived a SIGTERM)."""
+    class Stop(Exception):
+        pass
+
+    def stop(signum, _frame):
+        raise Stop(signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    reached = []
+    try:
+        with pytest.raises(Stop):
+            with mn._stop_signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                reached.append("listed")
+        assert reached == ["listed"] and signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_node_address_that_is_not_private_is_refused_without_force(artifact, capsys, monkeypatch):
+    def nodes(*ips):
+        return [mn.Node(ip if i == 0 else f"u@{ip}", ip, i == 0, i) for i, ip in enumerate(ips)]
+
+    for ok in ("10.0.0.2", "192.168.100.12", "169.254.3.4", "fe80::1%eth0", "fd12::3", "127.0.0.3"):
+        assert mn.check_private_link(nodes("127.0.0.2", ok)) is None, ok
+    for public in ("8.8.8.8", "100.64.0.5", "2001:4860::8888"):
+        with pytest.raises(UserError, match=f"node 2 is at {re.escape(public)}, not a private or link-local"):
+            mn.check_private_link(nodes("127.0.0.2", public))
+        assert "(--force: going on)" in mn.check_private_link(nodes("127.0.0.2", public), force=True)
+    with pytest.raises(UserError, match="^node 1 is at 8.8.4.4 and node 3 is at 8.8.8.8, not private or link-local "
+                                        "addresses: NCCL and Gloo"):
+        mn.check_private_link(nodes("8.8.4.4", "10.0.0.3", "8.8.8.8"))
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **kw: [(socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                        ("100.64.0.5", 0))] if host == "spark2.example" else real(host, *a, **kw))
+    base = ["serve", str(artifact), "--profile", "dense", "--recipe", "qwen3.5-122b-a10b", "--nodes",
+            "127.0.0.2,me@spark2.example", "--ifname", "lo", "--dry-run"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "node 2 (me@spark2.example) is at 100.64.0.5" in err and "--force" in err
+    assert "NCCL and Gloo traffic between the nodes is not authenticated" in err
+    assert main(base + ["--force"]) == 0
+    out, err = capsys.readouterr()
+    assert "(--force: going on)" in out  # a note of the plan, and a warning
+    assert err.startswith("WARNING ") and "node 2 (me@spark2.example) is at 100.64.0.5" in err
 
 
 # ----------------------------------------------------------------------------- checks
@@ -241,7 +440,8 @@ ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver
 alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1)
 ray.shutdown()
 want = int(opt("--tensor-parallel-size")) * int(opt("--pipeline-parallel-size"))
-keys = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "RAY_ADDRESS", "VLLM_PLUGINS")
+keys = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "RAY_ADDRESS", "VLLM_PLUGINS", "RAY_AUTH_MODE",
+        "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
 with open({record!r}, "w") as f:
     json.dump({{"argv": args, "env": {{k: os.environ.get(k) for k in keys}}, "alive": alive}}, f)
 if len(alive) < want:
@@ -298,8 +498,65 @@ class CliRun:
                 return line
 
 
+def _holding(data: bytes) -> list[str]:
+    """Live processes whose command line or environment (those this user may read) holds ``data``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        for what in ("cmdline", "environ"):
+            try:
+                if data in (d / what).read_bytes():
+                    found.append(f"{d.name} ({what}): {(d / 'cmdline').read_bytes()[:120]!r}")
+            except OSError:
+                continue
+    return found
+
+
+def _files_holding(root: Path, data: bytes) -> list[str]:
+    return [str(f) for f in root.rglob("*") if f.is_file() and not f.is_symlink() and data in f.read_bytes()]
+
+
+def _token_files(home: Path) -> list[Path]:
+    return sorted((home / ".cache" / "hybrid-build").glob("ray-token-*"))
+
+
+# a driver that connects to the cluster (what vLLM does, and what a job submission needs)
+DRIVER = ('import sys, ray; ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False); '
+          'print("CONNECTED", sum(n["Alive"] for n in ray.nodes()))')
+REFUSED = re.compile(r"InvalidAuthToken|Authentication token is missing or incorrect")
+
+
+def _outsiders(c: dict, token_file: Path) -> dict[str, subprocess.Popen]:
+    """Processes that try the cluster at once: a node joining and a driver connecting without the
+    token, a driver with a wrong one, and (the control) one with the cluster's token file. Each has
+    an empty home (no ~/.ray/auth_token) and gives up after ~3 s of refused connections."""
+    home = c["cwd"] / "outsider-home"
+    home.mkdir(exist_ok=True)
+    wrong = home / "wrong-token"
+    wrong.write_text("w" * 43)
+    wrong.chmod(0o600)
+    env = {k: v for k, v in c["env"].items() if k not in RAY_AUTH_VARS}
+    env.update(HOME=str(home), RAY_gcs_server_port_wait_time_s="3")
+    address = f"127.0.0.2:{c['ray_port']}"
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    runs = {
+        "join without the token": ([ray_bin, "start", "--address", address, "--node-ip-address", "127.0.0.4",
+                                    "--num-gpus", "1", "--disable-usage-stats", "--temp-dir",
+                                    f"{c['ray_tmp']}/outsider"], {}),
+        "connect without the token": ([sys.executable, "-c", DRIVER, address], {}),
+        "connect with another token": ([sys.executable, "-c", DRIVER, address],
+                                       {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)}),
+        "connect with the token": ([sys.executable, "-c", DRIVER, address],
+                                   {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}),
+    }
+    return {what: subprocess.Popen(argv, env=dict(env, **extra), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, cwd=c["cwd"])
+            for what, (argv, extra) in runs.items()}
+
+
 @pytest.fixture
-def cluster_env(tmp_path):
+def cluster_env(tmp_path, home):
     """A bin folder with the stand-in `vllm` first on PATH, a short Ray temp root, and a check that
     nothing of the cluster outlives the test."""
     if (Path(sys.executable).parent / "vllm").exists():
@@ -335,7 +592,8 @@ def _serve_argv(art: Path, c: dict, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_ray_nodes_on_loopback_serve_smoke_test_and_stop_on_ctrl_c(tiny_artifact, cluster_env):
+def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctrl_c(tiny_artifact, cluster_env,
+                                                                                       home):
     c = cluster_env
     run = CliRun(_serve_argv(tiny_artifact, c), c["env"], c["cwd"])
     try:
@@ -349,28 +607,80 @@ def test_two_ray_nodes_on_loopback_serve_smoke_test_and_stop_on_ctrl_c(tiny_arti
         assert call["alive"] == ["127.0.0.2", "127.0.0.3"]  # both nodes were in Ray when vLLM started
         assert call["argv"][-6:] == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
                                      "--distributed-executor-backend", "ray"]
+        files = _token_files(home)
+        assert [f.name for f in files] == [f"ray-token-{c['ray_port']}-node{i}" for i in (1, 2)]
         assert call["env"] == {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.2",
-                               "RAY_ADDRESS": f"127.0.0.2:{c['ray_port']}", "VLLM_PLUGINS": "hybrid_build"}
-        assert _processes_mentioning([c["ray_tmp"]]), "the Ray nodes run from the temp root given"
+                               "RAY_ADDRESS": f"127.0.0.2:{c['ray_port']}", "VLLM_PLUGINS": "hybrid_build",
+                               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(files[0]), "RAY_AUTH_TOKEN": None}
+        ray_processes = [line for line in _processes_mentioning([c["ray_tmp"]])
+                         if int(line.split(":", 1)[0]) != run.proc.pid]  # hybrid-build's own names it too
+        assert ray_processes, "the Ray nodes run from the temp root given"
+        token = files[0].read_bytes().strip()
+        assert len(token) >= 40 and files[1].read_bytes().strip() == token
+        assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
+        assert stat.S_IMODE(files[0].parent.stat().st_mode) == 0o700
+        # every Ray process has the token mode and a file's path, and no process the token itself
+        for line in ray_processes:
+            proc = Path("/proc") / line.split(":", 1)[0]
+            assert b"RAY_AUTH_MODE=token" in (proc / "environ").read_bytes().split(b"\0"), line
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if any(a.endswith(b"dashboard/dashboard.py") for a in argv):  # where Ray starts one: on loopback
+                assert b"--host=127.0.0.1" in argv, line
+        assert not _holding(token), "the token is on a command line or in an environment"
+
+        outsiders = _outsiders(c, files[0])
+        answers = {what: (p.communicate(timeout=120)[0], p.returncode) for what, p in outsiders.items()}
+        out, rc = answers.pop("connect with the token")
+        assert rc == 0 and "CONNECTED 2" in out, out  # the control: the same driver, given the token, gets in
+        for what, (out, rc) in answers.items():
+            assert rc != 0 and REFUSED.search(out), f"{what}: exit {rc}\n{out[-2000:]}"
+        assert not _processes_mentioning([f"{c['ray_tmp']}/outsider"])  # the refused node left nothing running
+
         run.proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert run.proc.wait(timeout=180) == 130
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
+    assert _token_files(home) == []
+    said = list(run.seen)
+    while (line := run.lines.get(timeout=30)) is not None:  # the rest of stdout, read by CliRun's thread
+        said.append(line)
+    assert token not in "\n".join(said + [run.proc.stderr.read()]).encode()
+    assert _files_holding(c["cwd"] / "logs", token) == [] and _files_holding(Path(c["ray_tmp"]), token) == []
     # the fixture asserts that no Ray process and no stand-in server is left
 
 
 @pytest.mark.slow
-def test_a_failed_start_stops_the_nodes_it_started(tiny_artifact, cluster_env):
+def test_a_failed_start_stops_the_nodes_it_started(tiny_artifact, cluster_env, home):
     """vLLM asks for more GPUs than joined (2 per node declared, so TP=4, but the stand-in counts
     GPU nodes): it exits, and the Ray nodes already started are stopped before the command ends."""
     c = cluster_env
     run = CliRun(_serve_argv(tiny_artifact, c, "--gpus-per-node", "2", "--parallel", "tp"), c["env"], c["cwd"])
     run.wait_for("2 nodes joined", 180)
+    assert len(_token_files(home)) == 2
     assert run.proc.wait(timeout=180) == 1
     err = run.proc.stderr.read()
     assert "exited with code 1 before it was ready" in err and "GPU nodes in Ray, TP x PP = 4" in err
+    assert _token_files(home) == []
+
+
+@pytest.mark.slow
+def test_sigterm_while_starting_stops_the_nodes_and_removes_the_token_files(tiny_artifact, cluster_env, home):
+    """A daemon manager's SIGTERM (SIGHUP: a closed terminal, the same path) while vLLM starts:
+    exit 143, the nodes stopped (the fixture checks), the token files gone."""
+    c = cluster_env
+    run = CliRun(_serve_argv(tiny_artifact, c), c["env"], c["cwd"])
+    try:
+        run.wait_for("2 nodes joined", 180)
+        assert len(_token_files(home)) == 2
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(timeout=180) == 128 + signal.SIGTERM
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+    assert _token_files(home) == []
 
 
 # ----------------------------------------------------------------------------- plan --nodes

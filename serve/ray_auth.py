@@ -1,0 +1,177 @@
+"""The token a ``serve --nodes`` Ray cluster admits its members with: where it comes from, the file
+each node reads it from, and how it is written there and removed again.
+
+Ray (2.60) started with ``RAY_AUTH_MODE=token`` refuses every gRPC call without the cluster's token:
+a node that would join, a driver that would connect (``ray.init``), a job submission. Each Ray
+process reads the token from ``$RAY_AUTH_TOKEN``, else from the file ``$RAY_AUTH_TOKEN_PATH``, else
+from ``~/.ray/auth_token``. A command line is visible to every user of a machine (``ps``), so the
+nodes are given only the path of a file that holds the token: one per node, written by this run
+before that node's Ray starts, readable by its owner only (created 0600 under a temporary name,
+then linked to its name, so it is never readable by others nor half-written), and removed when the
+cluster is taken down. On another machine the file is written by ``python3 -m
+hybrid_build.serve.ray_auth write FILE``, which reads the token from its stdin (ssh carries it; no
+command line holds it).
+
+The token is generated per run (``secrets``, 256 bits), unless one is given: ``$RAY_AUTH_TOKEN``
+(Ray's own variable), or a file named by ``$RAY_AUTH_TOKEN_PATH`` (Ray's own variable), which must
+be its owner's alone (mode 0600).
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybrid_build.core.errors import UserError
+
+MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+# on every node, under its user's home: the one folder the same on each without asking the node
+TOKEN_DIR = ".cache/hybrid-build"
+CONTAINER_TOKEN = "/run/hybrid-build/ray-token"  # where a docker node's file is mounted, read-only
+MIN_LENGTH = 16
+TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a gRPC metadata value
+
+
+def token_name(port: int, node_index: int) -> str:
+    """The file name of node ``node_index``'s (0-based) token for the cluster on Ray ``port``."""
+    return f"ray-token-{port}-node{node_index + 1}"
+
+
+def local_token_path(port: int, node_index: int) -> str:
+    """The token file of a node on this machine (absolute)."""
+    return str(Path.home() / TOKEN_DIR / token_name(port, node_index))
+
+
+def remote_token_path(port: int, node_index: int) -> str:
+    """The token file of a node on another machine: ``~/`` is its user's home, which the node's
+    shell expands (``"$HOME"``, see ``multinode.Command``)."""
+    return f"~/{TOKEN_DIR}/{token_name(port, node_index)}"
+
+
+def auth_env(token_path: str) -> dict[str, str]:
+    """What a Ray process (node, driver, vLLM) needs to take part: token mode and the file."""
+    return {MODE_ENV: "token", PATH_ENV: token_path}
+
+
+def check_token(token: str, what: str) -> str:
+    if not TOKEN_CHARS.fullmatch(token):
+        raise UserError(f"{what}: the Ray token must be one word of printable ASCII (no spaces)")
+    if len(token) < MIN_LENGTH:
+        raise UserError(f"{what}: the Ray token has {len(token)} characters; use {MIN_LENGTH} or more "
+                        "(e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
+def read_token_file(path: Path, what: str) -> str:
+    """The token in ``path``, a file its owner alone can read; else one line saying what to do."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{what} {path}: not a file")
+    if st.st_uid != os.getuid():
+        raise UserError(f"{what} {path}: owned by another user; the Ray token must be in a file of yours")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise UserError(f"{what} {path}: others can read or write it (mode {stat.S_IMODE(st.st_mode):04o}); "
+                        f"`chmod 600 {path}`")
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    return check_token(text.strip(), f"{what} {path}")
+
+
+@dataclass(frozen=True)
+class RayToken:
+    """Where the cluster's token comes from, never the token itself (``repr`` leaves it out):
+    ``generated`` (when the cluster starts), ``$RAY_AUTH_TOKEN`` or a file (``path``)."""
+
+    origin: str
+    path: Path | None = None
+    given: str | None = field(default=None, repr=False)
+
+    def value(self) -> str:
+        """The token: the given one, the file's (read again, checked again), or a new one."""
+        if self.given is not None:
+            return self.given
+        if self.path is not None:
+            return read_token_file(self.path, self.origin)
+        return secrets.token_urlsafe(32)
+
+    def describe(self) -> str:
+        if self.path is not None:
+            return f"the token in {self.path} ({self.origin})"
+        if self.origin == "generated":
+            return "a token generated for this run"
+        return f"the token given by {self.origin}"
+
+    def to_json(self) -> dict:
+        return {"mode": "token", "origin": self.origin, "file": str(self.path) if self.path else None}
+
+
+def resolve_token(token_file: Path | None = None, environ: dict | None = None) -> RayToken:
+    """The cluster's token: ``token_file`` (an option), else ``$RAY_AUTH_TOKEN``, else the file
+    ``$RAY_AUTH_TOKEN_PATH``, else one generated when the cluster starts. A given one is checked now
+    (a ``--dry-run`` refuses what the run would refuse)."""
+    env = os.environ if environ is None else environ
+    if token_file is not None:
+        path = Path(token_file).expanduser().resolve()
+        read_token_file(path, "--ray-token-file")
+        return RayToken("--ray-token-file", path)
+    if env.get(TOKEN_ENV):
+        return RayToken("$" + TOKEN_ENV, given=check_token(env[TOKEN_ENV].strip(), "$" + TOKEN_ENV))
+    if env.get(PATH_ENV):
+        path = Path(env[PATH_ENV]).expanduser().resolve()
+        read_token_file(path, "$" + PATH_ENV)
+        return RayToken("$" + PATH_ENV, path)
+    return RayToken("generated")
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Write ``token`` to ``path``, readable by its owner only: under a temporary name created 0600
+    (``O_EXCL``: never someone else's file, never readable by others, never half-written), then
+    linked to ``path``. A ``path`` that exists already is left alone: ``UserError`` (another
+    cluster on the same Ray port may use it)."""
+    check_token(token, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists() or path.is_symlink():
+        raise _exists(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails where path exists: a token another run wrote is never replaced
+        except FileExistsError:
+            raise _exists(path) from None
+        except OSError:  # a filesystem without hard links
+            if path.exists() or path.is_symlink():
+                raise _exists(path) from None
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _exists(path: Path) -> UserError:
+    return UserError(f"{path} exists: a `serve --nodes` on the same Ray port runs (or was killed); remove the file "
+                     "once no Ray of that run is left")
+
+
+if __name__ == "__main__":  # on a node: `python3 -m hybrid_build.serve.ray_auth write FILE`, the token on stdin
+    if len(sys.argv) != 3 or sys.argv[1] != "write":
+        sys.exit("usage: python3 -m hybrid_build.serve.ray_auth write FILE (the token on stdin)")
+    try:
+        write_token_file(Path(sys.argv[2]).expanduser(), sys.stdin.readline().strip())
+    except (UserError, OSError) as e:
+        sys.exit(f"error: {e}")

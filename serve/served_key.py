@@ -1,0 +1,172 @@
+"""The served API's key: when ``serve`` needs one, where it comes from, and the file a generated one
+is kept in.
+
+vLLM's OpenAI server (0.23.0 and 0.25.1: ``entrypoints/openai/api_server.py``; 0.33.0:
+``entrypoints/serve/middleware/register.py``) takes ``--api-key``, else ``$VLLM_API_KEY``, and then
+answers every request under ``/v1`` without ``Authorization: Bearer KEY`` with 401. ``serve``
+passes the key in vLLM's environment only (the docker engine: ``-e VLLM_API_KEY`` names it, the
+value is in docker's environment), never on a command line, which every user of the machine can
+read (``ps``).
+
+A server that listens beyond loopback (``--host`` not a loopback address; the docker engine
+publishes the port where vLLM listens) needs a key: ``--api-key``, ``--api-key-file`` or
+``$VLLM_API_KEY``, else one is generated (``secrets``) into a file only its owner can read, under
+the user's state folder (``$XDG_STATE_HOME/hybrid-build``, default ``~/.local/state/hybrid-build``),
+never in the artifact that ``publish`` uploads. It is kept and reused, so clients set up once
+keep working. On loopback without a key given, nothing changes: no key.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import shlex
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybrid_build.core.errors import UserError
+
+SERVER_ENV = "VLLM_API_KEY"  # what vLLM's OpenAI server reads
+KEY_FILE = "serve-api-key"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); False for every other
+    name or address, ``0.0.0.0`` and ``::`` (every interface) included."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def state_dir() -> Path:
+    """``$XDG_STATE_HOME/hybrid-build`` (an absolute one only, as the XDG spec says), else
+    ``~/.local/state/hybrid-build``."""
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
+    return base / "hybrid-build"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A key ``serve`` gives vLLM: its value (never printed: ``repr`` leaves it out), where it came
+    from (``--api-key``, ``--api-key-file``, ``$VLLM_API_KEY`` or ``generated``) and its file, if it
+    has one. ``pending``: a ``--dry-run`` plan whose key would be generated when serving starts."""
+
+    value: str = field(repr=False)
+    origin: str
+    path: Path | None = None
+    created: bool = False
+    pending: bool = False
+
+    def env(self) -> dict[str, str]:
+        """What goes into the environment of vLLM (or of ``docker run``)."""
+        return {SERVER_ENV: self.value}
+
+    def describe(self) -> str:
+        """Where the key is, in words: its file, or where it was given; never the key."""
+        if self.origin == "generated":
+            made = ("generated when serving starts" if self.pending else "generated now" if self.created
+                    else "generated earlier, reused")
+            return f"API key: {self.path} ({made}; readable by its owner only)"
+        if self.path is not None:
+            return f"API key: {self.path} (--api-key-file)"
+        return f"API key: the one given by {'$' + SERVER_ENV if self.origin == SERVER_ENV else self.origin}"
+
+    def client_hint(self) -> str:
+        """How a client sends it."""
+        key = f'"$(cat {shlex.quote(str(self.path))})"' if self.path is not None else "KEY"
+        return f"clients send it as a Bearer token, e.g. OPENAI_API_KEY={key} hybrid-build verify URL --artifact OUT"
+
+    def shell_line(self) -> str:
+        """The ``--dry-run`` line that puts the key in the environment, without the key."""
+        if self.path is not None:
+            return f'export {SERVER_ENV}="$(cat {shlex.quote(str(self.path))})"'
+        if self.origin == SERVER_ENV:
+            return f"# {SERVER_ENV}: this environment's, passed on (not shown)"
+        return f"# {SERVER_ENV}: the key given by {self.origin} (not shown)"
+
+    def to_json(self) -> dict:
+        return {"env": SERVER_ENV, "origin": self.origin, "file": str(self.path) if self.path else None,
+                "pending": self.pending}
+
+
+def _read_key(path: Path, what: str) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    key = text.strip()
+    if not key or any(c.isspace() for c in key):
+        raise UserError(f"{what} {path}: it should hold the key alone, on one line")
+    return key
+
+
+def _write_new(path: Path) -> str | None:
+    """Generate a key into ``path``: written under a temporary name created 0600 (never readable by
+    others, not even half-written), then linked to ``path``, which fails rather than replace a key
+    another ``serve`` wrote meanwhile (None then: read that one)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = "hbk_" + secrets.token_urlsafe(32)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(key + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return None
+        except OSError:  # a filesystem without hard links
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return key
+
+
+def _generated(path: Path, create: bool) -> ApiKey:
+    """The generated key in ``path``: reused if there, else made (``create``) or pending (dry run)."""
+    for _ in range(2):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            if not create:
+                return ApiKey("", "generated", path, pending=True)
+            key = _write_new(path)
+            if key is not None:
+                return ApiKey(key, "generated", path, created=True)
+            continue  # another serve wrote one first: use it
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise UserError(f"{path}: the API key file can be read by others (mode {stat.S_IMODE(st.st_mode):04o}) or "
+                            f"is not yours: `chmod 600 {path}`, or delete it for a new key")
+        return ApiKey(_read_key(path, "the generated API key file"), "generated", path)
+    raise UserError(f"{path}: the API key file keeps changing while it is read")
+
+
+def resolve(host: str, flag: str | None = None, file: Path | None = None, environ: dict | None = None,
+            create: bool = True, folder: Path | None = None) -> ApiKey | None:
+    """The key to serve with: ``--api-key``, ``--api-key-file``, ``$VLLM_API_KEY``, in that order;
+    without one, a server beyond loopback gets the generated key (``folder``, default
+    ``state_dir()``; ``create=False``: not written now, for ``--dry-run``) and one on loopback
+    none (None)."""
+    env = os.environ if environ is None else environ
+    if flag is not None and file is not None:
+        raise UserError("give the API key once: --api-key or --api-key-file")
+    if flag is not None:
+        if not flag.strip() or any(c.isspace() for c in flag):
+            raise UserError("--api-key: empty, or holds a space")
+        return ApiKey(flag, "--api-key")
+    if file is not None:
+        path = Path(file).expanduser().resolve()
+        return ApiKey(_read_key(path, "--api-key-file"), "--api-key-file", path)
+    if env.get(SERVER_ENV):
+        return ApiKey(env[SERVER_ENV], SERVER_ENV)
+    if is_loopback(host):
+        return None
+    return _generated((folder or state_dir()) / KEY_FILE, create)
