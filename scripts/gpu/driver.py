@@ -739,6 +739,44 @@ def verify_kv_fp8_step(out: Path, hb: Path, src: Path, recipe: Path, left) -> No
         serve_verified(out, key, cmd, {}, min(480, left()))
 
 
+def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=(1, 2, 4)) -> None:
+    """Issue 28: ``hybrid-build bench --concurrency N`` against a real vLLM server (the tiny dense
+    profile, DFlash drafter): per-stream rows, the overlap, and whether the per-stream acceptance
+    read from the streamed chunks matches the server's /metrics counters."""
+    port = 8400
+    cmd = serve_command(hb, src, recipe, "dense", port, min(420, left() - 60), out / "bench_conc_server.log",
+                        hb / "drafter-dflash") + ["--no-verify"]
+    t0 = now()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    ready = None
+    try:
+        while ready is None and proc.poll() is None and now() - t0 < min(480, left() - 30):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            try:
+                ready = json.loads("".join(lines))
+            except ValueError:
+                continue
+        record(out, "bench_conc_server", {"ready_s": round(now() - t0, 1), "ready": ready is not None})
+        if ready is None or "base_url" not in ready:
+            return
+        for n in streams:
+            ab_command(out, f"bench_conc_{n}", ["hybrid-build", "bench", ready["base_url"], "--concurrency", str(n),
+                                                "--runs", "2", "--max-tokens", "96",
+                                                "--out", str(out / f"bench_conc_{n}.json")], min(150, left(10)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(25)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def verify_step(out: Path, hb: Path, src: Path, recipe: Path, left, only: str | None = None) -> None:
     """A correct server passes (dense: the hybrid against its own reference; base: the source
     against the reference's source side), and the hybrid with the Marlin MoE scale fix switched
@@ -1033,6 +1071,11 @@ def main() -> int:
         import multinode_steps
 
         multinode_steps.run(multinode, record, http, a.out, a.hb, a.src, recipe, a.work, left)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
+    if "bench_conc" in steps:  # issue 28: bench --concurrency against real vLLM
+        bench_conc_step(a.out, a.hb, a.src, recipe, left)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0
