@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import re
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, interrupt_exit_code, progress
@@ -15,8 +14,6 @@ from hybrid_build.core.errors import UserError
 
 from .engine import GPU_PRESETS
 from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
-
-log = logging.getLogger(__name__)
 
 
 def register(sub, common) -> None:
@@ -34,7 +31,9 @@ def register(sub, common) -> None:
                "  hybrid-build serve out/ --engine docker --profile dense   # DGX Spark image, patched vLLM 0.23\n"
                "  hybrid-build serve out/ --profile dense --host 0.0.0.0 --dry-run   # beyond loopback: an API key\n"
                "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
-               "--dry-run")
+               "--dry-run\n"
+               "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
+               "--ray-token-file ray-token --dry-run   # your Ray token (a 0600 file)")
     p.add_argument("artifact", help="artifact folder (or a Hub id, with --recipe)")
     p.add_argument("--profile", choices=PROFILE_NAMES, help="serve profile (default: the recipe's default)")
     p.add_argument("--engine", choices=("local", "docker"), default="local",
@@ -69,10 +68,12 @@ def register(sub, common) -> None:
                         "your vLLM still needs it: sets HYBRID_BUILD_DISABLE_FIXES (ids: docs/serve.md)")
     g = p.add_argument_group(
         "several nodes (vLLM on a Ray cluster; docs/multinode.md)",
-        "Ray runs with token authentication: a token generated per run (or $RAY_AUTH_TOKEN_PATH, a file\n"
-        "of yours with mode 0600, or $RAY_AUTH_TOKEN), handed to each node in a 0600 file under\n"
+        "Ray runs with token authentication: a token generated per run (or --ray-token-file,\n"
+        "$RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH), handed to each node in a 0600 file under\n"
         "~/.cache/hybrid-build, never on a command line, and removed when the cluster stops. The Ray\n"
-        "dashboard stays on the head's loopback.")
+        "dashboard stays on the head's loopback. vLLM on the head gets the API key (--api-key...) as\n"
+        "for one node, in its environment; one is needed where it listens beyond loopback, as on a\n"
+        "head that is another machine.")
     g.add_argument("--nodes", metavar="HOST1,HOST2", help="serve across these machines: [user@]host, each by its "
                    "address on the link; the first is the Ray head and runs vLLM. One of them may be this machine; "
                    "the others are reached over ssh")
@@ -85,6 +86,9 @@ def register(sub, common) -> None:
                    help="tp: tensor parallel over all GPUs (default); pp: one pipeline stage per node")
     g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs on each node (default 1: a DGX Spark)")
     g.add_argument("--ray-port", type=int, default=6379, help="the Ray head's port (default 6379)")
+    g.add_argument("--ray-token-file", type=Path, metavar="FILE",
+                   help="the Ray cluster's token (a file of yours, mode 0600); default: $RAY_AUTH_TOKEN, "
+                        "$RAY_AUTH_TOKEN_PATH, else one generated per run")
     g.add_argument("--ray-temp-dir", metavar="DIR", help="Ray's temp folders, DIR/nodeN on each node "
                    "(default: Ray's own)")
     g.add_argument("--remote-venv", metavar="DIR", help="the environment hybrid-build, Ray and vLLM are installed "
@@ -217,51 +221,40 @@ def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
     return out
 
 
-def _nodes_key_note(args: argparse.Namespace, mplan) -> str | None:
-    """Several nodes: the head's vLLM is started by ``multinode``, which has no way yet to give it a
-    key outside its command line, so none is given; where one is wanted (a key given, or vLLM
-    listening beyond loopback) this line says so. Nothing is generated or read: no key is used."""
-    from .served_key import SERVER_ENV, is_loopback
-
-    given = args.api_key is not None or args.api_key_file is not None or bool(os.environ.get(SERVER_ENV))
-    if not given and is_loopback(mplan.serve.host):
-        return None
-    return (f"with --nodes, serve cannot give vLLM an API key yet (serve/multinode.py): the API at {mplan.base_url} "
-            "may answer without one; keep it on a private link")
-
-
 def _run_nodes(args: argparse.Namespace, plan) -> int:
-    """Several nodes: print the bring-up (--dry-run) or perform it, then hold until Ctrl-C."""
-    from .multinode import bring_up, check_tools, parse_nodes, plan_multinode
+    """Several nodes: print the bring-up (--dry-run) or perform it, then hold until Ctrl-C. The API
+    key is resolved as for one node, for the address the head's vLLM listens on."""
+    from .multinode import bring_up, check_tools, parse_nodes, plan_multinode, resolve_nodes, served_host
 
-    mplan = plan_multinode(plan, parse_nodes(args.nodes, args.nodes_file), args.artifact, args.ifname,
+    specs = parse_nodes(args.nodes, args.nodes_file)
+    nodes = resolve_nodes(specs)
+    plan = replace(plan, api_key=_api_key(args, served_host(plan.host, nodes[0])))
+    mplan = plan_multinode(plan, specs, args.artifact, args.ifname, nodes=nodes,
                            parallel=args.parallel, gpus_per_node=args.gpus_per_node, ray_port=args.ray_port,
                            ib_hca=args.ib_hca, remote_venv=args.remote_venv, ray_temp_dir=args.ray_temp_dir,
                            image=args.image if args.engine == "docker" else None,
-                           node_env=_node_env(args.node_env), force=args.force)
-    open_api = _nodes_key_note(args, mplan)
+                           node_env=_node_env(args.node_env), force=args.force, ray_token_file=args.ray_token_file)
     if args.dry_run:
         if args.json:
-            emit_json(dict(mplan.to_json(), **({"api_key_note": open_api} if open_api else {})))
+            emit_json(mplan.to_json())
         else:
             print(mplan.render())
-            if open_api:
-                print(f"# {open_api}")
         return 0
-    if open_api:
-        log.warning(open_api)
     check_tools(mplan)
+    key = mplan.serve.api_key
+    if key is not None and not (args.quiet or args.json):
+        print(f"{key.describe()}; {key.client_hint()}", flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{mplan.serve.profile}.log")
     say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))
     try:
         cluster, info = bring_up(mplan, log_path.parent, log_path, join_timeout=args.join_timeout,
                                  ready_timeout=args.ready_timeout, smoke=not args.no_smoke, on_event=say,
-                                 verify=lambda: _verify(args, plan, mplan.base_url))
+                                 verify=lambda: _verify(args, mplan.serve, mplan.base_url))
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     try:
         if args.json:
-            emit_json(info)
+            emit_json(dict(info, api_key=key.to_json() if key else None))
         else:
             print(f"READY in {info['ready_s']:.0f} s on {len(info['nodes'])} nodes (TP={mplan.tp} x PP={mplan.pp})   "
                   f"base URL: {info['base_url']}   model: {info['model']}")

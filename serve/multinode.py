@@ -16,14 +16,18 @@ Only members get in: every Ray process runs with token authentication (``ray_aut
 per run, handed to each node in a file of its own that only its owner can read, never on a command
 line), the Ray dashboard stays on the head's loopback, and a node address that is not private
 (``check_private_link``) is refused without ``force``: NCCL's and Gloo's traffic between the nodes
-is not authenticated.
+is not authenticated. The served API's key (``served_key``, on ``serve.api_key``) reaches the head's
+vLLM in its environment only: from this process for a head on this machine, else from a file of
+its own on the head, written and removed like the token's, that the head's shell reads into
+``$VLLM_API_KEY``; serve's readiness probe, check and smoke test send it.
 
 ``bring_up`` checks every node first (same artifact by content, same vLLM, same Ray, same
-hybrid-build runtime patches), then writes each node's token file, starts the head, waits until it
-answers, starts the workers, waits until every node has joined with its GPUs, starts vLLM, waits
-for READY and runs the smoke test. Anything that fails, and Ctrl-C (or SIGTERM, SIGHUP), stops what
-was started, last started first: vLLM, the workers, the head (``Cluster.stop``; a ``ray start
---block`` that ends takes the Ray processes of its node with it), then removes the token files.
+hybrid-build runtime patches), then writes each node's token file (and the key's, on a head
+elsewhere), starts the head, waits until it answers, starts the workers, waits until every node has
+joined with its GPUs, starts vLLM, waits for READY and runs the smoke test. Anything that fails, and
+Ctrl-C (or SIGTERM, SIGHUP), stops what was started, last started first: vLLM, the workers, the head
+(``Cluster.stop``; a ``ray start --block`` that ends takes the Ray processes of its node with it),
+then removes those files.
 
 Run as ``python -m hybrid_build.serve.multinode probe JSON`` on a node, it prints that node's
 check as JSON (what ``bring_up`` compares).
@@ -47,13 +51,14 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 
 from . import ray_auth
 from .engine import CONTAINER_DRAFTER, CONTAINER_MODEL, CONTAINER_SERVE, LaunchPlan, apply_patches_command
+from .served_key import SERVER_ENV, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +182,8 @@ class Command:
     env: dict[str, str] = field(default_factory=dict)
     what: str = ""
     tty: bool = False  # long-running: over ssh it gets a terminal, so closing the connection ends it
+    # another machine's: variables its shell reads from a file there (a secret: on no command line)
+    env_files: dict[str, str] = field(default_factory=dict)
 
     def local_argv(self, remote_venv: str | None = None) -> list[str]:
         """What this machine executes: the command itself, or ssh with it."""
@@ -186,6 +193,8 @@ class Command:
         line = "exec " + " ".join(_remote_word(w) for w in inner)
         if remote_venv:
             line = f"PATH={shlex.quote(remote_venv.rstrip('/') + '/bin')}:\"$PATH\" {line}"
+        for k, path in sorted(self.env_files.items()):  # `&&`: a file that cannot be read starts nothing
+            line = f'{k}="$(cat {_remote_word(path)})" && export {k} && {line}'
         return SSH + (["-tt"] if self.tty else []) + [self.node.spec, line]
 
 
@@ -196,6 +205,20 @@ def _remote_word(word: str) -> str:
     if m is None:
         return shlex.quote(word)
     return (m[1] or "") + '"$HOME"/' + shlex.quote(m[2])
+
+
+@dataclass(frozen=True)
+class NodeFile:
+    """A secret this run hands one node in a file of its own (0600, ``ray_auth.write_node_file``)
+    and removes at teardown: the Ray token on every node, the served API's key on a head elsewhere."""
+
+    node: Node
+    path: str  # on that node ("~/": its home)
+    kind: str  # ray_auth.TOKEN_FILE or ray_auth.KEY_FILE
+
+    @property
+    def holds(self) -> str:
+        return "the Ray token" if self.kind == ray_auth.TOKEN_FILE else "the served API's key"
 
 
 @dataclass
@@ -218,18 +241,30 @@ class MultiNodePlan:
     probe_args: dict = field(default_factory=dict)
     token: ray_auth.RayToken = field(default_factory=lambda: ray_auth.RayToken("generated"))
     token_files: list[str] = field(default_factory=list)  # one per node, on that node ("~/": its home)
+    key_file: str | None = None  # the served API's key, on a head that is another machine
 
-    def token_write(self, node: Node) -> Command:
-        """Writes the token, read from stdin, into ``node``'s file (another machine's; this machine's
-        are written in this process)."""
-        return Command(node, [sys_python(), "-m", "hybrid_build.serve.ray_auth", "write",
-                              self.token_files[node.index]],
-                       what=f"hand {node.describe()} the Ray token: into {self.token_files[node.index]} (0600)"
-                            + (", in this process" if node.local else ", read from stdin over ssh"))
+    def node_files(self) -> list[NodeFile]:
+        """The secrets' files this run writes, in order."""
+        files = [NodeFile(n, self.token_files[n.index], ray_auth.TOKEN_FILE) for n in self.nodes]
+        if self.key_file:
+            files.append(NodeFile(self.nodes[0], self.key_file, ray_auth.KEY_FILE))
+        return files
 
-    def token_remove(self, node: Node) -> Command:
-        return Command(node, ["rm", "-f", self.token_files[node.index]],
-                       what=f"remove the Ray token file {self.token_files[node.index]} of {node.describe()}")
+    def file_write(self, f: NodeFile) -> Command:
+        """Writes the secret, read from stdin, into ``f`` (another machine's; this machine's are
+        written in this process)."""
+        return Command(f.node, [sys_python(), "-m", "hybrid_build.serve.ray_auth", "write", f.path],
+                       what=f"hand {f.node.describe()} {f.holds}: into {f.path} (0600)"
+                            + (", in this process" if f.node.local else ", read from stdin over ssh"))
+
+    def file_remove(self, f: NodeFile) -> Command:
+        return Command(f.node, ["rm", "-f", f.path], what=f"remove {f.path} ({f.holds}) of {f.node.describe()}")
+
+    @property
+    def vllm_env(self) -> dict[str, str]:
+        """What the head's vLLM gets in its environment from this process, never shown: the served
+        API's key, when the head is this machine (one elsewhere reads ``key_file``)."""
+        return self.serve.secret_env if self.nodes[0].local else {}
 
     @property
     def base_url(self) -> str:
@@ -240,9 +275,9 @@ class MultiNodePlan:
         out: list[tuple[str, list[str] | None]] = []
         for p in self.probes:
             out.append((p.what, None if p.node.local else p.local_argv(self.remote_venv)))
-        for node in self.nodes:
-            w = self.token_write(node)
-            out.append((w.what, None if node.local else w.local_argv(self.remote_venv)))
+        for f in self.node_files():
+            w = self.file_write(f)
+            out.append((w.what, None if f.node.local else w.local_argv(self.remote_venv)))
         out.append((self.ray[0].what, self.ray[0].local_argv(self.remote_venv)))
         out.append(("wait until the head answers: " + self.nodes_query.what,
                     self.nodes_query.local_argv(self.remote_venv)))
@@ -262,16 +297,26 @@ class MultiNodePlan:
             out = [("stop vLLM (SIGTERM; over ssh, closing its connection)", None)] + \
                   [(f"stop {c.what.split(':')[0]} (SIGTERM to its `ray start --block`, which stops that node's Ray)",
                     None) for c in reversed(self.ray)]
-        for node in self.nodes:  # once no Ray process is left to read them
-            r = self.token_remove(node)
-            out.append((r.what, None if node.local else r.local_argv(self.remote_venv)))
+        for f in self.node_files():  # once no Ray process is left to read them
+            r = self.file_remove(f)
+            out.append((r.what, None if f.node.local else r.local_argv(self.remote_venv)))
         return out
+
+    def key_lines(self) -> list[str]:
+        """Where the served API's key is and how vLLM gets it, in words (never the key)."""
+        key = self.serve.api_key
+        if key is None:
+            return [f"no API key: vLLM listens on loopback ({self.serve.host})"]
+        how = f"from {self.key_file} on the head" if self.key_file else "from this process"
+        return [f"{key.describe()}; vLLM on the head gets it as {SERVER_ENV} in its environment ({how}), never on a "
+                "command line", key.client_hint()]
 
     def to_json(self) -> dict:
         return {"nodes": [{"spec": n.spec, "ip": n.ip, "local": n.local, "role": n.role} for n in self.nodes],
                 "engine": self.engine, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
                 "gpus_per_node": self.gpus_per_node, "ray_address": self.ray_address,
                 "ray_auth": dict(self.token.to_json(), node_files=self.token_files, dashboard_host=DASHBOARD_HOST),
+                "api_key": dict(self.serve.api_key.to_json(), head_file=self.key_file) if self.serve.api_key else None,
                 "model_name": self.serve.model_name, "base_url": self.base_url, "model": self.serve.model,
                 "profile": self.serve.profile,
                 "steps": [{"what": w, "argv": a} for w, a in self.steps()],
@@ -283,6 +328,7 @@ class MultiNodePlan:
                  f"at {self.ray_address}",
                  f"# Ray token authentication: {self.token.describe()}, in a file per node that only its owner can "
                  f"read (the token itself is never shown); the dashboard on {DASHBOARD_HOST}"]
+        lines += [f"# {line}" for line in self.key_lines()]
         for what, argv in self.steps():
             lines.append(f"# {what}")
             if argv is not None:
@@ -321,6 +367,13 @@ def _parallel_args(tp: int, pp: int) -> list[str]:
             "--distributed-executor-backend", "ray"]
 
 
+def served_host(host: str, head: Node) -> str:
+    """Where the head's vLLM listens: ``host`` (``--host``), except that loopback on a head that is
+    another machine becomes the head's address on the link, where the smoke test reaches it from
+    here. A key is needed where this is not loopback (``served_key.resolve``)."""
+    return head.ip if not head.local and is_loopback(host) else host
+
+
 def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: str | None, *,
                    parallel: str = "tp", gpus_per_node: int = 1, ray_port: int = RAY_PORT,
                    ib_hca: str | None = None, remote_venv: str | None = None, ray_temp_dir: str | None = None,
@@ -332,7 +385,9 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     adds environment to every node (key None) or to node N (1-based): e.g. one GPU each with
     ``CUDA_VISIBLE_DEVICES`` when two nodes share a machine. A node address that is not private is
     refused unless ``force``; the Ray token comes from ``ray_token_file``, ``$RAY_AUTH_TOKEN``,
-    ``$RAY_AUTH_TOKEN_PATH`` or is generated when the cluster starts (``ray_auth.resolve_token``)."""
+    ``$RAY_AUTH_TOKEN_PATH`` or is generated when the cluster starts (``ray_auth.resolve_token``).
+    ``serve.api_key`` (``served_key.resolve`` for ``served_host``) goes to the head's vLLM: through
+    this process's environment, or a file on a head elsewhere (``key_file``)."""
     if not ifname:
         raise UserError("several nodes need --ifname: the network interface of the link (e.g. the ConnectX-7 port "
                         "`ibdev2netdev` shows); without it NCCL may pick the management network")
@@ -352,8 +407,10 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     if owned:
         raise UserError(f"--node-env {owned[0]}: serve sets Ray's authentication itself (docs/multinode.md, Security)")
     token = ray_auth.resolve_token(ray_token_file)
-    token_files = [ray_auth.local_token_path(ray_port, node.index) if node.local
-                   else ray_auth.remote_token_path(ray_port, node.index) for node in nodes]
+    token_files = [ray_auth.node_file(ray_auth.TOKEN_FILE, ray_port, node.index, node.local) for node in nodes]
+    key_file = (ray_auth.node_file(ray_auth.KEY_FILE, ray_port, head.index, False)
+                if serve.api_key is not None and not head.local else None)
+    key_env = {SERVER_ENV: key_file} if key_file else {}  # read by the head's shell into vLLM's environment
 
     def extra(node: Node) -> dict[str, str]:
         return dict(node_env.get(None, {}), **node_env.get(node.index + 1, {}))
@@ -363,12 +420,10 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     if public:
         log.warning("%s", public)
         notes.append(public)
-    host = serve.host
-    if not head.local and host in ("127.0.0.1", "localhost"):
-        host = head.ip  # the smoke test reaches the head from here
+    host = served_host(serve.host, head)
+    if host != serve.host:
         notes.append(f"the head is another machine: vLLM listens on its link address {head.ip}")
-    url_plan = LaunchPlan(serve.argv, serve.env, serve.model_name, serve.port, host, serve.profile, serve.engine,
-                          serve.model, notes)
+    url_plan = replace(serve, host=host, notes=notes)  # keeps the key: serve's requests send it
     vllm_tail = serve.argv[1:]  # serve MODEL ... (with --host rewritten below)
     if "--host" in vllm_tail:
         vllm_tail[vllm_tail.index("--host") + 1] = host
@@ -407,7 +462,7 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
         vllm = Command(head, ["vllm"] + vllm_tail + _parallel_args(tp, pp),
                        dict(serve_env, **link_env(head, ifname, ib_hca), **extra(head), **head_auth,
                             RAY_ADDRESS=address),
-                       f"vLLM on the head: TP={tp} x PP={pp} over Ray", tty=True)
+                       f"vLLM on the head: TP={tp} x PP={pp} over Ray", tty=True, env_files=key_env)
     else:
         from . import patches as patches_pkg
 
@@ -443,11 +498,14 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
             spec = json.loads(inner[i])
             if spec.get("model") == drafter:
                 inner[i] = json.dumps(dict(spec, model=CONTAINER_DRAFTER), separators=(",", ":"))
-        vllm = Command(head, ["docker", "exec", "-e", f"RAY_ADDRESS={address}", head_name, "vllm"] + inner
+        # the key's name alone, as for one node (engine.plan_launch): docker exec copies its value
+        key_flag = ["-e", SERVER_ENV] if serve.api_key is not None else []
+        vllm = Command(head, ["docker", "exec", "-e", f"RAY_ADDRESS={address}", *key_flag, head_name, "vllm"] + inner
                        + _parallel_args(tp, pp), what=f"vLLM in the head's container: TP={tp} x PP={pp} over Ray",
-                       tty=True)
+                       tty=True, env_files=key_env)
     return MultiNodePlan(nodes, "docker" if image else "local", tp, pp, gpus_per_node, address, probes, ray_cmds,
-                         query, vllm, stops, url_plan, remote_venv, ray_temp_dir, notes, probe_args, token, token_files)
+                         query, vllm, stops, url_plan, remote_venv, ray_temp_dir, notes, probe_args, token, token_files,
+                         key_file)
 
 
 def _drafter_of(argv: list[str]) -> str | None:
@@ -604,8 +662,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     ``ray``, ``vllm`` and ``python3`` beside it are the ones that run."""
     env = dict(os.environ)
     # a token in this environment would reach every child's (and override the file Ray is given):
-    # the nodes get the file only
+    # the nodes get the file only; a served key only the head's vLLM, as planned (``vllm_env``)
     env.pop(ray_auth.TOKEN_ENV, None)
+    env.pop(SERVER_ENV, None)
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env.update(extra or {})
@@ -695,54 +754,59 @@ def _stop_signals_held() -> Iterator[None]:
 
 
 class Cluster:
-    """What ``bring_up`` started, in order, and the token files it wrote; ``stop`` ends the processes
-    last-started first, then removes the files."""
+    """What ``bring_up`` started, in order, and the secrets' files it wrote; ``stop`` ends the
+    processes last-started first, then removes the files."""
 
     def __init__(self, plan: MultiNodePlan) -> None:
         self.plan = plan
         self.started: list[Started] = []
-        self.token_nodes: list[Node] = []  # whose token file this run (may have) written
+        self.written: list[NodeFile] = []  # the files this run (may have) written
         self._lock = threading.Lock()
         self.stopped = threading.Event()
 
-    def write_tokens(self) -> None:
-        """Give every node the cluster's token in its file. A node is listed for removal before its
-        file is written (an interrupted write leaves nothing behind) and taken off again when the
-        write is refused (a file that was there already is not this run's)."""
-        token = self.plan.token.value()
-        for node in self.plan.nodes:
+    def write_secrets(self) -> None:
+        """Give every node the cluster's token in its file, and a head elsewhere the served API's
+        key. A file is listed for removal before it is written (an interrupted write leaves nothing
+        behind) and taken off again when the write is refused (a file that was there already is not
+        this run's)."""
+        secrets = {ray_auth.TOKEN_FILE: self.plan.token.value(),  # a generated token: one per run
+                   ray_auth.KEY_FILE: self.plan.serve.secret_env.get(SERVER_ENV, "")}
+        for f in self.plan.node_files():
             with self._lock:
-                self.token_nodes.append(node)
+                self.written.append(f)
             try:
-                if node.local:
-                    ray_auth.write_token_file(Path(self.plan.token_files[node.index]), token)
+                if f.node.local:
+                    ray_auth.write_node_file(Path(f.path), secrets[f.kind])
                 else:
-                    run_once(self.plan.token_write(node), self.plan.remote_venv, timeout=120, stdin_text=token + "\n")
+                    run_once(self.plan.file_write(f), self.plan.remote_venv, timeout=120,
+                             stdin_text=secrets[f.kind] + "\n")
             except (UserError, ExternalToolError):
                 with self._lock:
-                    self.token_nodes.remove(node)
+                    self.written.remove(f)
                 raise
 
-    def remove_tokens(self) -> None:
+    def remove_secrets(self) -> None:
         with self._lock:
-            todo, self.token_nodes = self.token_nodes, []
-        for node in todo:
-            path = self.plan.token_files[node.index]
+            todo, self.written = self.written, []
+        for f in todo:
             try:
-                if node.local:
-                    Path(path).unlink(missing_ok=True)
+                if f.node.local:
+                    Path(f.path).unlink(missing_ok=True)
                 else:
-                    run_once(self.plan.token_remove(node), self.plan.remote_venv, timeout=60)
+                    run_once(self.plan.file_remove(f), self.plan.remote_venv, timeout=60)
             except (OSError, ExternalToolError) as e:
-                log.warning("could not remove the Ray token file %s of %s: %s", path, node.describe(), e)
+                log.warning("could not remove %s (%s) of %s: %s", f.path, f.holds, f.node.describe(), e)
 
-    def start(self, cmd: Command, log_path: Path, stop_cmd: Command | None = None) -> Started:
+    def start(self, cmd: Command, log_path: Path, stop_cmd: Command | None = None,
+              secret_env: dict[str, str] | None = None) -> Started:
+        """Start ``cmd`` here (or over ssh); ``secret_env`` goes into its environment, never on a
+        command line."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out, _stop_signals_held():
             # a session of its own: a Ctrl-C in the terminal reaches this process only, which stops
             # the others in order
             proc = subprocess.Popen(cmd.local_argv(self.plan.remote_venv), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True)
+                                    stdin=subprocess.DEVNULL, env=child_env(secret_env), start_new_session=True)
             s = Started(cmd.what, proc, log_path, stop_cmd)
             with self._lock:
                 self.started.append(s)
@@ -767,7 +831,7 @@ class Cluster:
                     log.warning("%s did not stop in %.0f s: killed", s.what, grace)
                     s.process.kill()
                     s.process.wait()
-        self.remove_tokens()
+        self.remove_secrets()
         self.stopped.set()
 
     def dead(self) -> Started | None:
@@ -812,7 +876,7 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
     """Check, start and smoke-test the cluster; on any failure stop what was started and re-raise.
     ``verify`` (serve's check against the artifact's reference, through the head) runs once vLLM
     answers, before the smoke test. Returns the running cluster and what the caller prints."""
-    from .launcher import Server, smoke_test, wait_ready
+    from .launcher import Server, plan_key, smoke_test, wait_ready
 
     answers = check_nodes(plan)
     on_event(f"checked {len(plan.nodes)} nodes: same artifact, vLLM {answers[0]['vllm']}, Ray {answers[0]['ray']}, "
@@ -825,7 +889,7 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
             log.warning(untested)
     cluster = cluster or Cluster(plan)
     try:
-        cluster.write_tokens()
+        cluster.write_secrets()
         on_event(f"Ray token authentication: {plan.token.describe()}, in a 0600 file on each node")
         head = plan.ray[0]
         cluster.start(head, log_dir / "hybrid-build-ray-node1.log", plan.stops[0] if plan.stops else None)
@@ -842,11 +906,12 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
 
         wait_for(joined, cluster, join_timeout, f"{len(want)} nodes joining Ray ({', '.join(sorted(want))})")
         on_event(f"{len(want)} nodes joined: {', '.join(n.ip for n in plan.nodes)}")
-        vllm = cluster.start(plan.vllm, log_path)
+        vllm = cluster.start(plan.vllm, log_path, secret_env=plan.vllm_env)
         server = Server(vllm.process, plan.serve, log_path)
-        ready_s = wait_ready(server, ready_timeout)
+        ready_s = wait_ready(server, ready_timeout)  # sends the plan's key, as verify and the smoke test do
         verified = verify() if verify else None
-        answer = smoke_test(plan.base_url, plan.serve.model_name, expect=plan.serve.smoke_expect) if smoke else None
+        answer = smoke_test(plan.base_url, plan.serve.model_name, expect=plan.serve.smoke_expect,
+                            api_key=plan_key(plan.serve)) if smoke else None
         return cluster, {"base_url": plan.base_url, "model": plan.serve.model_name, "ready_s": round(ready_s, 1),
                          "smoke_answer": answer, "verify": verified, "nodes": [n.ip for n in plan.nodes],
                          "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp, "log": str(log_path)}

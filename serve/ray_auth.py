@@ -1,20 +1,22 @@
-"""The token a ``serve --nodes`` Ray cluster admits its members with: where it comes from, the file
-each node reads it from, and how it is written there and removed again.
+"""The secrets ``serve --nodes`` hands its nodes: the token its Ray cluster admits members with
+(where it comes from), and the files the nodes read secrets from, how they are written there and
+removed again.
 
 Ray (2.60) started with ``RAY_AUTH_MODE=token`` refuses every gRPC call without the cluster's token:
 a node that would join, a driver that would connect (``ray.init``), a job submission. Each Ray
 process reads the token from ``$RAY_AUTH_TOKEN``, else from the file ``$RAY_AUTH_TOKEN_PATH``, else
 from ``~/.ray/auth_token``. A command line is visible to every user of a machine (``ps``), so the
 nodes are given only the path of a file that holds the token: one per node, written by this run
-before that node's Ray starts, readable by its owner only (created 0600 under a temporary name,
-then linked to its name, so it is never readable by others nor half-written), and removed when the
-cluster is taken down. On another machine the file is written by ``python3 -m
-hybrid_build.serve.ray_auth write FILE``, which reads the token from its stdin (ssh carries it; no
-command line holds it).
+before that node's Ray starts, readable by its owner only (``core.private_file``: created 0600
+under a temporary name, then linked to its name, so it is never readable by others nor
+half-written), and removed when the cluster is taken down. On another machine the file is written
+by ``python3 -m hybrid_build.serve.ray_auth write FILE``, which reads the secret from its stdin
+(ssh carries it; no command line holds it). A head on another machine gets the served API's key
+(``served_key``) the same way, in a file its vLLM's shell reads into ``$VLLM_API_KEY``.
 
-The token is generated per run (``secrets``, 256 bits), unless one is given: ``$RAY_AUTH_TOKEN``
-(Ray's own variable), or a file named by ``$RAY_AUTH_TOKEN_PATH`` (Ray's own variable), which must
-be its owner's alone (mode 0600).
+The token is generated per run (``secrets``, 256 bits), unless one is given: ``--ray-token-file``,
+``$RAY_AUTH_TOKEN`` (Ray's own variable), or a file named by ``$RAY_AUTH_TOKEN_PATH`` (Ray's own
+variable); a file must be its owner's alone (mode 0600).
 """
 from __future__ import annotations
 
@@ -27,31 +29,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.private_file import write_private
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 # on every node, under its user's home: the one folder the same on each without asking the node
 TOKEN_DIR = ".cache/hybrid-build"
+TOKEN_FILE = "ray-token"
+KEY_FILE = "api-key"  # the served API's key, on a head that is another machine
 CONTAINER_TOKEN = "/run/hybrid-build/ray-token"  # where a docker node's file is mounted, read-only
 MIN_LENGTH = 16
 TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a gRPC metadata value
 
 
-def token_name(port: int, node_index: int) -> str:
-    """The file name of node ``node_index``'s (0-based) token for the cluster on Ray ``port``."""
-    return f"ray-token-{port}-node{node_index + 1}"
-
-
-def local_token_path(port: int, node_index: int) -> str:
-    """The token file of a node on this machine (absolute)."""
-    return str(Path.home() / TOKEN_DIR / token_name(port, node_index))
-
-
-def remote_token_path(port: int, node_index: int) -> str:
-    """The token file of a node on another machine: ``~/`` is its user's home, which the node's
-    shell expands (``"$HOME"``, see ``multinode.Command``)."""
-    return f"~/{TOKEN_DIR}/{token_name(port, node_index)}"
+def node_file(kind: str, port: int, node_index: int, local: bool) -> str:
+    """Where node ``node_index`` (0-based) of the cluster on Ray ``port`` keeps the secret ``kind``
+    (``TOKEN_FILE``, ``KEY_FILE``): on this machine an absolute path; on another ``~/...``, under
+    its user's home, which the node's shell expands (``"$HOME"``, see ``multinode.Command``)."""
+    name = f"{kind}-{port}-node{node_index + 1}"
+    return str(Path.home() / TOKEN_DIR / name) if local else f"~/{TOKEN_DIR}/{name}"
 
 
 def auth_env(token_path: str) -> dict[str, str]:
@@ -134,33 +131,14 @@ def resolve_token(token_file: Path | None = None, environ: dict | None = None) -
     return RayToken("generated")
 
 
-def write_token_file(path: Path, token: str) -> None:
-    """Write ``token`` to ``path``, readable by its owner only: under a temporary name created 0600
-    (``O_EXCL``: never someone else's file, never readable by others, never half-written), then
-    linked to ``path``. A ``path`` that exists already is left alone: ``UserError`` (another
+def write_node_file(path: Path, secret: str) -> None:
+    """Write ``secret`` (a token or a key: one word) to ``path``, readable by its owner only
+    (``write_private``). A ``path`` that exists already is left alone: ``UserError`` (another
     cluster on the same Ray port may use it)."""
-    check_token(token, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.exists() or path.is_symlink():
+    if not secret or any(c.isspace() for c in secret):
+        raise UserError(f"{path}: a token or key is one word, without spaces")
+    if not write_private(path, secret + "\n"):
         raise _exists(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            os.fchmod(f.fileno(), 0o600)  # whatever the umask
-            f.write(token + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # fails where path exists: a token another run wrote is never replaced
-        except FileExistsError:
-            raise _exists(path) from None
-        except OSError:  # a filesystem without hard links
-            if path.exists() or path.is_symlink():
-                raise _exists(path) from None
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _exists(path: Path) -> UserError:
@@ -168,10 +146,10 @@ def _exists(path: Path) -> UserError:
                      "once no Ray of that run is left")
 
 
-if __name__ == "__main__":  # on a node: `python3 -m hybrid_build.serve.ray_auth write FILE`, the token on stdin
+if __name__ == "__main__":  # on a node: `python3 -m hybrid_build.serve.ray_auth write FILE`, the secret on stdin
     if len(sys.argv) != 3 or sys.argv[1] != "write":
-        sys.exit("usage: python3 -m hybrid_build.serve.ray_auth write FILE (the token on stdin)")
+        sys.exit("usage: python3 -m hybrid_build.serve.ray_auth write FILE (the token or key on stdin)")
     try:
-        write_token_file(Path(sys.argv[2]).expanduser(), sys.stdin.readline().strip())
+        write_node_file(Path(sys.argv[2]).expanduser(), sys.stdin.readline().strip())
     except (UserError, OSError) as e:
         sys.exit(f"error: {e}")

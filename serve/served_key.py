@@ -6,7 +6,8 @@ vLLM's OpenAI server (0.23.0 and 0.25.1: ``entrypoints/openai/api_server.py``; 0
 answers every request under ``/v1`` without ``Authorization: Bearer KEY`` with 401. ``serve``
 passes the key in vLLM's environment only (the docker engine: ``-e VLLM_API_KEY`` names it, the
 value is in docker's environment), never on a command line, which every user of the machine can
-read (``ps``).
+read (``ps``). With ``--nodes`` the head's vLLM gets it the same way; a head on another machine
+reads it from a file of its own (0600, written from ssh's stdin, removed at teardown: ``multinode``).
 
 A server that listens beyond loopback (``--host`` not a loopback address; the docker engine
 publishes the port where vLLM listens) needs a key: ``--api-key``, ``--api-key-file`` or
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.private_file import write_private
 
 SERVER_ENV = "VLLM_API_KEY"  # what vLLM's OpenAI server reads
 KEY_FILE = "serve-api-key"
@@ -106,28 +108,10 @@ def _read_key(path: Path, what: str) -> str:
 
 
 def _write_new(path: Path) -> str | None:
-    """Generate a key into ``path``: written under a temporary name created 0600 (never readable by
-    others, not even half-written), then linked to ``path``, which fails rather than replace a key
-    another ``serve`` wrote meanwhile (None then: read that one)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Generate a key into ``path`` (``write_private``: 0600, never half-written), which fails rather
+    than replace a key another ``serve`` wrote meanwhile (None then: read that one)."""
     key = "hbk_" + secrets.token_urlsafe(32)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o600)  # whatever the umask
-            f.write(key + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return None
-        except OSError:  # a filesystem without hard links
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return key
+    return key if write_private(path, key + "\n") else None
 
 
 def _generated(path: Path, create: bool) -> ApiKey:

@@ -760,9 +760,14 @@ def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=
                 ready = json.loads("".join(lines))
             except ValueError:
                 continue
-        record(out, "bench_conc_server", {"ready_s": round(now() - t0, 1), "ready": ready is not None})
+        rec = {"ready_s": round(now() - t0, 1), "ready": ready is not None, "rc": proc.poll(),
+               "stdout": "".join(lines)[-1500:]}
         if ready is None or "base_url" not in ready:
+            if proc.poll() is not None:
+                rec["stderr"] = proc.stderr.read()[-3000:]
+            record(out, "bench_conc_server", rec)
             return
+        record(out, "bench_conc_server", rec)
         for n in streams:
             ab_command(out, f"bench_conc_{n}", ["hybrid-build", "bench", ready["base_url"], "--concurrency", str(n),
                                                 "--runs", "2", "--max-tokens", "96",

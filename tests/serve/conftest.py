@@ -1,6 +1,8 @@
-"""Serve-test fixtures: a real hybrid artifact built by `hybrid-build run` from the tiny checkpoint."""
+"""Serve-test fixtures: a real hybrid artifact built by `hybrid-build run` from the tiny checkpoint, a
+stand-in artifact folder for the plans, and the OpenAI stand-in server (as a server, and as `vllm`)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -23,7 +25,45 @@ def tiny_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def artifact(tmp_path) -> Path:
+    """A stand-in artifact folder for plans and goldens: config.json naming a Hub source, no weights."""
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "hybrid_build": {
+        "format": "inc-hybrid", "source": {"id": "Intel/Qwen3.5-122B-A10B-int4-AutoRound"}, "lm_head": "gptq-int8"}}))
+    return art
+
+
 STANDIN = Path(__file__).resolve().parent / "standin_server.py"
+
+
+@pytest.fixture
+def standin(tmp_path):
+    """``standin(*flags, key=None, model="qwen")``: the OpenAI stand-in server, started by the launcher
+    as serve starts vLLM (``key``: in its environment as VLLM_API_KEY, and sent by the readiness
+    probe); its base URL once it answers. Stopped after the test."""
+    from test_multinode import free_port
+
+    from hybrid_build.serve.engine import LaunchPlan
+    from hybrid_build.serve.launcher import start, wait_ready
+    from hybrid_build.serve.served_key import ApiKey
+
+    servers = []
+
+    def _start(*extra: str, key: str | None = None, model: str = "qwen") -> str:
+        port = free_port()
+        plan = LaunchPlan([sys.executable, str(STANDIN), "--port", str(port), "--model", model, *extra], {}, model,
+                          port, "127.0.0.1", "base", "local", "stand-in",
+                          api_key=ApiKey(key, "--api-key") if key else None)
+        server = start(plan, tmp_path / f"standin-{port}.log")
+        servers.append(server)
+        wait_ready(server, timeout=60, poll=0.05)
+        return server.plan.base_url
+
+    yield _start
+    for s in servers:
+        s.stop()
 
 FAKE_VLLM = '''#!{python}
 import json, os, sys

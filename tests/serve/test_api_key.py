@@ -114,16 +114,6 @@ def test_a_dry_run_generates_nothing(tmp_path):
 # ----------------------------------------------------------------------------- the plans
 
 
-@pytest.fixture
-def artifact(tmp_path) -> Path:
-    """The stand-in artifact of the golden tests (config.json naming its Hub source)."""
-    art = tmp_path / "art"
-    art.mkdir()
-    (art / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "hybrid_build": {
-        "format": "inc-hybrid", "source": {"id": "Intel/Qwen3.5-122B-A10B-int4-AutoRound"}, "lm_head": "gptq-int8"}}))
-    return art
-
-
 @pytest.mark.parametrize("engine", ["local", "docker"])
 def test_the_key_is_in_no_argv_and_no_shown_environment(artifact, engine):
     key = ApiKey(KEY, "--api-key")
@@ -167,21 +157,10 @@ def _plan(port: int, key: str | None, *extra: str) -> LaunchPlan:
 
 
 @pytest.fixture
-def keyed(tmp_path):
-    """``keyed(*flags, model=...)``: a stand-in server wanting KEY, started by the launcher as serve
-    starts vLLM (the key in its environment) and ready once it answers the key. Its base URL."""
-    servers = []
-
-    def _start(*extra: str, model: str = "qwen") -> str:
-        port = free_port()
-        server = start(_plan(port, KEY, "--model", model, *extra), tmp_path / f"standin-{port}.log")
-        servers.append(server)
-        wait_ready(server, timeout=60, poll=0.05)
-        return server.plan.base_url
-
-    yield _start
-    for s in servers:
-        s.stop()
+def keyed(standin):
+    """``keyed(*flags, model=...)``: a stand-in server wanting KEY (in its environment, as serve gives
+    vLLM its key), ready once it answers the key. Its base URL."""
+    return lambda *extra, model="qwen": standin(*extra, key=KEY, model=model)
 
 
 def _status(url: str, key: str | None) -> int:

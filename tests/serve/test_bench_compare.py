@@ -23,8 +23,6 @@ import pytest
 
 from hybrid_build.pipeline.cli import main
 from hybrid_build.serve import bench as bench_mod
-from hybrid_build.serve.engine import LaunchPlan
-from hybrid_build.serve.launcher import start, wait_ready
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -38,24 +36,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def standin(tmp_path):
-    servers = []
-
-    def _start(*extra: str) -> str:
-        port = free_port()
-        plan = LaunchPlan([sys.executable, str(HERE / "standin_server.py"), "--port", str(port), *extra], {}, "qwen",
-                          port, "127.0.0.1", "base", "local", "stand-in")
-        server = start(plan, tmp_path / f"server-{port}.log")
-        servers.append(server)
-        wait_ready(server, timeout=30, poll=0.05)
-        return server.plan.base_url
-
-    yield _start
-    for s in servers:
-        s.stop()
 
 
 def fake_network(monkeypatch, **servers) -> FakeNetwork:

@@ -12,11 +12,8 @@ counts, which do not depend on speed.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -30,7 +27,6 @@ from hybrid_build.serve import bench as bench_mod
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from standin_server import Engine, FakeNetwork, FakeServer, _Body  # noqa: E402
-from test_bench_compare import free_port, standin  # noqa: E402,F401 - the stand-in server fixture
 
 KEY = "sk-test-7f3a9c"  # what must never be printed
 TICK = 0.01
@@ -325,7 +321,7 @@ def test_concurrency_out_of_range_is_one_line(capsys):
 # ---- N = 1, 2, 4 against the stand-in server ------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_streams_against_the_standin_server(standin, capsys, n):  # noqa: F811 - the imported fixture
+def test_streams_against_the_standin_server(standin, capsys, n):
     """29 tokens, 4 drafted and 3 accepted per step: each stream is the prefill token and 7 chunks
     of 4, whatever the speed, so its tokens per chunk is exactly 4.0, and the chunks of all
     streams are exactly the counters' drafts. N = 1 is today's report."""
@@ -383,40 +379,10 @@ def test_no_key_no_header(monkeypatch, capsys):
     assert net.requests and all(r["auth"] is None for r in net.requests)
 
 
-@pytest.fixture
-def keyed_standin(tmp_path):
-    """The stand-in server wanting ``KEY`` (VLLM_API_KEY), ready once /v1/models answers the key."""
-    procs = []
-
-    def _start(*extra: str) -> str:
-        port = free_port()
-        log = open(tmp_path / f"keyed-{port}.log", "wb")
-        proc = subprocess.Popen([sys.executable, str(HERE / "standin_server.py"), "--port", str(port), *extra],
-                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, VLLM_API_KEY=KEY))
-        log.close()
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}/v1"
-        req = urllib.request.Request(url + "/models", headers={"Authorization": f"Bearer {KEY}"})
-        for _ in range(600):  # polls until it listens: the test waits on the server, not on a time
-            if proc.poll() is not None:
-                pytest.fail(f"the stand-in exited: {(tmp_path / f'keyed-{port}.log').read_text()}")
-            try:
-                urllib.request.urlopen(req, timeout=5).close()
-                return url
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.05)
-        pytest.fail("the stand-in did not answer")
-
-    yield _start
-    for p in procs:
-        p.terminate()
-        p.wait(timeout=10)
-
-
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("key", [None, "sk-wrong-1234"], ids=["no-key", "wrong-key"])
-def test_a_refused_key_is_one_line_and_exit_2(keyed_standin, monkeypatch, capsys, n, key):
-    url = keyed_standin("--tokens", "8")
+def test_a_refused_key_is_one_line_and_exit_2(standin, monkeypatch, capsys, n, key):
+    url = standin("--tokens", "8", key=KEY)  # wants KEY, as vLLM given VLLM_API_KEY
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     flag = ["--api-key", key] if key else []
     # --model skips /v1/models, so that the chat requests themselves (N threads) meet the 401;

@@ -22,16 +22,6 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 PROFILES = ("dense", "dflash", "base", "mtp")
 
 
-@pytest.fixture
-def artifact(tmp_path) -> Path:
-    art = tmp_path / "art"
-    art.mkdir()
-    (art / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "hybrid_build": {
-        "format": "inc-hybrid", "source": {"id": "Intel/Qwen3.5-122B-A10B-int4-AutoRound"},
-        "lm_head": "gptq-int8"}}))
-    return art
-
-
 def _render(plan, art: Path) -> str:
     from hybrid_build.serve import patches
 

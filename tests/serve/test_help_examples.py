@@ -2,8 +2,9 @@
 
 A fresh folder gets ``out/`` from the README's quick start (``hybrid-build run -o out``, with
 ``-vv``, whose log is checked too); ``./int4`` and ``./ckpt`` are the INT4 checkpoint that run
-built (the demo source), and ``hybrid/`` a copy of ``out/``. Each example then runs there through
-the shell, as a user would paste it, and must exit 0. Examples that would start a server get
+built (the demo source), ``hybrid/`` a copy of ``out/`` and ``ray-token`` a Ray token file of the
+user's (0600). Each example then runs there through the shell, as a user would paste it, and must
+exit 0. Examples that would start a server get
 ``--dry-run``; ``bench`` examples measure the stdlib stand-in server on their port (skipped if
 that port is taken); those that need the network, a real 122B checkpoint or a Hub upload are
 skipped with the reason.
@@ -92,7 +93,7 @@ def as_run(cmd: str) -> str:
 @pytest.fixture(scope="module")
 def demo_cwd(tmp_path_factory):
     """A folder holding the demo output ``out/`` built by the README's command (``-vv``), the
-    demo source as ``int4`` and ``ckpt``, and ``hybrid/``, a copy of ``out/``."""
+    demo source as ``int4`` and ``ckpt``, ``hybrid/``, a copy of ``out/``, and ``ray-token`` (0600)."""
     cwd = tmp_path_factory.mktemp("examples")
     proc = subprocess.run(["hybrid-build", "run", "-o", "out", "-vv"], cwd=cwd, capture_output=True, text=True,
                           timeout=900, env=offline_env(cwd))
@@ -102,6 +103,8 @@ def demo_cwd(tmp_path_factory):
     for name in ("int4", "ckpt"):
         (cwd / name).symlink_to(source, target_is_directory=True)
     shutil.copytree(cwd / "out", cwd / "hybrid", symlinks=True)
+    (cwd / "ray-token").write_text("example-ray-token-0123456789abcdef\n")
+    (cwd / "ray-token").chmod(0o600)
     return cwd, proc
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import stat
 import shutil
 import signal
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,8 @@ from hybrid_build.serve import multinode as mn
 from hybrid_build.serve import multinode_plan as mnp
 from hybrid_build.serve import ray_auth
 from hybrid_build.serve.engine import plan_launch
+from hybrid_build.serve.launcher import plan_key
+from hybrid_build.serve.served_key import ApiKey
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"
@@ -90,16 +95,6 @@ def test_local_nodes_are_the_addresses_this_machine_can_bind():
 
 
 # ----------------------------------------------------------------------------- plans
-
-
-@pytest.fixture
-def artifact(tmp_path) -> Path:
-    """A stand-in artifact folder (config.json naming a Hub source), as the single-node goldens use."""
-    art = tmp_path / "art"
-    art.mkdir()
-    (art / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "hybrid_build": {
-        "format": "inc-hybrid", "source": {"id": "Intel/Qwen3.5-122B-A10B-int4-AutoRound"}, "lm_head": "gptq-int8"}}))
-    return art
 
 
 def _plan(artifact: Path, engine: str = "local", **kw) -> mn.MultiNodePlan:
@@ -217,9 +212,12 @@ def test_every_ray_process_runs_with_the_token_file_of_its_node(artifact, home):
     # on the other node its shell expands the home: the path, never the token, is on the line
     line = worker.local_argv(plan.remote_venv)[-1]
     assert ' RAY_AUTH_TOKEN_PATH="$HOME"/.cache/hybrid-build/ray-token-6379-node2 ' in line
-    assert plan.token_write(worker.node).local_argv(None)[-1] == \
+    files = plan.node_files()
+    assert [(f.node, f.path, f.holds) for f in files] == [(n, plan.token_files[n.index], "the Ray token")
+                                                          for n in plan.nodes]  # no key: none for vLLM either
+    assert plan.file_write(files[1]).local_argv(None)[-1] == \
         'exec python3 -m hybrid_build.serve.ray_auth write "$HOME"/.cache/hybrid-build/ray-token-6379-node2'
-    assert [w for w, _ in plan.teardown()][-2:] == [plan.token_remove(n).what for n in plan.nodes]
+    assert [w for w, _ in plan.teardown()][-2:] == [plan.file_remove(f).what for f in files]
     docker = _plan(artifact, "docker", ray_port=7000)
     for c in docker.ray:
         assert "RAY_AUTH_MODE=token" in c.argv and f"RAY_AUTH_TOKEN_PATH={ray_auth.CONTAINER_TOKEN}" in c.argv
@@ -269,26 +267,29 @@ def test_the_token_is_never_shown_and_a_given_file_must_be_its_owners_alone(arti
     assert a != b and len(a) >= 40 and generated.origin == "generated"  # one per run
 
 
-def test_a_token_file_is_written_owner_only_and_never_replaced(tmp_path):
+def test_a_node_file_is_written_owner_only_and_never_replaced(tmp_path):
     path = tmp_path / "cache" / "ray-token-1-node1"
     token = "t" * 43
-    old = os.umask(0)  # whatever the umask, the file is 0600
+    old = os.umask(0)  # whatever the umask, the file is 0600 and its new folder 0700
     try:
-        ray_auth.write_token_file(path, token)
+        ray_auth.write_node_file(path, token)
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token + "\n"
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary file left
     with pytest.raises(UserError, match="exists: a `serve --nodes` on the same Ray port"):
-        ray_auth.write_token_file(path, "u" * 43)
+        ray_auth.write_node_file(path, "u" * 43)
     assert path.read_text() == token + "\n"
     link = tmp_path / "cache" / "ray-token-1-node2"
     link.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(UserError, match="exists"):
-        ray_auth.write_token_file(link, token)
+        ray_auth.write_node_file(link, token)
     assert not (tmp_path / "elsewhere").exists()
-    with pytest.raises(UserError, match="one word of printable ASCII"):
-        ray_auth.write_token_file(tmp_path / "x", "two words here, long enough")
+    for bad in ("two words", ""):
+        with pytest.raises(UserError, match="one word"):
+            ray_auth.write_node_file(tmp_path / "x", bad)
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.*"))  # nothing, not even a temporary file
 
 
 FAKE_SSH = """#!/bin/sh
@@ -299,21 +300,28 @@ tee -a {stdin} | sh -c "$1"
 """
 
 
-def test_another_node_gets_the_token_on_stdin_and_loses_it_at_teardown(artifact, home, tmp_path, monkeypatch):
-    """The node over ssh (a stand-in that runs the remote line here, HOME being the test's): the
-    token reaches its file through stdin, never the command line; ``stop`` removes the files, but
-    not one that was there before this run."""
+@pytest.fixture
+def fake_ssh(tmp_path, monkeypatch) -> dict[str, Path]:
+    """``ssh`` first on PATH: a stand-in that runs the remote line here (HOME being the test's),
+    recording its arguments (``argv``) and its stdin (``stdin``); ``bin``: its folder."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     record, stdin = tmp_path / "ssh-argv", tmp_path / "ssh-stdin"
     (bindir / "ssh").write_text(FAKE_SSH.format(record=record, stdin=stdin))
     (bindir / "ssh").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return {"argv": record, "stdin": stdin, "bin": bindir}
+
+
+def test_another_node_gets_the_token_on_stdin_and_loses_it_at_teardown(artifact, home, fake_ssh, monkeypatch):
+    """The node over ssh: the token reaches its file through stdin, never the command line; ``stop``
+    removes the files, but not one that was there before this run."""
+    record, stdin = fake_ssh["argv"], fake_ssh["stdin"]
     token = "given-" + "k" * 40
     monkeypatch.setenv("RAY_AUTH_TOKEN", token)
     plan = _plan(artifact, ray_port=7001)
     cluster = mn.Cluster(plan)
-    cluster.write_tokens()
+    cluster.write_secrets()
     files = [Path(plan.token_files[0]), home / ".cache" / "hybrid-build" / "ray-token-7001-node2"]
     for f in files:
         assert f.read_text() == token + "\n" and stat.S_IMODE(f.stat().st_mode) == 0o600
@@ -326,9 +334,89 @@ def test_another_node_gets_the_token_on_stdin_and_loses_it_at_teardown(artifact,
     files[1].write_text("another run's token " * 2)  # node 2's file is there already: refused, and kept
     cluster = mn.Cluster(plan)
     with pytest.raises(ExternalToolError, match="node 2 .*ray-token-7001-node2 exists"):
-        cluster.write_tokens()
+        cluster.write_secrets()
     cluster.stop()
     assert files[1].exists() and not files[0].exists()
+
+
+def test_a_head_elsewhere_reads_the_served_key_from_its_file(artifact, home, fake_ssh, tmp_path):
+    """A head over ssh, with an API key: the key reaches the head's file through ssh's stdin, the
+    head's shell reads it into vLLM's environment (a stand-in `vllm` there records what it got), no
+    command line holds it, and ``stop`` removes the file. A key file already there (another run's)
+    fails the start, is kept, and the token files written before it are removed."""
+    if (Path(sys.executable).parent / "vllm").exists():
+        pytest.skip("a real vllm is installed beside this Python: it, not the stand-in, would run")
+    called = tmp_path / "vllm-call.json"
+    (fake_ssh["bin"] / "vllm").write_text(f"#!{sys.executable}\nimport json, os, sys\njson.dump({{'argv': sys.argv, "
+                                          f"'key': os.environ.get('VLLM_API_KEY')}}, open({str(called)!r}, 'w'))\n")
+    (fake_ssh["bin"] / "vllm").chmod(0o755)
+    key = "sk-head-" + "q" * 30
+    serve = plan_launch(str(artifact), "dense", recipe="qwen3.5-122b-a10b", api_key=ApiKey(key, "--api-key"))
+    plan = mn.plan_multinode(serve, ["user@198.51.100.12", "127.0.0.2"], str(artifact), ifname="lo", ray_port=7002)
+    assert plan.serve.host == "198.51.100.12" and plan_key(plan.serve) == key  # the URL plan keeps the key
+    assert plan.key_file == "~/.cache/hybrid-build/api-key-7002-node1" and plan.vllm_env == {}
+    assert plan.vllm.local_argv(None)[-1].startswith(
+        'VLLM_API_KEY="$(cat "$HOME"/.cache/hybrid-build/api-key-7002-node1)" && export VLLM_API_KEY && exec env ')
+    assert key not in json.dumps(plan.to_json()) + plan.render()
+
+    cluster = mn.Cluster(plan)
+    cluster.write_secrets()
+    keyfile = home / ".cache" / "hybrid-build" / "api-key-7002-node1"
+    assert keyfile.read_text() == key + "\n" and stat.S_IMODE(keyfile.stat().st_mode) == 0o600
+    assert len(_token_files(home)) == 2 and key in fake_ssh["stdin"].read_text()
+    vllm = cluster.start(plan.vllm, tmp_path / "vllm.log")
+    assert vllm.process.wait(timeout=60) == 0, (tmp_path / "vllm.log").read_text()
+    got = json.loads(called.read_text())
+    assert got["key"] == key and got["argv"][1:3] == ["serve", str(artifact.resolve())]
+    assert not any(key in a for a in got["argv"]) and key not in fake_ssh["argv"].read_text()
+    cluster.stop()
+    assert not keyfile.exists() and _token_files(home) == []
+    assert 'exec rm -f "$HOME"/.cache/hybrid-build/api-key-7002-node1' in fake_ssh["argv"].read_text()
+
+    keyfile.write_text("another-runs-key\n")
+    cluster = mn.Cluster(plan)
+    with pytest.raises(ExternalToolError, match="node 1 .*api-key-7002-node1 exists"):
+        cluster.write_secrets()
+    cluster.stop()
+    assert keyfile.read_text() == "another-runs-key\n" and _token_files(home) == []
+
+
+def test_the_served_key_is_never_shown_and_goes_where_vllm_listens_beyond_loopback(artifact, home, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """``--nodes`` resolves the key as one node does, for the address the head's vLLM listens on:
+    none on a head here on loopback, one (generated when serving starts) on a head elsewhere; a given
+    one is named by its origin or file in --dry-run and --json, never shown."""
+    state = tmp_path / "state"
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    key = "sk-nodes-" + "z" * 30
+    keyfile = tmp_path / "api.key"
+    keyfile.write_text(key + "\n")
+    base = ["serve", str(artifact), "--profile", "dense", "--recipe", "qwen3.5-122b-a10b", "--ifname", "lo",
+            "--dry-run"]
+    here, elsewhere = base + ["--nodes", "127.0.0.2,198.51.100.12"], base + ["--nodes", "me@198.51.100.12,127.0.0.2"]
+    assert main(here) == 0
+    assert "# no API key: vLLM listens on loopback (127.0.0.1)\n" in capsys.readouterr().out
+    assert main(elsewhere) == 0
+    out = capsys.readouterr().out
+    assert f"# API key: {state / 'hybrid-build' / 'serve-api-key'} (generated when serving starts;" in out
+    assert "--host 198.51.100.12 " in out and not state.exists()  # a dry run generates nothing
+    assert main(elsewhere + ["--engine", "docker"]) == 0
+    assert ('VLLM_API_KEY="$(cat "$HOME"/.cache/hybrid-build/api-key-6379-node1)" && export VLLM_API_KEY && exec '
+            'docker exec -e RAY_ADDRESS=198.51.100.12:6379 -e VLLM_API_KEY hybrid-build-ray-1 vllm serve /model ') \
+        in capsys.readouterr().out
+    for nodes, head_file in ((here, None), (elsewhere, "~/.cache/hybrid-build/api-key-6379-node1")):
+        for given, origin, file in ((["--api-key-file", str(keyfile)], "--api-key-file", str(keyfile.resolve())),
+                                    (["--api-key", key, "--engine", "docker"], "--api-key", None)):
+            assert main(nodes + given) == 0
+            text = "".join(capsys.readouterr())
+            assert main(nodes + given + ["--json"]) == 0
+            out, err = capsys.readouterr()
+            assert key not in text + out + err and "as VLLM_API_KEY in its environment" in text
+            assert json.loads(out)["api_key"] == {"env": "VLLM_API_KEY", "origin": origin, "file": file,
+                                                  "pending": False, "head_file": head_file}
+    monkeypatch.setenv("VLLM_API_KEY", key)  # the caller's: a child gets it only where the plan says
+    assert "VLLM_API_KEY" not in mn.child_env() and mn.child_env({"VLLM_API_KEY": key})["VLLM_API_KEY"] == key
 
 
 def test_a_stop_signal_waits_until_a_started_child_is_listed():
@@ -428,7 +516,8 @@ def test_node_identity_is_the_provenance_and_the_bytes_here(tiny_artifact, tmp_p
 
 FAKE_VLLM = '''#!{python}
 """Stand-in for `vllm`: `--version`, or `serve`: ask Ray which GPU nodes joined, record the call,
-then serve the OpenAI stand-in (it exits 3 when Ray has fewer GPU nodes than TP x PP)."""
+then serve the OpenAI stand-in (it exits 3 when Ray has fewer GPU nodes than TP x PP): it wants
+$VLLM_API_KEY when set, and answers from the artifact's reference when there is one."""
 import json, os, sys
 args = sys.argv[1:]
 if args == ["--version"]:
@@ -441,12 +530,14 @@ alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"] and n[
 ray.shutdown()
 want = int(opt("--tensor-parallel-size")) * int(opt("--pipeline-parallel-size"))
 keys = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "RAY_ADDRESS", "VLLM_PLUGINS", "RAY_AUTH_MODE",
-        "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
+        "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN", "VLLM_API_KEY")
 with open({record!r}, "w") as f:
-    json.dump({{"argv": args, "env": {{k: os.environ.get(k) for k in keys}}, "alive": alive}}, f)
+    json.dump({{"argv": args, "env": {{k: os.environ.get(k) for k in keys}}, "alive": alive, "pid": os.getpid()}}, f)
 if len(alive) < want:
     sys.exit(f"stand-in vllm: {{len(alive)}} GPU nodes in Ray, TP x PP = {{want}}")
-os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), "--model", opt("--served-model-name")])
+ref = ["--reference", args[1]] if os.path.exists(os.path.join(args[1], "hybrid_build", "reference.json")) else []
+os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), "--model", opt("--served-model-name"),
+                          *ref])
 '''
 
 
@@ -521,16 +612,27 @@ def _token_files(home: Path) -> list[Path]:
     return sorted((home / ".cache" / "hybrid-build").glob("ray-token-*"))
 
 
-# a driver that connects to the cluster (what vLLM does, and what a job submission needs)
-DRIVER = ('import sys, ray; ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False); '
-          'print("CONNECTED", sum(n["Alive"] for n in ray.nodes()))')
+# a job: a driver that connects to the cluster (as vLLM does) and runs a task there that writes the
+# marker file argv[2]
+DRIVER = """import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+
+@ray.remote
+def mark(path):
+    with open(path, "w") as f:
+        f.write("ran")
+
+ray.get(mark.remote(sys.argv[2]), timeout=120)
+print("CONNECTED", sum(n["Alive"] for n in ray.nodes()))
+"""
 REFUSED = re.compile(r"InvalidAuthToken|Authentication token is missing or incorrect")
 
 
-def _outsiders(c: dict, token_file: Path) -> dict[str, subprocess.Popen]:
-    """Processes that try the cluster at once: a node joining and a driver connecting without the
-    token, a driver with a wrong one, and (the control) one with the cluster's token file. Each has
-    an empty home (no ~/.ray/auth_token) and gives up after ~3 s of refused connections."""
+def _outsiders(c: dict, token_file: Path) -> dict[str, tuple[subprocess.Popen, Path | None]]:
+    """Processes that try the cluster at once, with the marker file each one's job would write: a
+    node joining and a job without the token, a job with a wrong one, and (the control) one with the
+    cluster's token file. Each has an empty home (no ~/.ray/auth_token) and gives up after ~3 s of
+    refused connections."""
     home = c["cwd"] / "outsider-home"
     home.mkdir(exist_ok=True)
     wrong = home / "wrong-token"
@@ -540,19 +642,21 @@ def _outsiders(c: dict, token_file: Path) -> dict[str, subprocess.Popen]:
     env.update(HOME=str(home), RAY_gcs_server_port_wait_time_s="3")
     address = f"127.0.0.2:{c['ray_port']}"
     ray_bin = str(Path(sys.executable).parent / "ray")
+    job = [sys.executable, "-c", DRIVER, address]
     runs = {
         "join without the token": ([ray_bin, "start", "--address", address, "--node-ip-address", "127.0.0.4",
                                     "--num-gpus", "1", "--disable-usage-stats", "--temp-dir",
-                                    f"{c['ray_tmp']}/outsider"], {}),
-        "connect without the token": ([sys.executable, "-c", DRIVER, address], {}),
-        "connect with another token": ([sys.executable, "-c", DRIVER, address],
-                                       {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)}),
-        "connect with the token": ([sys.executable, "-c", DRIVER, address],
-                                   {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)}),
+                                    f"{c['ray_tmp']}/outsider"], {}, None),
+        "job without the token": (job, {}, c["cwd"] / "marker-no-token"),
+        "job with another token": (job, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)},
+                                   c["cwd"] / "marker-wrong-token"),
+        "job with the token": (job, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file)},
+                               c["cwd"] / "marker-token"),
     }
-    return {what: subprocess.Popen(argv, env=dict(env, **extra), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, cwd=c["cwd"])
-            for what, (argv, extra) in runs.items()}
+    return {what: (subprocess.Popen(argv + ([str(marker)] if marker else []), env=dict(env, **extra),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, cwd=c["cwd"]), marker)
+            for what, (argv, extra, marker) in runs.items()}
 
 
 @pytest.fixture
@@ -592,14 +696,22 @@ def _serve_argv(art: Path, c: dict, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctrl_c(tiny_artifact, cluster_env,
+def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctrl_c(referenced_artifact, cluster_env,
                                                                                        home):
+    """The bring-up with an API key given in a file: vLLM (the stand-in, wanting the key as vLLM
+    does) has it in its environment only, and serve's readiness probe, check and smoke test send it."""
     c = cluster_env
-    run = CliRun(_serve_argv(tiny_artifact, c), c["env"], c["cwd"])
+    key = "sk-cluster-" + secrets.token_hex(16)
+    keyfile = c["cwd"] / "api.key"
+    keyfile.write_text(key + "\n")
+    keyfile.chmod(0o600)
+    run = CliRun(_serve_argv(referenced_artifact, c, "--api-key-file", str(keyfile)), c["env"], c["cwd"])
     try:
+        assert run.wait_for("API key: ", 60).startswith(f"API key: {keyfile.resolve()} (--api-key-file)")
         assert run.wait_for("checked 2 nodes", 120).startswith("checked 2 nodes: same artifact, vLLM 0.0.0-standin")
         run.wait_for("Ray head up at 127.0.0.2:", 120)
         assert run.wait_for("2 nodes joined", 120) == "2 nodes joined: 127.0.0.2, 127.0.0.3"
+        assert run.wait_for("verify ", 120).startswith("verify passed")  # through the head, with the key
         ready = run.wait_for("READY", 120)
         assert "on 2 nodes (TP=2 x PP=1)" in ready and f"http://127.0.0.1:{c['serve_port']}/v1" in ready
         assert run.wait_for("smoke test:", 30) == "smoke test: 'Paris.'"
@@ -611,7 +723,13 @@ def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctr
         assert [f.name for f in files] == [f"ray-token-{c['ray_port']}-node{i}" for i in (1, 2)]
         assert call["env"] == {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.2",
                                "RAY_ADDRESS": f"127.0.0.2:{c['ray_port']}", "VLLM_PLUGINS": "hybrid_build",
-                               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(files[0]), "RAY_AUTH_TOKEN": None}
+                               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(files[0]), "RAY_AUTH_TOKEN": None,
+                               "VLLM_API_KEY": key}
+        # the key: in vLLM's environment and nowhere else, on no command line; vLLM wants it
+        assert [h.split(" ", 2)[:2] for h in _holding(key.encode())] == [[str(call["pid"]), "(environ):"]]
+        assert not any(key in a for a in call["argv"]) and "--api-key" not in call["argv"]
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"http://127.0.0.1:{c['serve_port']}/v1/models", timeout=30)
         ray_processes = [line for line in _processes_mentioning([c["ray_tmp"]])
                          if int(line.split(":", 1)[0]) != run.proc.pid]  # hybrid-build's own names it too
         assert ray_processes, "the Ray nodes run from the temp root given"
@@ -629,11 +747,14 @@ def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctr
         assert not _holding(token), "the token is on a command line or in an environment"
 
         outsiders = _outsiders(c, files[0])
-        answers = {what: (p.communicate(timeout=120)[0], p.returncode) for what, p in outsiders.items()}
-        out, rc = answers.pop("connect with the token")
-        assert rc == 0 and "CONNECTED 2" in out, out  # the control: the same driver, given the token, gets in
-        for what, (out, rc) in answers.items():
+        answers = {what: (p.communicate(timeout=180)[0], p.returncode, marker)
+                   for what, (p, marker) in outsiders.items()}
+        out, rc, marker = answers.pop("job with the token")
+        # the control: the same job, given the token, gets in and its task runs on the cluster
+        assert rc == 0 and "CONNECTED 2" in out and marker.read_text() == "ran", out
+        for what, (out, rc, marker) in answers.items():
             assert rc != 0 and REFUSED.search(out), f"{what}: exit {rc}\n{out[-2000:]}"
+            assert marker is None or not marker.exists(), f"{what}: its task ran"
         assert not _processes_mentioning([f"{c['ray_tmp']}/outsider"])  # the refused node left nothing running
 
         run.proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -646,8 +767,10 @@ def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctr
     said = list(run.seen)
     while (line := run.lines.get(timeout=30)) is not None:  # the rest of stdout, read by CliRun's thread
         said.append(line)
-    assert token not in "\n".join(said + [run.proc.stderr.read()]).encode()
-    assert _files_holding(c["cwd"] / "logs", token) == [] and _files_holding(Path(c["ray_tmp"]), token) == []
+    shown = "\n".join(said + [run.proc.stderr.read()]).encode()
+    assert token not in shown and key.encode() not in shown
+    for secret in (token, key.encode()):
+        assert _files_holding(c["cwd"] / "logs", secret) == [] and _files_holding(Path(c["ray_tmp"]), secret) == []
     # the fixture asserts that no Ray process and no stand-in server is left
 
 

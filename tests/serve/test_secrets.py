@@ -1,7 +1,8 @@
 """Secrets never leak (issue 29): a recognisable fake secret is planted in every place a user could
 give one (the Hub token in ``HF_TOKEN`` and in the token file; a client's API key in
 ``OPENAI_API_KEY`` and ``--api-key``; the served API's key in ``VLLM_API_KEY``, ``--api-key`` and
-``--api-key-file``; the Ray token in ``RAY_AUTH_TOKEN`` and the file ``RAY_AUTH_TOKEN_PATH`` names)
+``--api-key-file``; the Ray token in ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names and the
+file ``--ray-token-file`` names)
 and every output is searched for it, and for its first 8 characters (a partial print): stdout and
 stderr with ``-vv``, ``--json`` and ``--dry-run``, every file written (the output folder with its
 ``.hybrid-build`` work folder, provenance, model card and reports; the serve log; bench's result;
@@ -35,7 +36,8 @@ SERVE_FLAG = "hbk_LEAKCANARYserveflag0123456789a"
 SERVE_FILE = "hbk_LEAKCANARYservefile0123456789a"
 RAY_ENV = "LEAKCANARYrayenv0123456789abcdefgh"
 RAY_FILE = "LEAKCANARYrayfile0123456789abcdefg"
-CANARIES = (HF_ENV, HF_FILE, CLIENT_ENV, CLIENT_FLAG, SERVE_ENV, SERVE_FLAG, SERVE_FILE, RAY_ENV, RAY_FILE)
+RAY_OPTION = "LEAKCANARYrayoption0123456789abcde"
+CANARIES = (HF_ENV, HF_FILE, CLIENT_ENV, CLIENT_FLAG, SERVE_ENV, SERVE_FLAG, SERVE_FILE, RAY_ENV, RAY_FILE, RAY_OPTION)
 NEEDLES = sorted(set(CANARIES) | {c[:8] for c in CANARIES})  # the whole secret, and a partial print
 CLI = [sys.executable, "-c", "import sys; from hybrid_build.pipeline.cli import main; sys.exit(main())"]
 
@@ -71,9 +73,11 @@ def planted(tmp_path_factory) -> dict:
     hf_home = secrets_dir / "hf_home"
     hf_home.mkdir()
     (hf_home / "token").write_text(HF_FILE)
-    files = {"hf": hf_home / "token", "serve": secrets_dir / "serve.key", "ray": secrets_dir / "ray.token"}
+    files = {"hf": hf_home / "token", "serve": secrets_dir / "serve.key", "ray": secrets_dir / "ray.token",
+             "ray_option": secrets_dir / "ray-option.token"}
     files["serve"].write_text(SERVE_FILE + "\n")
     files["ray"].write_text(RAY_FILE + "\n")
+    files["ray_option"].write_text(RAY_OPTION + "\n")
     for f in files.values():
         f.chmod(0o600)
     env = {"HF_TOKEN": HF_ENV, "OPENAI_API_KEY": CLIENT_ENV, "VLLM_API_KEY": SERVE_ENV, "RAY_AUTH_TOKEN": RAY_ENV}
@@ -133,7 +137,8 @@ def test_publish_dry_run_leaks_nothing(demo, secrets_env, capfd, monkeypatch):
 
 def test_serve_dry_runs_leak_nothing(demo, secrets_env, capfd, monkeypatch):
     """Local and docker engine, text and JSON, the served key from the environment, the flag and the
-    file; several nodes with the Ray token from its variable and from its file."""
+    file; several nodes (the head here, and elsewhere: its vLLM then listens beyond loopback) with the
+    Ray token from its variable, the file its variable names and the file --ray-token-file names."""
     base = ["serve", str(demo["out"]), "--profile", "dense", "--host", "0.0.0.0", "--dry-run", "-vv"]
     keyfile = str(secrets_env["files"]["serve"])
     runs = 0
@@ -146,20 +151,30 @@ def test_serve_dry_runs_leak_nothing(demo, secrets_env, capfd, monkeypatch):
                 assert "VLLM_API_KEY" in captured.out  # the key is in the plan, by name
                 assert_clean(" ".join("KEY" if a in CANARIES else a for a in argv[2:]), captured.out + captured.err)
                 runs += 1
-    nodes = ["serve", str(demo["out"]), "--profile", "dense", "--nodes", "127.0.0.2,198.51.100.12", "--ifname", "lo",
-             "--dry-run", "-vv"]
-    for fmt in ([], ["--json"]):
-        assert main(nodes + fmt) == 0  # RAY_AUTH_TOKEN and VLLM_API_KEY in the environment
-        captured = capfd.readouterr()
-        assert "RAY_AUTH" in captured.out
-        assert_clean("serve --nodes --dry-run (RAY_AUTH_TOKEN)", captured.out + captured.err)
+    base = ["serve", str(demo["out"]), "--profile", "dense", "--ifname", "lo", "--dry-run", "-vv"]
+    heads = {"head here": base + ["--nodes", "127.0.0.2,198.51.100.12"],
+             "head elsewhere": base + ["--nodes", "me@198.51.100.12,127.0.0.2"]}
+    for where, nodes in heads.items():
+        for fmt in ([], ["--json"]):
+            assert main(nodes + fmt) == 0  # RAY_AUTH_TOKEN and VLLM_API_KEY in the environment
+            captured = capfd.readouterr()
+            assert "RAY_AUTH" in captured.out and "VLLM_API_KEY" in captured.out
+            assert_clean(f"serve --nodes --dry-run, {where} (RAY_AUTH_TOKEN)", captured.out + captured.err)
+            runs += 1
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(secrets_env["files"]["ray"]))
-    assert main(nodes + ["--api-key-file", keyfile]) == 0
-    captured = capfd.readouterr()
-    assert str(secrets_env["files"]["ray"]) in captured.out  # the file was the token's source
-    assert_clean("serve --nodes --dry-run (RAY_AUTH_TOKEN_PATH)", captured.out + captured.err)
-    assert runs == 12 and not secrets_env["state"].exists()  # a key was always given: none generated
+    option = ["--ray-token-file", str(secrets_env["files"]["ray_option"])]
+    for where, nodes in heads.items():
+        for token, key in (([], ["--api-key-file", keyfile]), (option, ["--api-key", SERVE_FLAG]), (option, [])):
+            for fmt in ([], ["--json"]):
+                assert main(nodes + token + key + fmt) == 0
+                captured = capfd.readouterr()
+                # the file was the token's source: the option's, else the variable's
+                assert str(secrets_env["files"]["ray_option" if token else "ray"]) in captured.out
+                source = "--ray-token-file" if token else "RAY_AUTH_TOKEN_PATH"
+                assert_clean(f"serve --nodes --dry-run, {where} ({source})", captured.out + captured.err)
+                runs += 1
+    assert runs == 28 and not secrets_env["state"].exists()  # a key was always given: none generated
     assert leaks_in_tree(demo["work"]) == {}
 
 
