@@ -750,8 +750,9 @@ def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: list[str] = []
     ready = None
+    until = now() + min(480, left() - 30)  # fixed once: left() shrinks as the wait goes on
     try:
-        while ready is None and proc.poll() is None and now() - t0 < min(480, left() - 30):
+        while ready is None and proc.poll() is None and now() < until:
             line = proc.stdout.readline()
             if not line:
                 break

@@ -3,14 +3,18 @@
 The bring-up runs for real here: a Ray head and a worker node on loopback addresses of this
 machine (127.0.0.2 and 127.0.0.3, their own ports and temp folders), a stand-in for ``vllm``
 (answers ``--version``; for ``serve`` it asks Ray which nodes joined, records what it was given,
-then runs the OpenAI stand-in server), the smoke test, and Ctrl-C, after which no process of the
-cluster may be left. While it runs, processes without the cluster's Ray token try to join it and to
-connect to it, and are refused; the token is in no process's command line or environment, and its
-files are gone after the teardown. Golden files hold the exact dry-run plan of the local and docker
-engines (``HYBRID_BUILD_UPDATE_GOLDEN=1`` rewrites them).
+then runs the OpenAI stand-in server, which wants the API key it was given), the check, the smoke
+test, and Ctrl-C, after which no process of the cluster may be left. While it runs, processes
+without the cluster's Ray token try to join it and to run a job on it, and are refused (the job's
+task never runs); the token is in no process's command line or environment, the API key only in
+vLLM's environment, and the token's files are gone after the teardown. A head over a stand-in
+``ssh`` gets the key on stdin into a file of its own. Golden files hold the exact dry-run plan of
+the local and docker engines (``HYBRID_BUILD_UPDATE_GOLDEN=1`` rewrites them).
 """
 from __future__ import annotations
 
+import importlib.util
+import ipaddress
 import json
 import os
 import queue
@@ -604,6 +608,27 @@ def _holding(data: bytes) -> list[str]:
     return found
 
 
+def _listening(proc: Path) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses the process ``proc`` (``/proc/PID``) has listening TCP sockets on."""
+    inodes = set()
+    for fd in (proc / "fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):  # local address as hex, each 32-bit word little-endian; state 0A: LISTEN
+        for row in Path("/proc/net", table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                found.append(getattr(ip, "ipv4_mapped", None) or ip)
+    return found
+
+
 def _files_holding(root: Path, data: bytes) -> list[str]:
     return [str(f) for f in root.rglob("*") if f.is_file() and not f.is_symlink() and data in f.read_bytes()]
 
@@ -742,8 +767,12 @@ def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctr
             proc = Path("/proc") / line.split(":", 1)[0]
             assert b"RAY_AUTH_MODE=token" in (proc / "environ").read_bytes().split(b"\0"), line
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if any(a.endswith(b"dashboard/dashboard.py") for a in argv):  # where Ray starts one: on loopback
+            if any(a.endswith(b"dashboard/dashboard.py") for a in argv):  # the head's: its web server, on loopback
                 assert b"--host=127.0.0.1" in argv, line
+                listening = _listening(proc)
+                assert all(a.is_loopback for a in listening), (line, listening)
+                if importlib.util.find_spec("aiohttp_cors") is None:  # plain `ray`: no web server, no job API
+                    assert listening == [], (line, listening)
         assert not _holding(token), "the token is on a command line or in an environment"
 
         outsiders = _outsiders(c, files[0])
