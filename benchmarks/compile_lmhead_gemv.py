@@ -17,9 +17,7 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 # Shared memory per block, KiB (CUDA programming guide, compute capabilities table).
@@ -27,18 +25,12 @@ SMEM_LIMIT_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99, 121: 99}
 
 
 def _load_gemv():
+    """serve/int8_gemv.py as the benchmark loads it, with Triton imported compile-capable."""
     os.environ.pop("TRITON_INTERPRET", None)  # must be off before Triton is first imported
-    try:
-        from hybrid_build.serve import int8_gemv
-    except ImportError:  # a bare checkout: the file itself
-        import importlib.util
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_lmhead_gemv import g
 
-        path = Path(__file__).resolve().parents[1] / "serve" / "int8_gemv.py"
-        spec = importlib.util.spec_from_file_location("int8_gemv", path)
-        int8_gemv = importlib.util.module_from_spec(spec)
-        sys.modules["int8_gemv"] = int8_gemv
-        spec.loader.exec_module(int8_gemv)
-    return int8_gemv
+    return g
 
 
 def compile_config(g, cfg, batch: int, cc: int, x_dtype: str):

@@ -659,6 +659,17 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
 # ------------------------------------------------------------------------------ verify (issue 27)
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """Ctrl-C to a child's process group (serve tears vLLM down on it), SIGKILL after 25 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(25)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def serve_verified(out: Path, key: str, cmd: list[str], env: dict, limit: float) -> dict:
     """``hybrid-build serve --json`` with its verify-before-ready: the JSON it prints at READY (with
     the verify figures) or its exit code and last lines when verify (or anything) stops it; then
@@ -699,13 +710,7 @@ def serve_verified(out: Path, key: str, cmd: list[str], env: dict, limit: float)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(25)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
         res["serve_rc"] = proc.returncode
         res["serve_stderr"] = (proc.stderr.read() if proc.stderr else "")[-1500:]
         res["wall_s"] = round(now() - t0, 1)
@@ -774,13 +779,7 @@ def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=
                                                 "--runs", "2", "--max-tokens", "96",
                                                 "--out", str(out / f"bench_conc_{n}.json")], min(150, left(10)))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(25)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
 
 
 def verify_step(out: Path, hb: Path, src: Path, recipe: Path, left, only: str | None = None) -> None:
