@@ -473,8 +473,7 @@ def published_comparison(reads: ProfileReads, hardware: Hardware, drafter: Draft
 
 # The seed's concurrency table: GB10, the dense profile, DFlash n=12, vLLM, temperature 0, decode-only
 # tok/s per stream (the mean over K streams). Its script (scripts/conc_workloads.py) sends ONE prompt
-# to all K streams (a one-line request, max_tokens 200; the server runs BF16 KV, prefix caching off,
-# max-num-seqs 3). Acceptance as the seed's per-workload table gives it: prose ~2.3, code ~5.4. Its
+# to all K streams (a one-line request, max_tokens 200). Acceptance as the seed's per-workload table gives it: prose ~2.3, code ~5.4. Its
 # third row (agentic, 6k-token context) states no acceptance and is left out.
 PUBLISHED_GB10_CONCURRENCY: tuple[dict, ...] = tuple(
     {"workload": w, "profile": "dense", "accept": a, "concurrency": k, "tok_s": t, "calibrates": (w, k) == ("code", 2)}
@@ -485,7 +484,7 @@ SEED_CONTEXT = 256
 # The streams of that benchmark emit the same tokens until their numerics part, so they share most
 # expert reads. The share of steps they are in step (``batch_experts``' overlap), calibrated on ONE
 # figure: code at 2 streams (55.3 tok/s), the workload whose single-stream figure the model meets
-# (66.9 published, 67.0 predicted), so the overlap does not absorb a single-stream error. It also
+# (66.9 published, 67.9 predicted), so the overlap does not absorb a single-stream error. It also
 # absorbs any per-stream cost the model lacks (compute, sampling). tests/serve/test_speed_plan.py
 # recomputes it from the synthetic 122B headers.
 SEED_STREAM_OVERLAP = 0.596
