@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
+
+from .errors import UserError
 
 
 def write_private(path: Path, text: str) -> bool:
@@ -32,3 +35,23 @@ def write_private(path: Path, text: str) -> bool:
     finally:
         tmp.unlink(missing_ok=True)
     return True
+
+
+def read_private(path: Path, what: str) -> str:
+    """The stripped text of ``path``, a regular file of this user that nobody else can read or
+    write; else one line (``what`` names it) saying what to do."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{what} {path}: not a file")
+    if st.st_uid != os.getuid():
+        raise UserError(f"{what} {path}: owned by another user; a secret must be in a file of yours")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise UserError(f"{what} {path}: can be read or written by others (mode {mode:04o}): `chmod 600 {path}`")
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None

@@ -47,7 +47,7 @@ def register(sub, common) -> None:
                         "Default: --api-key-file, else $VLLM_API_KEY, else beyond loopback one generated into "
                         "$XDG_STATE_HOME/hybrid-build/serve-api-key (default ~/.local/state/...; 0600; the path is "
                         "printed, never the key). A flag shows in `ps`: prefer the file or the variable")
-    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the API key from FILE (one line)")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the API key from FILE (one line; a file of yours, mode 0600)")
     p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
     p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
     p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "

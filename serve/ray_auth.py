@@ -23,13 +23,12 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.errors import UserError
-from hybrid_build.core.private_file import write_private
+from hybrid_build.core.private_file import read_private, write_private
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -67,22 +66,7 @@ def check_token(token: str, what: str) -> str:
 
 def read_token_file(path: Path, what: str) -> str:
     """The token in ``path``, a file its owner alone can read; else one line saying what to do."""
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise UserError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UserError(f"{what} {path}: not a file")
-    if st.st_uid != os.getuid():
-        raise UserError(f"{what} {path}: owned by another user; the Ray token must be in a file of yours")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise UserError(f"{what} {path}: others can read or write it (mode {stat.S_IMODE(st.st_mode):04o}); "
-                        f"`chmod 600 {path}`")
-    try:
-        text = path.read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    return check_token(text.strip(), f"{what} {path}")
+    return check_token(read_private(path, what), f"{what} {path}")
 
 
 @dataclass(frozen=True)

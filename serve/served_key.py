@@ -22,12 +22,11 @@ import ipaddress
 import os
 import secrets
 import shlex
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.errors import UserError
-from hybrid_build.core.private_file import write_private
+from hybrid_build.core.private_file import read_private, write_private
 
 SERVER_ENV = "VLLM_API_KEY"  # what vLLM's OpenAI server reads
 KEY_FILE = "serve-api-key"
@@ -97,11 +96,8 @@ class ApiKey:
 
 
 def _read_key(path: Path, what: str) -> str:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    key = text.strip()
+    """The key in ``path``, a file its owner alone can read (``read_private``), alone on its line."""
+    key = read_private(path, what)
     if not key or any(c.isspace() for c in key):
         raise UserError(f"{what} {path}: it should hold the key alone, on one line")
     return key
@@ -118,7 +114,7 @@ def _generated(path: Path, create: bool) -> ApiKey:
     """The generated key in ``path``: reused if there, else made (``create``) or pending (dry run)."""
     for _ in range(2):
         try:
-            st = path.stat()
+            path.stat()
         except FileNotFoundError:
             if not create:
                 return ApiKey("", "generated", path, pending=True)
@@ -126,9 +122,6 @@ def _generated(path: Path, create: bool) -> ApiKey:
             if key is not None:
                 return ApiKey(key, "generated", path, created=True)
             continue  # another serve wrote one first: use it
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise UserError(f"{path}: the API key file can be read by others (mode {stat.S_IMODE(st.st_mode):04o}) or "
-                            f"is not yours: `chmod 600 {path}`, or delete it for a new key")
         return ApiKey(_read_key(path, "the generated API key file"), "generated", path)
     raise UserError(f"{path}: the API key file keeps changing while it is read")
 

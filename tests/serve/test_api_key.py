@@ -65,6 +65,10 @@ def test_resolve_order_and_loopback_without_a_key(tmp_path):
     assert not folder.exists()
     keyfile = tmp_path / "given.key"
     keyfile.write_text(KEY + "\n")
+    keyfile.chmod(0o644)  # a key file others can read is refused, as the Ray token's is
+    with pytest.raises(UserError, match=r"--api-key-file .*can be read or written by others \(mode 0644\).*chmod 600"):
+        resolve("0.0.0.0", file=keyfile, environ={})
+    keyfile.chmod(0o600)
     env = {"VLLM_API_KEY": WRONG}
     assert resolve("127.0.0.1", flag=KEY, environ=env).origin == "--api-key"
     got = resolve("0.0.0.0", file=keyfile, environ=env)
@@ -100,7 +104,7 @@ def test_a_generated_key_is_0600_reused_and_never_shown(tmp_path):
         assert first.value not in text
     assert str(path) in first.describe() and first.shell_line() == f'export VLLM_API_KEY="$(cat {path})"'
     path.chmod(0o644)
-    with pytest.raises(UserError, match="can be read by others .*chmod 600") as e:
+    with pytest.raises(UserError, match="can be read or written by others .*chmod 600") as e:
         resolve("0.0.0.0", environ={}, folder=folder)
     assert first.value not in str(e.value)
 
@@ -139,6 +143,7 @@ def test_dry_run_shows_where_the_key_is_and_generates_none(artifact, tmp_path, c
     assert "generated when serving starts" in out and not state.exists()
     keyfile = tmp_path / "mine.key"
     keyfile.write_text(KEY)
+    keyfile.chmod(0o600)
     for extra in (["--api-key", KEY], ["--api-key-file", str(keyfile)], ["--engine", "docker", "--api-key", KEY]):
         assert main(base + ["--host", "0.0.0.0", *extra]) == 0
         out = capsys.readouterr().out

@@ -396,6 +396,7 @@ def test_the_served_key_is_never_shown_and_goes_where_vllm_listens_beyond_loopba
     key = "sk-nodes-" + "z" * 30
     keyfile = tmp_path / "api.key"
     keyfile.write_text(key + "\n")
+    keyfile.chmod(0o600)
     base = ["serve", str(artifact), "--profile", "dense", "--recipe", "qwen3.5-122b-a10b", "--ifname", "lo",
             "--dry-run"]
     here, elsewhere = base + ["--nodes", "127.0.0.2,198.51.100.12"], base + ["--nodes", "me@198.51.100.12,127.0.0.2"]
