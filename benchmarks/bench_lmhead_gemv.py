@@ -42,7 +42,7 @@ def _load_gemv():
 
 g = _load_gemv()
 
-BATCHES = (1, 2, 4, 8, 13, 16, 32, 64)
+BATCHES = (1, 2, 4, 8, 13, 16, 24, 32, 48, 64)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Candidates per table class (the largest batch of the class; the sweep times each at that B):
 # (weight layout, config). "rows" is the row-major [N, K] weight, "tiled" the weight stored by
@@ -78,14 +78,32 @@ def _candidates() -> dict[int, list[tuple[str, object]]]:
         ("tiled", G(128, 128, 8, 3, block_m=64, o_evict=E, swap=True)),
         ("tiled", G(128, 128, 4, 4, block_m=64, o_evict=E, swap=True)),
     ]
+    # The int8 tensor-core form (act="i16": x on a per-row 16-bit grid as two int8 halves, the
+    # weight tile fed to the dot as loaded): one or two 128-row tiles per program, 4 / 8 warps,
+    # 3-5 stages, x's rows on either side of the dot.
+    # tma: both tiles through the Tensor Memory Accelerator; split: the high and low halves of x
+    # as two dots with their own accumulators (an element-wise epilogue). The H200 runs of
+    # 2026-12-01 (benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json) dropped 4 / 5
+    # stages, 8 warps on one tile, two tiles per program (block_n 256, 4 or 8 warps, x's L2 reads
+    # halved: no faster), L2 hints, and Triton's warp specialization (fails to compile with 4 warps,
+    # slower with 8).
+    def i16(p: int) -> list:
+        cands = [(128, 4, 3, False, True, False), (128, 4, 2, False, True, False),
+                 (128, 4, 3, False, True, True), (128, 4, 2, False, True, True), (128, 4, 4, False, True, True),
+                 (128, 4, 3, True, True, True), (128, 4, 2, True, True, True), (128, 8, 3, True, True, True),
+                 (128, 4, 3, False, False, True), (256, 8, 3, False, False, True), (256, 8, 3, True, False, True)]
+        if p == 64:
+            cands += [(128, 8, 3, False, True, True), (256, 8, 4, False, False, True)]
+        return [("tiled", G(bn, 128, nw, st, block_m=p, act="i16", swap=sw, tma=tma, split_acc=split, o_evict=E))
+                for bn, nw, st, sw, tma, split in cands]
     return {
         8: small,
         16: small,
         32: [("rows", rows_t[32]), ("tiled", tiled_t[32]), ("tiled", R(tiled_t[32], o_evict="")),
              ("tiled", G(128, 128, 8, 4, block_m=16, dots=2, o_evict=E)),
              ("tiled", G(128, 128, 4, 4, block_m=32, o_evict=E, swap=True)),
-             ("tiled", G(128, 128, 8, 3, block_m=32, o_evict=E, swap=True))] + wide,
-        64: [("rows", rows_t[64]), ("tiled", tiled_t[64]), ("tiled", R(tiled_t[64], o_evict=""))] + wide[1:],
+             ("tiled", G(128, 128, 8, 3, block_m=32, o_evict=E, swap=True))] + wide + i16(32),
+        64: [("rows", rows_t[64]), ("tiled", tiled_t[64]), ("tiled", R(tiled_t[64], o_evict=""))] + wide[1:] + i16(64),
     }
 
 
@@ -123,25 +141,29 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def error_bound(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ref32: torch.Tensor) -> torch.Tensor:
+def error_bound(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ref32: torch.Tensor,
+                act: str = "native") -> torch.Tensor:
     """Per-element bound on |kernel - reference| after both are rounded to x's dtype.
 
     Both sum K exact products (bf16 or fp16 x int8 fits fp32) in fp32: each within gamma(K) * S
     of the exact sum, S = sum_k |x_k q_k| * s; the factor 2 covers tensor cores that truncate
     instead of rounding, plus the two scale roundings. Each rounding to x's dtype adds at most
-    u * |value| + a (bf16: u = 2^-8; fp16: u = 2^-11, a = 2^-25 for its subnormals).
+    u * |value| + a (bf16: u = 2^-8; fp16: u = 2^-11, a = 2^-25 for its subnormals). act="i16"
+    adds x's rounding to its 16-bit grid (``i16_error_bound``).
     """
     k = x.shape[1]
     gamma = 2 * (k + 2) * U32 / (1 - 2 * (k + 2) * U32)
     mag = torch.nn.functional.linear(x.float().abs(), w.float().abs()) * s.float().abs()[None, :]
     fp32_err = 2 * gamma * mag
+    if act == "i16":
+        fp32_err = fp32_err + g.i16_error_bound(x, w, s)
     u, a = OUT_ROUNDING[x.dtype]
     # The interpreter truncates fp32 -> bf16 (one ulp, 2^-7) where the GPU rounds (2^-8).
     u_kernel = 2 * u if SMOKE and x.dtype == torch.bfloat16 else u
     return fp32_err + u_kernel * (ref32.abs() + fp32_err) + u * ref32.abs() + 2 * a
 
 
-def check(out: torch.Tensor, x, w, s, ref32: torch.Tensor) -> dict:
+def check(out: torch.Tensor, x, w, s, ref32: torch.Tensor, act: str = "native") -> dict:
     """Error against the bound, and argmax agreement.
 
     With 248k random logits the top two can lie within one bf16 ulp, where rounding may
@@ -149,7 +171,7 @@ def check(out: torch.Tensor, x, w, s, ref32: torch.Tensor) -> dict:
     point at a logit whose reference value is within the error bound of the maximum
     ("argmax_equal" counts rows where the two agree exactly).
     """
-    bound = error_bound(x, w, s, ref32)
+    bound = error_bound(x, w, s, ref32, act)
     err = (out.float() - ref32.to(out.dtype).float()).abs()
     ok = bool(torch.isfinite(out.float()).all()) and bool((err <= bound).all())
     am_k = out.float().argmax(dim=1)
@@ -317,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         if verify and stage == "full":
             ref = reference(x, w, s, w32_cache) if weight is None else torch.nn.functional.linear(
                 x.float(), wt.float())
-            rec["check"] = check(out, x, w, s, ref) if weight is None else {
+            rec["check"] = check(out, x, w, s, ref, cfg.act) if weight is None else {
                 "max_abs_err": float((out.float() - ref).abs().max())}
         ms = bench_ms(lambda: g._launch(x, wt, s, out, cfg, stage=stage))
         rec["ms"] = ms
@@ -341,6 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         result["sweep"] = sweep_rows
         result["sweep_best"] = {str(c): dict(r["config"], layout=r["layout"]) for c, r in best.items()}
         save()
+        # act="i16" winners: x's quantizer alone and the int8 dot alone (their sum against the full call)
+        split = []
+        for cls, rec in best.items():
+            if rec["config"].get("act") == "i16":
+                for stage in ("quant_only", "dot_only"):
+                    split.append(dict(run_variant(cls, g.GemvConfig(**rec["config"]), stage=stage, layout=rec["layout"]),
+                                      full_ms=rec["ms"]))
+                    log(f"i16 B={cls} {stage}: {split[-1].get('ms', split[-1].get('error'))} ms of {rec['ms']}")
+        result["i16_split"] = split
+        save()
         # Diagnostics at B=16 with the best config: dequant variants (both dtypes), stage drops
         # (no dot, loads only, no output store), a bf16 weight (row-major) through the same kernel.
         base, lay = (best[16]["config"], best[16]["layout"]) if 16 in best else (g._H200_TABLE[16].as_dict(), "tiled")
@@ -361,14 +393,15 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     # Odd shapes through the kernel (masking, K tail, batch chunking past 64), every dequant mode,
-    # dtype and weight layout, each batch chunk with the config of its class for that layout.
+    # dtype and weight layout, each batch chunk with the config of its class for that layout; mode
+    # "i16" runs that config in the int8 tensor-core form (act="i16") at every batch.
     odd = []
     shapes = [(13, 1000, 272), (33, 517, 3072), (64, 4097, 48), (100, 300, 160), (1, n, k), (16, n, k)]
     for b, nn, kk in shapes if not SMOKE else [(13, 40, 48), (100, 30, 32)]:
         ws = torch.randint(-127, 128, (nn, kk), dtype=torch.int8, device=dev, generator=gen)
         ss = torch.rand(nn, device=dev, generator=gen) * 0.01 + 1e-3
         w_tiled = g.tile_weight(ws)
-        for dtype, layout, mode in ((d, lay, m) for d in dtypes for lay in ("rows", "tiled") for m in ("cvt", "bits", "asm")):
+        for dtype, layout, mode in ((d, lay, m) for d in dtypes for lay in ("rows", "tiled") for m in ("cvt", "bits", "asm", "i16")):
             x = torch.randn(b, kk, device=dev, dtype=dtype, generator=gen)
             ref = torch.nn.functional.linear(x.float(), ws.float() * ss[:, None])
             out = torch.full((b, nn), float("nan"), device=dev, dtype=dtype)
@@ -377,13 +410,18 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for b0 in range(0, b, 64):
                     xb = x[b0:b0 + 64]
-                    cfg = g.dataclasses.replace(g.config_for(xb.shape[0], dev, dtype, tile=tile), dequant=dq(mode))
+                    cfg = g.config_for(xb.shape[0], dev, dtype, tile=tile)
+                    if mode == "i16":
+                        cfg = g.dataclasses.replace(cfg, act="i16", dots=1, swap=False,
+                                                    block_m=g.block_b_for(xb.shape[0]))
+                    else:
+                        cfg = g.dataclasses.replace(cfg, dequant=dq(mode))
                     g._launch(xb, w_tiled if tile else ws, ss, out[b0:b0 + 64], cfg)
             except Exception as exc:
                 odd.append({**rec, "within_bound": False, "argmax_equal": False,
                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
-            odd.append({**rec, **check(out, x, ws, ss, ref)})
+            odd.append({**rec, **check(out, x, ws, ss, ref, cfg.act)})
     result["odd_shapes"] = odd
     log("odd shapes: " + ("all within bound, argmax equal" if all(
         o["within_bound"] and o["argmax_equal"] for o in odd) else json.dumps(odd)))
@@ -447,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
             out = torch.full((b, n), float("nan"), device=dev, dtype=dtype)
             g.int8_linear(x, w_t, s, out=out, config=cfg)
-            chk = check(out, x, w, s, reference(x, w, s, w32_cache))
+            chk = check(out, x, w, s, reference(x, w, s, w32_cache), cfg.act)
             t_int8 = bench_ms(lambda: g.int8_linear(x, w_t, s, out=out, config=cfg))
             t_lin = bench_ms(lambda: torch.nn.functional.linear(x, w_lin))
             t_marlin = bench_ms(lambda: marlin_fn(x)) if marlin_fn is not None else None

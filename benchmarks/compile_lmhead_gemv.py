@@ -41,6 +41,8 @@ def compile_config(g, cfg, batch: int, cc: int, x_dtype: str):
     from triton.compiler import ASTSource
 
     m, dots = cfg.rows(batch)
+    if cfg.act == "i16":
+        return _compile_i16(g, cfg, m, cc)
     sig = {"x_ptr": "*" + x_dtype, "w_ptr": "*i8", "s_ptr": "*fp32", "o_ptr": "*" + x_dtype, "B": "i32",
            "N": "i32", "K": "i32", "stride_xb": "i32", "stride_ob": "i32"}
     const = dict(BLOCK_H=m, N_DOTS=dots, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -52,6 +54,35 @@ def compile_config(g, cfg, batch: int, cc: int, x_dtype: str):
     src = ASTSource(g._kernel(False), sig, constexprs=const, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def _compile_i16(g, cfg, block_p: int, cc: int):
+    """The int8 dot kernel of an act="i16" config (x's quantizer is a one-row loop that needs no
+    shared memory to speak of), tiled 128 x 128 weight."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    q_t, w_t = "*i8", "*i8"
+    if cfg.tma:  # tensor descriptors: x's rows per load, one weight tile per load
+        q_t = f"tensordesc<i8[{block_p if cfg.split_acc else 2 * block_p},{cfg.block_k}]>"
+        w_t = f"tensordesc<i8[{g.TILE[0]},{cfg.block_k}]>"
+    sig = {"q_ptr": q_t, "t_ptr": "*fp32", "w_ptr": w_t, "s_ptr": "*fp32", "o_ptr": "*bf16", "B": "i32",
+           "N": "i32", "K": "i32", "stride_ob": "i32"}
+    const = dict(BLOCK_P=block_p, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILE_N=g.TILE[0], EVEN_K=True,
+                 W_TILED=True, SWAP=cfg.swap, W_EVICT=cfg.w_evict, O_EVICT=cfg.o_evict, TMA=cfg.tma,
+                 WS=cfg.warp_spec, SPLIT=cfg.split_acc)
+    sig.update({name: "constexpr" for name in const})
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (1, 3, 4, 7, 8) + (() if cfg.tma else (0, 2))}
+    src = ASTSource(g._kernel(False, "i16"), sig, constexprs=const, attrs=aligned)
+    target = GPUTarget("cuda", cc, 32)
+    # x's quantizer (one row per program, the head's K in one load): compiled too, never timed here
+    qsig = {"x_ptr": "*bf16", "q_ptr": "*i8", "t_ptr": "*fp32", "K": "i32", "stride_xb": "i32"}
+    qconst = dict(BLOCK_P=block_p, BLOCK_K=4096, ONE_PASS=True, I16=g.I16_MAX)
+    qsig.update({name: "constexpr" for name in qconst})
+    triton.compile(ASTSource(g._kernel(False, "quant_i16"), qsig, constexprs=qconst), target=target,
+                   options=dict(num_warps=4))
+    return triton.compile(src, target=target, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def mma_kind(kernel) -> str:

@@ -16,6 +16,14 @@ accumulator after the K loop, and the result is stored in x's dtype. The weight 
 tile by tile (``tile_weight``: each K step of a program reads one contiguous 16 KB block, not 128
 strided row pieces), and the logits are stored with L2 priority "evict last", so they stay in L2
 (where the sampler reads them next) instead of being written back while the weight streams by.
+
+Wide batches (a verify step of several streams, B = 17-64) can take a second form instead
+(``GemvConfig.act="i16"``): x is first quantized per row to 16-bit fixed point (scale
+``max|x| / I16_MAX``) and split into two int8 halves, ``q = 256 * hi + lo``, stacked as 2 x B
+rows; one int8 x int8 -> int32 tensor-core dot per K step then reads the int8 weight tile as it
+was loaded (no dequant in registers, no re-staging), and the epilogue applies ``256 * hi + lo``,
+x's row scale and the weight's row scale. Its one extra error is x's rounding to that grid,
+bounded by :func:`i16_error_bound` (docs/kernel.md derives it).
 """
 from __future__ import annotations
 
@@ -38,10 +46,13 @@ __all__ = [
     "GemvConfig",
     "DEQUANT_MODES",
     "ACTIVATION_DTYPES",
+    "ACT_MODES",
+    "I16_MAX",
     "TILE",
     "config_for",
     "int8_linear",
     "int8_linear_reference",
+    "i16_error_bound",
     "kernel_available",
     "prepare_weight",
     "tile_weight",
@@ -70,6 +81,13 @@ _DEQUANT_CODE = {"cvt": 0, "bits": 1, "asm": 2, "none": 3}
 # .cg (L2 only) whatever cache modifier a load asks for, so x has no L1 hint here
 # (docs/kernel.md, "Tiles and the output": x through L1 measured slower anyway).
 EVICT_MODES = ("", "evict_first", "evict_last")
+# How x meets the weight (GemvConfig.act):
+#   "native": x in its own dtype, the weight dequantized to it in registers, bf16/fp16 dots;
+#   "i16":    x quantized per row to 16-bit fixed point and split into two int8 halves, int8 dots
+#             on the weight as loaded (the wide-batch form; module docstring).
+ACT_MODES = ("native", "i16")
+# The largest |q| of the 16-bit grid whose high byte still fits int8: 127 * 256 + 127.
+I16_MAX = 32639
 # The tiled weight layout (block_n, block_k) that tile_weight() writes by default and the tables'
 # configs read: [ceil(N / 128), ceil(K / 128), 128, 128].
 TILE = (128, 128)
@@ -90,6 +108,16 @@ class GemvConfig:
     W @ x^T``): on sm_90 Triton then runs wgmma (the tensor cores' full rate) with the weight in
     registers and x from shared memory, instead of ``mma.sync`` (B <= 32) or staging the weight
     through shared memory (M = 64); one dot (``dots=1``), M up to 64.
+
+    ``act="i16"`` is the int8 tensor-core form (module docstring): ``block_m`` is then the padded
+    batch P (16, 32 or 64; the dot has 2 P rows, x's two int8 halves), ``dots`` is 1, ``dequant``
+    is unused, and ``block_n`` may be a multiple of a tiled weight's tile rows (several tiles per
+    program), ``block_k`` must be its tile's K. ``tma`` (act="i16", a tiled weight, ``block_n`` one or two
+    of its tiles' rows) loads both tiles with the Tensor Memory Accelerator (sm_90+) instead of per-thread
+    copies. ``warp_spec`` (act="i16") asks Triton to split the K loop into producer and consumer
+    warps (``tl.range(warp_specialize=True)``). ``split_acc`` (act="i16") runs the high and the
+    low halves as two dots of P rows with their own accumulators, so the epilogue combines them
+    element by element instead of splitting one 2P-row accumulator.
     """
 
     block_n: int
@@ -102,6 +130,10 @@ class GemvConfig:
     w_evict: str = ""
     o_evict: str = ""
     swap: bool = False
+    act: str = "native"
+    tma: bool = False
+    warp_spec: bool = False
+    split_acc: bool = False
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,8 +143,12 @@ class GemvConfig:
         m = self.block_m or block_b_for(batch)
         if self.dots not in (1, 2, 4):
             raise ValueError(f"dots must be 1, 2 or 4, got {self.dots}")
-        if self.swap and self.dots != 1:
-            raise ValueError(f"a swapped config runs one dot, got dots={self.dots}")
+        if self.act not in ACT_MODES:
+            raise ValueError(f"unknown act {self.act!r}; valid: {', '.join(ACT_MODES)}")
+        if (self.swap or self.act == "i16") and self.dots != 1:
+            raise ValueError(f"a swapped or act='i16' config runs one dot, got dots={self.dots}")
+        if (self.tma or self.warp_spec or self.split_acc) and self.act != "i16":
+            raise ValueError("tma, warp_spec and split_acc need act='i16'")
         if m * self.dots < batch:
             raise ValueError(f"config covers {m * self.dots} batch rows, got {batch}")
         return m, self.dots
@@ -127,8 +163,12 @@ _LOGITS_IN_L2 = "evict_last"
 _H200_TABLE: dict[int, GemvConfig] = {
     8: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
     16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
-    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, block_m=16, dots=2, o_evict=_LOGITS_IN_L2),
-    64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64, o_evict=_LOGITS_IN_L2),
+    # B = 17-64: the int8 tensor-core form (x on a 16-bit grid, TMA loads; issue 28's sweeps,
+    # benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json): 1.3-1.6x the dequantizing form.
+    32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=32, o_evict=_LOGITS_IN_L2,
+                   act="i16", tma=True),
+    64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64, o_evict=_LOGITS_IN_L2,
+                   act="i16", tma=True),
 }
 # For a row-major [N, K] weight: the earlier sweeps' tiling (lmhead_gemv_h200.json,
 # lmhead_gemv_h200_issue17.json), kept for callers that cannot re-lay the weight out.
@@ -179,10 +219,12 @@ def config_for(batch: int, device: torch.device | None = None,
         cfg = _H200_ROWS_TABLE[table_class(batch)]
     else:
         cfg = _H200_TABLE[table_class(batch)]
-        if tuple(tile) != (cfg.block_n, cfg.block_k):
+        if not _reads_tile(cfg, tuple(tile)):
             cfg = dataclasses.replace(cfg, block_n=tile[0], block_k=tile[1])
     if _interpreting() or device is None or device.type != "cuda":
         return dataclasses.replace(cfg, dequant="bits")
+    if cfg.tma and torch.cuda.get_device_capability(device) < (9, 0):  # no Tensor Memory Accelerator
+        cfg = dataclasses.replace(cfg, tma=False)
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
         return dataclasses.replace(cfg, dequant="cvt")
     return cfg
@@ -241,6 +283,24 @@ def int8_linear_reference(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Te
     return torch.nn.functional.linear(x.to(torch.float32), w).to(x.dtype)
 
 
+def i16_error_bound(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[B, N] bound on what act="i16" adds to the exact ``x @ (w_int8 * scale).T``: x's rounding
+    to its row's 16-bit grid.
+
+    Row b is held as q * t_b, t_b = max|x_b| / I16_MAX, q an integer from rounding x / t_b in
+    fp32 (t_b and 1 / t_b each rounded once): |x_k - q_k t_b| <= t_b (1/2 + 3 I16_MAX 2^-24)
+    <= 0.506 t_b. Summed against the exact int8 products: |error_bn| <= 0.506 t_b |s_n| sum_k
+    |w_nk|. The integer dot is exact (int32, |sum| < 2^31 for K < 2^17); the epilogue's fp32
+    rounding is inside the fp32 accumulation term every form's bound already carries. ``w_int8``
+    row-major [N, K] or tiled."""
+    _check_shapes(x, w_int8, scale)
+    if w_int8.dim() == 4:
+        w_int8 = untile_weight(w_int8, scale.numel(), x.shape[-1])
+    t = x.float().abs().amax(dim=-1, keepdim=True) / I16_MAX
+    w_l1 = w_int8.float().abs().sum(dim=1) * scale.reshape(-1).float().abs()
+    return 0.506 * t * w_l1
+
+
 def _check_shapes(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) -> None:
     """N comes from the scale and K from x for a tiled weight, which must be ``tiled_shape(N, K)``
     of its own tile."""
@@ -262,11 +322,23 @@ def _check_shapes(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor) ->
         raise ValueError(f"scale has {scale.numel()} elements, expected one per output row (N={n})")
 
 
+def _reads_tile(cfg: GemvConfig, tile: tuple[int, int]) -> bool:
+    """Whether ``cfg`` reads a weight tiled ``tile``: its own block shape, or for act="i16" whole
+    tiles, several per program along N."""
+    if cfg.act == "i16":
+        tiles = cfg.block_n // tile[0]
+        return (cfg.block_k == tile[1] and cfg.block_n % tile[0] == 0
+                and (not cfg.tma or tiles == 1 or (tiles == 2 and not cfg.split_acc)))
+    return (cfg.block_n, cfg.block_k) == tuple(tile)
+
+
 def _check_config(cfg: GemvConfig, w: torch.Tensor, batch: int) -> tuple[int, int]:
     """A config that cannot run ``batch`` rows over ``w`` (its tile, its hints) fails here; returns
     its (dot M, dots) for that batch."""
     rows = cfg.rows(batch)
-    if w.dim() == 4 and (w.shape[2], w.shape[3]) != (cfg.block_n, cfg.block_k):
+    if cfg.tma and w.dim() != 4:
+        raise ValueError("a tma config reads a tiled weight (tile_weight)")
+    if w.dim() == 4 and not _reads_tile(cfg, (w.shape[2], w.shape[3])):
         raise ValueError(f"weight tiled {tuple(w.shape[2:])} does not match the config's {cfg.block_n} x {cfg.block_k}")
     if cfg.dequant not in _DEQUANT_CODE:
         raise ValueError(f"unknown dequant mode {cfg.dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
@@ -344,6 +416,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
     block_h, dots = _check_config(cfg, w, batch)
     if x.dtype not in ACTIVATION_DTYPES or out.dtype != x.dtype:
         raise ValueError(f"x and out must both be bfloat16 or both float16, got {x.dtype} and {out.dtype}")
+    if cfg.act == "i16":
+        if stage not in ("full", "quant_only", "dot_only"):
+            raise ValueError(f"act='i16' runs stage full, quant_only or dot_only, not {stage!r}")
+        return _launch_i16(x, w, s, out, cfg, block_h, stage)
+    if stage not in ("full", "no_dot", "load", "no_store"):
+        raise ValueError(f"unknown stage {stage!r}")
     kernel = _kernel(_interpreting())
     grid = (-(-n // cfg.block_n),)
     return kernel[grid](
@@ -360,9 +438,50 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor
     )
 
 
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """Wrap the kernel source on first use: interpreted or compiled, as asked (cached per mode).
+def _launch_i16(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
+                block_p: int, stage: str = "full"):
+    """act="i16": quantize x's rows to the 16-bit grid as 2 x ``block_p`` int8 rows (high bytes,
+    then low bytes; rows past B are never read back), then one int8 dot kernel over the weight.
+    Returns the dot kernel's compiled form. The benchmark's ``stage`` "quant_only" / "dot_only"
+    runs one of the two (the dot then reads whatever the buffers hold)."""
+    batch, k = x.shape
+    n = s.numel()
+    interpret = _interpreting()
+    xq = torch.empty((2 * block_p, k), dtype=torch.int8, device=x.device)
+    xs = torch.empty((block_p,), dtype=torch.float32, device=x.device)
+    if stage != "dot_only":
+        # one load per row up to K = 8192 (the row stays in registers between max and rounding)
+        block_k = min(8192, _pow2_at_least(k))
+        quant = _kernel(interpret, "quant_i16")[(batch,)](
+            x, xq, xs, k, x.stride(0), BLOCK_P=block_p, BLOCK_K=block_k, ONE_PASS=(k <= block_k), I16=I16_MAX,
+            num_warps=4 if block_k <= 4096 else 8)
+        if stage == "quant_only":
+            return quant
+    tile_n = w.shape[2] if w.dim() == 4 else cfg.block_n
+    xa, wa = xq, w
+    if cfg.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # the tiles stacked as rows: tile (i, j) is rows [(i * tk + j) * bn, ... + bn) of [-1, bk]
+        xa = TensorDescriptor.from_tensor(xq, [block_p if cfg.split_acc else 2 * block_p, cfg.block_k])
+        wa = TensorDescriptor.from_tensor(w.view(-1, w.shape[3]), [w.shape[2], cfg.block_k])
+    return _kernel(interpret, "i16")[(-(-n // cfg.block_n),)](
+        xa, xs, wa, s, out, batch, n, k, out.stride(0), TMA=cfg.tma, WS=cfg.warp_spec, SPLIT=cfg.split_acc,
+        BLOCK_P=block_p, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILE_N=tile_n,
+        EVEN_K=(k % cfg.block_k == 0), W_TILED=(w.dim() == 4), SWAP=cfg.swap,
+        W_EVICT=cfg.w_evict, O_EVICT=cfg.o_evict,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _pow2_at_least(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=6)
+def _kernel(interpret: bool, which: str = "gemv"):
+    """Wrap a kernel source on first use: interpreted or compiled, as asked (cached per mode):
+    "gemv" the dequantizing kernel, "i16" the int8 dot kernel, "quant_i16" x's quantizer.
 
     Wrapping here rather than at import keeps the mode a call-time choice: ``triton.jit``
     otherwise fixes it from TRITON_INTERPRET when this module is first imported.
@@ -371,13 +490,14 @@ def _kernel(interpret: bool):
     import triton.language
 
     tl = triton.language
+    fn = {"gemv": _int8_gemv_kernel, "i16": _int8_i16_kernel, "quant_i16": _quant_i16_kernel}[which]
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_int8_gemv_kernel)
+        return InterpretedFunction(fn)
     from triton.runtime.jit import JITFunction
 
-    return JITFunction(_int8_gemv_kernel)
+    return JITFunction(fn)
 
 
 # The kernel source: a plain function here, wrapped by _kernel(). Its annotations stay strings
@@ -558,3 +678,148 @@ def _int8_gemv_kernel(
     if N_DOTS > 2:
         tl.store(o_ptrs + 2 * o_step, (acc2 * s).to(o_ptr.dtype.element_ty), mask=h2_ok & n_ok, eviction_policy=O_EVICT)
         tl.store(o_ptrs + 3 * o_step, (acc3 * s).to(o_ptr.dtype.element_ty), mask=h3_ok & n_ok, eviction_policy=O_EVICT)
+
+
+def _quant_i16_kernel(x_ptr, q_ptr, t_ptr, K, stride_xb,
+                      BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, I16: tl.constexpr):
+    """Row b of x as integers q on the grid t_b = max|x_b| / I16 (round half up), written as its
+    high bytes (row b of q_ptr) and low bytes (row BLOCK_P + b): q = 256 * hi + lo, lo in
+    [-128, 127], |hi| <= 127. A NaN or inf in the row makes t_b non-finite, so its logits are too.
+    ``ONE_PASS`` (K <= BLOCK_K): the row is loaded once."""
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    v0 = tl.load(x_ptr + b * stride_xb + offs, mask=offs < K, other=0.0).to(tl.float32)
+    a = tl.abs(v0)
+    amax = tl.where(a == a, a, float("inf"))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        v = tl.load(x_ptr + b * stride_xb + k0 + offs, mask=(k0 + offs) < K, other=0.0).to(tl.float32)
+        a = tl.abs(v)
+        amax = tl.maximum(amax, tl.where(a == a, a, float("inf")))
+    m = tl.max(amax, axis=0)
+    tl.store(t_ptr + b, m / I16)
+    inv = tl.where((m > 0) & (m < float("inf")), I16 / m, 0.0)
+    for k0 in range(0, K, BLOCK_K):
+        ok = (k0 + offs) < K
+        if ONE_PASS:
+            v = v0
+        else:
+            v = tl.load(x_ptr + b * stride_xb + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        r = tl.floor(v * inv + 0.5)
+        r = tl.minimum(tl.maximum(tl.where(r == r, r, 0.0), -I16), I16)
+        q = r.to(tl.int32)
+        lo = ((q + 128) & 255) - 128
+        hi = (q - lo) >> 8
+        tl.store(q_ptr + b * K + k0 + offs, hi.to(tl.int8), mask=ok)
+        tl.store(q_ptr + (BLOCK_P + b) * K + k0 + offs, lo.to(tl.int8), mask=ok)
+
+
+def _int8_i16_kernel(
+    q_ptr, t_ptr, w_ptr, s_ptr, o_ptr,
+    B, N, K, stride_ob,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr,
+    EVEN_K: tl.constexpr, W_TILED: tl.constexpr, SWAP: tl.constexpr,
+    W_EVICT: tl.constexpr, O_EVICT: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """act="i16": ``out[b, n] = (256 acc[b, n] + acc[P + b, n]) * t_b * s_n``, acc the int32 dot of
+    x's 2P int8 rows with the int8 weight rows, both tiles fed to the tensor cores as loaded."""
+    pid = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    # TMA loads one tile per load: a program of two tiles runs two dots (accumulators acc, acc2)
+    HALVES: tl.constexpr = BLOCK_N // TILE_N if TMA else 1
+    HN: tl.constexpr = BLOCK_N // HALVES
+    if TMA:
+        # q_ptr and w_ptr are tensor descriptors: x's [2P, K] rows; the tiles stacked as rows,
+        # tile (i, j) at row (i * kt + j) * TILE_N; a tile past the last re-reads the last
+        kt = tl.cdiv(K, BLOCK_K)
+        tn = tl.cdiv(N, TILE_N)
+        w_row = pid * HALVES * kt * TILE_N
+        w_row2 = tl.minimum(pid * HALVES + 1, tn - 1) * kt * TILE_N
+    elif W_TILED:
+        # BLOCK_N // TILE_N whole tiles per program ([N / TILE_N, K / BLOCK_K, TILE_N, BLOCK_K],
+        # zero-padded); a tile past the last one re-reads the last (its rows are never stored).
+        r = tl.arange(0, BLOCK_N)
+        tn = tl.cdiv(N, TILE_N)
+        tile = tl.minimum(pid * (BLOCK_N // TILE_N) + r // TILE_N, tn - 1).to(tl.int64)
+        w_ptrs = (w_ptr + (tile * (tl.cdiv(K, BLOCK_K) * TILE_N * BLOCK_K))[:, None]
+                  + ((r % TILE_N) * BLOCK_K)[:, None] + offs_k[None, :])
+        w_step = TILE_N * BLOCK_K
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_ptrs = w_ptr + tl.where(offs_n < N, offs_n, N - 1).to(tl.int64)[:, None] * K + offs_k[None, :]
+        w_step = BLOCK_K
+    # XR x rows per dot: all 2P (one accumulator, split in the epilogue), or with SPLIT the P high
+    # rows (acc) and the P low rows (acc_lo) in dots of their own
+    XR: tl.constexpr = BLOCK_P if SPLIT else 2 * BLOCK_P
+    if not TMA:
+        x_ptrs = q_ptr + tl.arange(0, XR)[:, None] * K + offs_k[None, :]
+    if SWAP:
+        acc = tl.zeros((HN, XR), dtype=tl.int32)
+        acc2 = tl.zeros((HN, XR), dtype=tl.int32)
+        acc_lo = tl.zeros((HN, XR), dtype=tl.int32)
+    else:
+        acc = tl.zeros((XR, HN), dtype=tl.int32)
+        acc2 = tl.zeros((XR, HN), dtype=tl.int32)
+        acc_lo = tl.zeros((XR, HN), dtype=tl.int32)
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+        if TMA:
+            # out-of-range columns of x read as zeros; the tiled weight is zero-padded
+            xq = q_ptr.load([0, k0])
+            if SPLIT:
+                xl = q_ptr.load([BLOCK_P, k0])
+            wq = w_ptr.load([w_row + (k0 // BLOCK_K) * TILE_N, 0])
+            if HALVES == 2:
+                wq2 = w_ptr.load([w_row2 + (k0 // BLOCK_K) * TILE_N, 0])
+        elif EVEN_K:
+            xq = tl.load(x_ptrs)
+            if SPLIT:
+                xl = tl.load(x_ptrs + BLOCK_P * K)
+            wq = tl.load(w_ptrs, eviction_policy=W_EVICT)
+        else:
+            k_ok = (k0 + offs_k[None, :]) < K
+            xq = tl.load(x_ptrs, mask=k_ok, other=0)
+            if SPLIT:
+                xl = tl.load(x_ptrs + BLOCK_P * K, mask=k_ok, other=0)
+            if W_TILED:
+                wq = tl.load(w_ptrs, eviction_policy=W_EVICT)
+            else:
+                wq = tl.load(w_ptrs, mask=k_ok, other=0, eviction_policy=W_EVICT)
+        if SWAP:
+            acc = tl.dot(wq, tl.trans(xq), acc, out_dtype=tl.int32)
+            if SPLIT:
+                acc_lo = tl.dot(wq, tl.trans(xl), acc_lo, out_dtype=tl.int32)
+            if HALVES == 2:
+                acc2 = tl.dot(wq2, tl.trans(xq), acc2, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(xq, tl.trans(wq), acc, out_dtype=tl.int32)
+            if SPLIT:
+                acc_lo = tl.dot(xl, tl.trans(wq), acc_lo, out_dtype=tl.int32)
+            if HALVES == 2:
+                acc2 = tl.dot(xq, tl.trans(wq2), acc2, out_dtype=tl.int32)
+        if not TMA:
+            w_ptrs += w_step
+            x_ptrs += BLOCK_K
+    offs_b = tl.arange(0, BLOCK_P)
+    b_ok = offs_b < B
+    t = tl.load(t_ptr + offs_b, mask=b_ok, other=0.0)
+    for h in tl.static_range(HALVES):
+        if h == 0:
+            a = acc
+        else:
+            a = acc2
+        if SPLIT:
+            hi = a
+            lo = acc_lo
+            if SWAP:
+                hi = tl.trans(hi)
+                lo = tl.trans(lo)
+        else:
+            if SWAP:
+                a = tl.trans(a)
+            # rows [0, P) hold the high bytes' sums, [P, 2P) the low bytes'
+            hi, lo = tl.split(tl.permute(tl.reshape(a, (2, BLOCK_P, HN)), (1, 2, 0)))
+        offs_n = pid * BLOCK_N + h * HN + tl.arange(0, HN)
+        s = tl.load(s_ptr + tl.where(offs_n < N, offs_n, N - 1)).to(tl.float32)
+        val = (hi.to(tl.float32) * 256.0 + lo.to(tl.float32)) * t[:, None] * s[None, :]
+        o_ptrs = o_ptr + offs_b[:, None] * stride_ob + offs_n[None, :]
+        tl.store(o_ptrs, val.to(o_ptr.dtype.element_ty), mask=b_ok[:, None] & (offs_n[None, :] < N),
+                 eviction_policy=O_EVICT)
