@@ -222,6 +222,23 @@ def marlin_contender(w_lin: torch.Tensor, dev) -> tuple[object, str]:
     return fn, f"vLLM {vllm.__version__} apply_gptq_marlin_linear, uint8b128, channelwise"
 
 
+def graph_ms(fn) -> float | None:
+    """``fn``'s time replayed from a CUDA graph (no host work between the kernels: how a server
+    that captures the head runs it), or None on the CPU smoke run."""
+    if SMOKE:
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
 def median(v: list[float]) -> float:
     v = sorted(v)
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
@@ -270,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {"N": n, "K": k},
         "env": {"gpu": gpu_name, "sms": sms, "torch": torch.__version__,
                 "triton": triton.__version__, "python": platform.python_version()},
-        "timing": "triton.testing.do_bench median, L2 flushed before each call",
+        "timing": "triton.testing.do_bench median, L2 flushed before each call; int8_graph_ms: the same call "
+                  "replayed from a CUDA graph (no host work between its kernels)",
         "metrics": "GBps: weight + scales + x + output bytes over the time; frac_read_bw: that over the 2 GiB "
                    "bf16 sum; frac_ceiling: the int8 weight and its scales over the time, over the larger of "
                    "the 4 GiB fp32 sum and the 2 GiB bf16 sum (issue 28's metric and ceiling: the goal is "
@@ -487,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             g.int8_linear(x, w_t, s, out=out, config=cfg)
             chk = check(out, x, w, s, reference(x, w, s, w32_cache), cfg.act)
             t_int8 = bench_ms(lambda: g.int8_linear(x, w_t, s, out=out, config=cfg))
+            t_graph = graph_ms(lambda: g.int8_linear(x, w_t, s, out=out, config=cfg))
             t_lin = bench_ms(lambda: torch.nn.functional.linear(x, w_lin))
             t_marlin = bench_ms(lambda: marlin_fn(x)) if marlin_fn is not None else None
             gbs = kernel_bytes(b) / t_int8 / 1e6
@@ -496,13 +515,15 @@ def main(argv: list[str] | None = None) -> int:
                    "int8_frac_read_bw": gbs / read_gbs, "int8_frac_ceiling": frac_ceiling(t_int8),
                    "linear_ms": t_lin, "linear_GBps": gbs_lin, "linear_frac_read_bw": gbs_lin / read_gbs,
                    "speedup_vs_linear": t_lin / t_int8, "check": chk,
-                   "marlin_ms": t_marlin, "marlin_frac_ceiling": frac_ceiling(t_marlin) if t_marlin else None}
+                   "marlin_ms": t_marlin, "marlin_frac_ceiling": frac_ceiling(t_marlin) if t_marlin else None,
+                   "int8_graph_ms": t_graph, "int8_graph_frac_ceiling": frac_ceiling(t_graph) if t_graph else None}
             table.append(row)
             log(f"{dname} B={b:2d} int8 {t_int8 * 1e3:7.1f} us {gbs:6.0f} GB/s ({gbs / read_gbs:5.1%}; "
                 f"ceiling {frac_ceiling(t_int8):5.1%})  F.linear {t_lin * 1e3:7.1f} us ({gbs_lin / read_gbs:5.1%})  "
                 f"x{t_lin / t_int8:4.2f}  err/bound {chk['max_err_over_bound']:.2f} "
                 f"argmax {'ok' if chk['argmax_equal'] else 'DIFF'}"
-                + (f"  Marlin {t_marlin * 1e3:7.1f} us ({frac_ceiling(t_marlin):5.1%})" if t_marlin else ""))
+                + (f"  Marlin {t_marlin * 1e3:7.1f} us ({frac_ceiling(t_marlin):5.1%})" if t_marlin else "")
+                + (f"  graph {t_graph * 1e3:7.1f} us ({frac_ceiling(t_graph):5.1%})" if t_graph else ""))
         del w_lin, marlin_fn
     result["table"] = table
     result["not_run_here"] = {

@@ -447,8 +447,7 @@ def _launch_i16(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Te
     batch, k = x.shape
     n = s.numel()
     interpret = _interpreting()
-    xq = torch.empty((2 * block_p, k), dtype=torch.int8, device=x.device)
-    xs = torch.empty((block_p,), dtype=torch.float32, device=x.device)
+    xq, xs, xa = _i16_workspace(x.device, block_p, k, cfg.block_k, cfg.split_acc, cfg.tma)
     if stage != "dot_only":
         # one load per row up to K = 8192 (the row stays in registers between max and rounding)
         block_k = min(8192, _pow2_at_least(k))
@@ -458,13 +457,7 @@ def _launch_i16(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Te
         if stage == "quant_only":
             return quant
     tile_n = w.shape[2] if w.dim() == 4 else cfg.block_n
-    xa, wa = xq, w
-    if cfg.tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        # the tiles stacked as rows: tile (i, j) is rows [(i * tk + j) * bn, ... + bn) of [-1, bk]
-        xa = TensorDescriptor.from_tensor(xq, [block_p if cfg.split_acc else 2 * block_p, cfg.block_k])
-        wa = TensorDescriptor.from_tensor(w.view(-1, w.shape[3]), [w.shape[2], cfg.block_k])
+    wa = _weight_descriptor(w) if cfg.tma else w
     return _kernel(interpret, "i16")[(-(-n // cfg.block_n),)](
         xa, xs, wa, s, out, batch, n, k, out.stride(0), TMA=cfg.tma, WS=cfg.warp_spec, SPLIT=cfg.split_acc,
         BLOCK_P=block_p, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILE_N=tile_n,
@@ -472,6 +465,40 @@ def _launch_i16(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Te
         W_EVICT=cfg.w_evict, O_EVICT=cfg.o_evict,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _i16_workspace(device: torch.device, block_p: int, k: int, block_k: int, split: bool, tma: bool):
+    """x's int8 halves [2P, K], its row scales [P] and, for TMA, the halves' descriptor: made once
+    per (device, P, K) and reused by every call (one launch at a time on one stream, as the head
+    runs; a fixed address also suits CUDA graphs), which keeps the host's work per call to the two
+    launches."""
+    xq = torch.empty((2 * block_p, k), dtype=torch.int8, device=device)
+    xs = torch.empty((block_p,), dtype=torch.float32, device=device)
+    xa = xq
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xa = TensorDescriptor.from_tensor(xq, [block_p if split else 2 * block_p, block_k])
+    return xq, xs, xa
+
+
+_W_DESCRIPTORS: dict = {}
+
+
+def _weight_descriptor(w: torch.Tensor):
+    """The TMA descriptor of a tiled weight, the tiles stacked as rows (tile (i, j) is rows
+    [(i * tk + j) * bn, ... + bn) of [-1, bk]), kept per weight (address, shape, device): it only
+    encodes those."""
+    key = (w.data_ptr(), tuple(w.shape), str(w.device))
+    desc = _W_DESCRIPTORS.get(key)
+    if desc is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if len(_W_DESCRIPTORS) >= 8:
+            _W_DESCRIPTORS.clear()
+        desc = _W_DESCRIPTORS[key] = TensorDescriptor.from_tensor(w.view(-1, w.shape[3]), [w.shape[2], w.shape[3]])
+    return desc
 
 
 def _pow2_at_least(v: int) -> int:
