@@ -149,6 +149,8 @@ class GemvConfig:
             raise ValueError(f"a swapped or act='i16' config runs one dot, got dots={self.dots}")
         if (self.tma or self.warp_spec or self.split_acc) and self.act != "i16":
             raise ValueError("tma, warp_spec and split_acc need act='i16'")
+        if self.act == "i16" and self.block_k % 32:
+            raise ValueError(f"act='i16' needs block_k a multiple of 32 (the int8 MMA's K step), got {self.block_k}")
         if m * self.dots < batch:
             raise ValueError(f"config covers {m * self.dots} batch rows, got {batch}")
         return m, self.dots
@@ -223,11 +225,22 @@ def config_for(batch: int, device: torch.device | None = None,
             cfg = dataclasses.replace(cfg, block_n=tile[0], block_k=tile[1])
     if _interpreting() or device is None or device.type != "cuda":
         return dataclasses.replace(cfg, dequant="bits")
-    if cfg.tma and torch.cuda.get_device_capability(device) < (9, 0):  # no Tensor Memory Accelerator
+    if cfg.tma and not _tma_available(device):
         cfg = dataclasses.replace(cfg, tma=False)
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (9, 0):
         return dataclasses.replace(cfg, dequant="cvt")
     return cfg
+
+
+def _tma_available(device: torch.device) -> bool:
+    """TMA loads need sm_90+ (the Tensor Memory Accelerator) and a Triton with host tensor
+    descriptors (``triton.tools.tensor_descriptor``, 3.4+)."""
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    try:
+        return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+    except ImportError:
+        return False
 
 
 def tiled_shape(n: int, k: int, tile: tuple[int, int] = TILE) -> tuple[int, int, int, int]:

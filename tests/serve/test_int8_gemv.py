@@ -11,6 +11,10 @@ u_out * (|v| + E) + a_out:
 - fp16 (10-bit mantissa): u_out = 2^-11, round to nearest in the interpreter (numpy) and on the
   GPU (cvt.rn); a_out = 2^-25, half the spacing of fp16's subnormals (|v| < 2^-14). The tests
   keep |v| far below fp16's 65504, past which the kernel, like any fp16 matmul, gives inf.
+
+The int8 tensor-core form (act="i16") holds row b of x as integers q on the grid t_b = max|x_b| /
+32639: with t_b, 1 / t_b and x_k / t_b each rounded once in fp32, |x_k - q_k t_b| <= t_b (1/2 + 3 *
+32639 * 2^-24) <= 0.506 t_b, so it adds 0.506 t_b s_n sum_k |q_nk| to E (its integer dot is exact).
 """
 from __future__ import annotations
 
@@ -65,15 +69,23 @@ def _interpret(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def exact_and_bound(x, w, s):
+def i16_term(x, w, s):
+    """float64 bound on what act="i16" adds: x's rounding to its row's 16-bit grid (docstring)."""
+    t = x.double().abs().amax(dim=1, keepdim=True) / 32639
+    return 0.506 * t * (w.double().abs().sum(dim=1) * s.double().reshape(-1).abs())[None, :]
+
+
+def exact_and_bound(x, w, s, act="native"):
     """float64 value of s_n * sum_k x_k q_k, and the per-element bound on the kernel's error
-    when the result is stored in x's dtype."""
+    when the result is stored in x's dtype (act: the form that ran)."""
     x64, w64, s64 = x.double(), w.double(), s.double().reshape(-1)
     exact = (x64 @ w64.T) * s64
     mag = (x64.abs() @ w64.abs().T) * s64.abs()
     k = x.shape[-1]
     gamma = 2 * (k + 2) * U32 / (1 - 2 * (k + 2) * U32)
     fp32_err = gamma * mag
+    if act == "i16":
+        fp32_err = fp32_err + i16_term(x, w, s)
     u_out, a_out = OUT_ROUNDING[x.dtype]
     assert (exact.abs() + fp32_err).max() < 6e4 or x.dtype != torch.float16  # fp16's range
     return exact, u_out * (exact.abs() + fp32_err) + a_out + fp32_err
@@ -123,7 +135,8 @@ def test_matches_float64_within_bound(b, n, k, cfg, dtype, tiled):
     wk = g.tile_weight(w, g.TILE if cfg is None else (cfg.block_n, cfg.block_k)) if tiled else w
     out = run(x, wk, s, cfg)
     assert out.dtype == dtype
-    exact, bound = exact_and_bound(x, w, s)
+    used = cfg or g.config_for(min(b, 64), DEV, dtype, tile=g.TILE if tiled else None)
+    exact, bound = exact_and_bound(x, w, s, used.act)
     assert torch.isfinite(out).all(), "some outputs were never written"
     err = (out.double() - exact).abs()
     assert (err <= bound).all(), f"max err/bound {(err / bound).max():.3f}"
@@ -460,3 +473,131 @@ def test_every_batch_class_compiles_for_gb10_within_its_shared_memory():
         assert 0 < r["shared_KiB"] <= r["limit_KiB"], r
         assert r["mma"] == ("mma.sync" if r["cc"] == 121 else r["mma"]), r  # no wgmma on sm_121
     assert {r["mma"] for r in rows if r["cc"] == 90 and r["class"] == 64} == {"wgmma"}
+
+
+# act="i16": x on a per-row 16-bit grid, int8 dots (module docstring). (B, N, K, config, tiled):
+# one and two weight tiles per program, x's rows on either side of the dot, one accumulator or
+# split halves, per-thread copies or TMA descriptors, N and K tails, the row-major weight.
+I16 = dict(act="i16", o_evict="evict_last")
+I16_CASES = [
+    (20, 300, 272, g.GemvConfig(128, 128, 4, 3, block_m=32, **I16), True),
+    (33, 517, 256, g.GemvConfig(256, 128, 8, 3, block_m=64, swap=True, **I16), True),
+    (5, 130, 208, g.GemvConfig(128, 128, 4, 3, block_m=16, split_acc=True, **I16), True),
+    (64, 300, 384, g.GemvConfig(128, 128, 4, 3, block_m=64, tma=True, **I16), True),
+    (31, 390, 272, g.GemvConfig(256, 128, 8, 3, block_m=32, tma=True, **I16), True),
+    (40, 129, 128, g.GemvConfig(128, 128, 4, 3, block_m=64, tma=True, split_acc=True, swap=True, **I16), True),
+    (18, 77, 48, g.GemvConfig(32, 32, 4, 2, block_m=32, **I16), False),
+    (50, 45, 96, g.GemvConfig(64, 32, 4, 2, block_m=64, split_acc=True, **I16), False),
+]
+
+
+@DTYPES
+@pytest.mark.parametrize("b,n,k,cfg,tiled", I16_CASES, ids=[f"B{c[0]}-N{c[1]}-K{c[2]}" for c in I16_CASES])
+def test_i16_matches_float64_within_its_bound(b, n, k, cfg, tiled, dtype):
+    x, w, s = problem(b, n, k, seed=7 * b + n, dtype=dtype)
+    out = run(x, g.tile_weight(w) if tiled else w, s, cfg)
+    exact, bound = exact_and_bound(x, w, s, "i16")
+    err = (out.double() - exact).abs()
+    assert torch.isfinite(out).all(), "some outputs were never written"
+    assert (err <= bound).all(), f"max err/bound {(err / bound).max():.3f}"
+    assert bound.max() < 0.02 * exact.abs().max()
+
+
+@DTYPES
+def test_i16_grid_error_shows_and_stays_within_its_term(dtype):
+    """A row whose largest |x| is 4096 times its other entries puts those on a coarse grid: the
+    kernel then differs from the exact value by more than the dequantizing form's whole bound,
+    and stays within the i16 term (so the term is needed, and it holds). The fp32 and output
+    rounding terms are kept small by a tiny weight scale on an exact x."""
+    gen = torch.Generator().manual_seed(5)
+    k, n = 256, 96
+    x = (torch.randint(-255, 256, (3, k), generator=gen).double() / 256 + 1 / 512).to(dtype)
+    x[:, 7] = 4096.0
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    w[:, 7] = 0  # the outlier column alone would swamp the output's rounding
+    s = torch.full((n,), 1e-3)
+    cfg = g.GemvConfig(128, 128, 4, 3, block_m=32, **I16)
+    out = run(x, g.tile_weight(w), s, cfg)
+    exact, native_bound = exact_and_bound(x, w, s)
+    _, bound = exact_and_bound(x, w, s, "i16")
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all(), f"max err/bound {(err / bound).max():.3f}"
+    assert (err > native_bound).any(), "the 16-bit grid left no trace: the test lost its edge"
+
+
+def test_i16_error_bound_helper_is_the_derived_term():
+    x, w, s = problem(9, 40, 96, seed=3)
+    got = g.i16_error_bound(x, g.tile_weight(w), s).double()
+    assert torch.allclose(got, i16_term(x, w, s), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("k", [96, 8208])
+def test_i16_quantizer_halves_rebuild_the_rounded_grid(k):
+    """The quantizer's bytes: q = 256 hi + lo with |hi| <= 127 and lo in [-128, 127], q within
+    half a step (plus fp32 rounding) of x / t, t = max|x| / 32639 per row; rows past B untouched
+    by the dot. K = 8208 runs the two-pass path (past one 8192-wide load)."""
+    gen = torch.Generator().manual_seed(k)
+    b, p = 5, 16
+    x = (torch.randn(b, k, generator=gen) * 3).to(torch.bfloat16)
+    x[2] = 0.0  # an all-zero row: t = 0, every q = 0
+    xq = torch.empty((2 * p, k), dtype=torch.int8)
+    t = torch.empty((p,), dtype=torch.float32)
+    blk = min(8192, g._pow2_at_least(k))
+    g._kernel(True, "quant_i16")[(b,)](x, xq, t, k, x.stride(0), BLOCK_P=p, BLOCK_K=blk, ONE_PASS=(k <= blk),
+                                       I16=g.I16_MAX)
+    hi, lo = xq[:b].int(), xq[p:p + b].int()
+    q = 256 * hi + lo
+    assert hi.abs().max() <= 127 and q.abs().max() <= g.I16_MAX
+    amax = x.float().abs().amax(dim=1)
+    assert torch.equal(t[:b], amax / g.I16_MAX)
+    ok = amax > 0
+    assert ((x.double()[ok] - q[ok].double() * t[:b][ok, None].double()).abs()
+            <= 0.506 * t[:b][ok, None].double()).all()
+    assert (q[~ok] == 0).all() and (q[ok].abs().amax(dim=1) == g.I16_MAX).all()
+
+
+def test_i16_non_finite_row_gives_non_finite_logits_in_that_row_only():
+    x, w, s = problem(20, 70, 128, seed=11)
+    x[3, 5] = float("nan")
+    x[7, 9] = float("inf")
+    out = run(x, g.tile_weight(w), s, g.GemvConfig(128, 128, 4, 3, block_m=32, **I16))
+    assert not torch.isfinite(out[3]).any() and not torch.isfinite(out[7]).any()
+    rest = [i for i in range(20) if i not in (3, 7)]
+    assert torch.isfinite(out[rest]).all()
+
+
+def test_i16_config_rules():
+    with pytest.raises(ValueError, match="need act='i16'"):
+        g.GemvConfig(128, 128, 4, 3, tma=True).rows(8)
+    with pytest.raises(ValueError, match="one dot"):
+        g.GemvConfig(128, 128, 4, 3, block_m=32, dots=2, act="i16").rows(40)
+    with pytest.raises(ValueError, match="unknown act"):
+        g.GemvConfig(128, 128, 4, 3, act="i8").rows(8)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        g.GemvConfig(64, 16, 4, 3, act="i16").rows(8)
+    x, w, s = problem(20, 300, 256, seed=1)
+    with pytest.raises(ValueError, match="does not match"):  # TMA: one or two whole tiles
+        g.int8_linear(x, g.tile_weight(w), s, config=g.GemvConfig(384, 128, 4, 3, block_m=32, act="i16", tma=True))
+    with pytest.raises(ValueError, match="tiled weight"):
+        g.int8_linear(x, w, s, config=g.GemvConfig(128, 128, 4, 3, block_m=32, act="i16", tma=True))
+    with pytest.raises(ValueError, match="act='i16' runs stage"):
+        g._launch(x, w, s, torch.empty(20, 300, dtype=x.dtype), g.GemvConfig(128, 128, 4, 3, block_m=32, act="i16"),
+                  stage="no_dot")
+
+
+def test_table_runs_the_int8_form_for_wide_batches_only():
+    """The H200 table (docs/kernel.md "B = 17-64"): B <= 16 dequantizes, B = 17-64 runs act="i16"
+    with TMA (dropped where the GPU has none: config_for)."""
+    for b in range(1, 65):
+        cfg = g._H200_TABLE[g.table_class(b)]
+        assert (cfg.act == "i16") == (b > 16) and cfg.tma == (b > 16)
+        assert cfg.rows(b)[0] >= b
+
+
+def test_tma_only_where_the_gpu_and_triton_have_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
+    assert not g._tma_available(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert g._tma_available(torch.device("cuda"))
+    monkeypatch.setattr(g.importlib.util, "find_spec", lambda name: None)
+    assert not g._tma_available(torch.device("cuda"))
