@@ -239,6 +239,46 @@ def graph_ms(fn) -> float | None:
     return bench_ms(graph.replay)
 
 
+def run_gluon(dev, w, s, dtypes, gen, w32_cache, frac_ceiling) -> dict:
+    """The Gluon candidate (benchmarks/gluon_i16_ws.py): each B and stage count checked against
+    the reference with the i16 bound, then timed (plain and from a CUDA graph); or why it could
+    not run (no GPU, a Triton without that Gluon API)."""
+    if SMOKE:
+        return {"not_run": "CPU smoke run (Gluon has no interpreter)"}
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gluon_i16_ws as gw
+    except Exception as exc:
+        return {"not_run": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    rows = []
+    w_t = g.tile_weight(w)
+    k = w.shape[1]
+    for dtype in dtypes:
+        for b in (33, 48, 64):
+            x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
+            for stages in (2, 3, 4):
+                out = torch.full((b, w.shape[0]), float("nan"), device=dev, dtype=dtype)
+                rec = {"B": b, "dtype": str(dtype)[6:], "stages": stages}
+                try:
+                    call = gw.make_call(g, x, w_t, s, out, stages)
+                    call()
+                    torch.cuda.synchronize()
+                except Exception as exc:
+                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    rows.append(rec)
+                    log(f"gluon B={b} {rec['dtype']} stages={stages}: {rec['error']}")
+                    continue
+                rec["check"] = check(out, x, w, s, reference(x, w, s, w32_cache), "i16")
+                if rec["check"]["within_bound"]:
+                    rec["ms"] = bench_ms(call)
+                    rec["graph_ms"] = graph_ms(call)
+                    rec["frac_ceiling"] = frac_ceiling(rec["ms"])
+                rows.append(rec)
+                log(f"gluon B={b} {rec['dtype']} stages={stages}: within bound {rec['check']['within_bound']} "
+                    f"{rec.get('ms', 0) * 1e3:.1f} us ({rec.get('frac_ceiling', 0):.1%})")
+    return {"rows": rows}
+
+
 def median(v: list[float]) -> float:
     v = sorted(v)
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
@@ -259,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-from-sweep", action="store_true",
                     help="the table times the sweep's fastest tiled config per swept class (what a table edit "
                          "would ship) instead of config_for's")
+    ap.add_argument("--gluon", action="store_true",
+                    help="also time and check the warp-specialized Gluon candidate (benchmarks/gluon_i16_ws.py) "
+                         "at B = 33 / 48 / 64, 2-4 stages")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every step on the CPU under TRITON_INTERPRET=1 at --n/--k (checks the script only)")
     args = ap.parse_args(argv)
@@ -408,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         for d in diag:
             log(f"diag {d['variant']:28s} {d.get('ms', d.get('error'))} ms  {d.get('GBps', 0):.0f} GB/s")
         result["diagnostics_B16"] = diag
+        save()
+
+    if args.gluon:
+        result["gluon_i16_ws"] = run_gluon(dev, w, s, dtypes, gen, w32_cache, frac_ceiling)
         save()
 
     # Odd shapes through the kernel (masking, K tail, batch chunking past 64), every dequant mode,

@@ -166,7 +166,7 @@ _H200_TABLE: dict[int, GemvConfig] = {
     8: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
     16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
     # B = 17-64: the int8 tensor-core form (x on a 16-bit grid, TMA loads; issue 28's sweeps,
-    # benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json): 1.3-1.6x the dequantizing form.
+    # benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json): 1.2-1.6x the dequantizing form.
     32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=32, o_evict=_LOGITS_IN_L2,
                    act="i16", tma=True),
     64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64, o_evict=_LOGITS_IN_L2,
@@ -234,8 +234,9 @@ def config_for(batch: int, device: torch.device | None = None,
 
 def _tma_available(device: torch.device) -> bool:
     """TMA loads need sm_90+ (the Tensor Memory Accelerator) and a Triton with host tensor
-    descriptors (``triton.tools.tensor_descriptor``, 3.4+)."""
-    if torch.cuda.get_device_capability(device) < (9, 0):
+    descriptors (``triton.tools.tensor_descriptor``, 3.4+); NVIDIA only (ROCm reports its own
+    capability numbers)."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     try:
         return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None

@@ -438,8 +438,9 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
     assert bench.main(["--cpu-smoke", "--n", "96", "--k", "64", "--batches", "1,13,40", "--sweep", "--ab",
-                       "--out", str(out)]) == 0
+                       "--gluon", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
+    assert "interpreter" in res["gluon_i16_ws"]["not_run"]  # said, not skipped in silence
     assert [(r["dtype"], r["B"]) for r in res["table"]] == [(d, b) for d in ("bfloat16", "float16") for b in (1, 13, 40)]
     assert all(r["check"]["within_bound"] and r["check"]["argmax_equal"] for r in res["table"])
     assert {o["dtype"] for o in res["odd_shapes"]} == {"bfloat16", "float16"}
@@ -601,3 +602,20 @@ def test_tma_only_where_the_gpu_and_triton_have_it(monkeypatch):
     assert g._tma_available(torch.device("cuda"))
     monkeypatch.setattr(g.importlib.util, "find_spec", lambda name: None)
     assert not g._tma_available(torch.device("cuda"))
+
+
+def test_gluon_candidate_compiles_for_the_h200():
+    """benchmarks/gluon_i16_ws.py (issue 28's warp-specialized candidate for B = 33-64, timed and
+    checked on the GPU by `bench_lmhead_gemv.py --gluon`) keeps compiling for sm_90 with the Triton
+    installed: int8 wgmma, TMA loads on mbarriers, a loader partition with its registers handed
+    back (setmaxnreg.dec), within the H200's shared memory. In a child, as above."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gluon_i16_ws as m, json; k = m.compile_for(90); "
+            "p = k.asm['ptx']; print(json.dumps({'kib': k.metadata.shared / 1024, "
+            "'wgmma_s8': 'wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8' in p, "
+            "'tma': 'cp.async.bulk.tensor' in p, 'expect_tx': 'expect_tx' in p, 'dec': 'setmaxnreg.dec' in p}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["wgmma_s8"] and got["tma"] and got["expect_tx"] and got["dec"], got
+    assert 0 < got["kib"] <= 227

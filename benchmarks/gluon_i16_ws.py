@@ -1,0 +1,176 @@
+"""A warp-specialized candidate for the head kernel's act="i16" form at B = 33-64 (issue 28),
+written in Gluon (Triton's explicit-layout dialect, triton 3.6's API). NOT measured yet, NOT
+shipped: it exists so that one H200 call can time and check it (`bench_lmhead_gemv.py --gluon`
+runs it against the reference with the i16 bound, at B = 33 / 48 / 64 and 2-4 stages), and it
+compiles on the CPU here:
+
+    python benchmarks/gluon_i16_ws.py --compile [--stages 3]   # with triton 3.6, for sm_90a
+
+Why (docs/kernel.md "Where B = 33-64 loses"): in Triton's software pipeline the next TMA loads
+are issued only as the previous wgmma group retires, and the int8 dot of 128 x-rows is about
+half the weight stream's time; here one loader warp owns the loads and runs ahead on a ring of
+STAGES shared-memory slots, each guarded by two mbarriers ("ready": the slot's bytes landed;
+"empty": the MMA warp group has finished reading it), while the default partition (one warp
+group) only waits, issues wgmma and retires it one step behind.
+
+Per program: one 128-row weight tile ([N / 128, K / 128, 128, 128], tile_weight's layout, read
+through a descriptor over its [-1, 128] view) against x's high and low halves (P = 64 rows each,
+the quantizer of serve/int8_gemv.py), two accumulators, the epilogue (256 hi + lo) t_b s_n as in
+the Triton form.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+TILE_N, BLOCK_K = 128, 128
+# The TMA load's name: triton 3.6 `async_copy_global_to_shared`, 3.9 `async_load` (the old name raises).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, w_row0, K,
+            BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr):
+    nbytes: gl.constexpr = 2 * BLOCK_P * BLOCK_K + TILE_N * BLOCK_K
+    for i in range(gl.cdiv(K, BLOCK_K)):
+        s = i % STAGES
+        # a fresh "empty" barrier counts as released for the first lap (parity 1)
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        _tma_load(x_desc, [0, i * BLOCK_K], ready.index(s), xh_bufs.index(s))
+        _tma_load(x_desc, [BLOCK_P, i * BLOCK_K], ready.index(s), xl_bufs.index(s))
+        _tma_load(w_desc, [w_row0 + i * TILE_N, 0], ready.index(s), w_bufs.index(s))
+
+
+@gluon.jit
+def _mma(xh_bufs, xl_bufs, w_bufs, ready, empty, K,
+         BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+         ACC_LAYOUT: gl.constexpr):
+    acc_hi = gl.zeros([BLOCK_P, TILE_N], gl.int32, layout=ACC_LAYOUT)
+    acc_lo = gl.zeros([BLOCK_P, TILE_N], gl.int32, layout=ACC_LAYOUT)
+    n = gl.cdiv(K, BLOCK_K)
+    for i in range(n):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        w_t = w_bufs.index(s).permute((1, 0))
+        acc_hi = warpgroup_mma(xh_bufs.index(s), w_t, acc_hi, is_async=True)
+        acc_lo = warpgroup_mma(xl_bufs.index(s), w_t, acc_lo, is_async=True)
+        # keep this step's pair in flight; the previous step's pair is done: free its slot
+        acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=2, deps=[acc_hi, acc_lo])
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=[acc_hi, acc_lo])
+    return acc_hi, acc_lo
+
+
+@gluon.jit
+def gluon_i16_ws_kernel(x_desc, t_ptr, w_desc, s_ptr, o_ptr, B, N, K, stride_ob,
+                        BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr,
+                        STAGES: gl.constexpr, num_warps: gl.constexpr):
+    pid = gl.program_id(0)
+    w_row0 = pid * gl.cdiv(K, BLOCK_K) * TILE_N
+    xh_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_P, BLOCK_K], x_desc.layout)
+    xl_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_P, BLOCK_K], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, TILE_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, TILE_N, 32])
+    acc_hi, acc_lo = gl.warp_specialize([
+        (_mma, (xh_bufs, xl_bufs, w_bufs, ready, empty, K, BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout)),
+        (_loader, (x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, w_row0, K, BLOCK_P, BLOCK_K, TILE_N,
+                   STAGES)),
+    ], [1], [24])
+
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    hi = gl.convert_layout(acc_hi, out_layout).to(gl.float32)
+    lo = gl.convert_layout(acc_lo, out_layout).to(gl.float32)
+    offs_b = gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, out_layout))
+    offs_n = pid * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, out_layout))
+    b_ok = offs_b < B
+    n_ok = offs_n < N
+    t = gl.load(t_ptr + offs_b, mask=b_ok, other=0.0)
+    s = gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)
+    val = (hi * 256.0 + lo) * t[:, None] * s[None, :]
+    o_ptrs = o_ptr + offs_b[:, None] * stride_ob + offs_n[None, :]
+    gl.store(o_ptrs, val.to(o_ptr.dtype.element_ty), mask=b_ok[:, None] & n_ok[None, :])
+
+
+def shared_layouts(block_p: int = 64):
+    """The NVMMA shared layouts of x's half-tile [P, 128] and the weight tile [128, 128] (int8)."""
+    return (gl.NVMMASharedLayout.get_default_for([block_p, BLOCK_K], gl.int8),
+            gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_K], gl.int8))
+
+
+def make_call(g, x, w_tiled, s, out, stages: int = 3):
+    """A zero-argument call computing ``out = x @ (w * s).T`` (B <= 64): x's quantizer from
+    ``g`` (serve/int8_gemv.py, the module) then this kernel, descriptors built once here."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, k = x.shape
+    block_p = 64
+    cfg = g.GemvConfig(TILE_N, BLOCK_K, 4, 3, block_m=block_p, act="i16")
+    xq, t, _ = g._i16_workspace(x.device, block_p, k, BLOCK_K, False, False)
+    x_layout, w_layout = shared_layouts(block_p)
+    x_desc = TensorDescriptor.from_tensor(xq, [block_p, BLOCK_K], x_layout)
+    w_desc = TensorDescriptor.from_tensor(w_tiled.view(-1, w_tiled.shape[3]), [TILE_N, BLOCK_K], w_layout)
+    n = s.numel()
+    grid = (-(-n // TILE_N),)
+
+    def call():
+        g._launch_i16(x, w_tiled, s, out, cfg, block_p, stage="quant_only")
+        gluon_i16_ws_kernel[grid](x_desc, t, w_desc, s, out, batch, n, k, out.stride(0), BLOCK_P=block_p,
+                                  BLOCK_K=BLOCK_K, TILE_N=TILE_N, STAGES=stages, num_warps=4)
+
+    return call
+
+
+def compile_for(cc: int = 90, block_p: int = 64, stages: int = 3):
+    """Triton's compiled kernel for compute capability ``cc`` without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    x_layout, w_layout = shared_layouts(block_p)
+    sig = {"x_desc": f"tensordesc<i8[{block_p},{BLOCK_K}],{x_layout!r}>", "t_ptr": "*fp32",
+           "w_desc": f"tensordesc<i8[{TILE_N},{BLOCK_K}],{w_layout!r}>", "s_ptr": "*fp32", "o_ptr": "*bf16",
+           "B": "i32", "N": "i32", "K": "i32", "stride_ob": "i32"}
+    const = dict(BLOCK_P=block_p, BLOCK_K=BLOCK_K, TILE_N=TILE_N, STAGES=stages, num_warps=4)
+    sig.update({name: "constexpr" for name in const})
+    src = GluonASTSource(gluon_i16_ws_kernel, sig, constexprs=const,
+                         attrs={(i,): [["tt.divisibility", 16]] for i in (1, 3, 4, 7, 8)})
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compile", action="store_true", help="compile for --cc on this machine (no GPU needed)")
+    ap.add_argument("--cc", type=int, default=90)
+    ap.add_argument("--stages", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not args.compile:
+        ap.print_help()
+        return 2
+    k = compile_for(args.cc, stages=args.stages)
+    ptx = k.asm["ptx"]
+    print(f"sm_{args.cc}: {k.metadata.shared / 1024:.1f} KiB shared, wgmma {'wgmma.mma_async' in ptx}, "
+          f"TMA {'cp.async.bulk.tensor' in ptx}, mbarrier {'mbarrier' in ptx}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
