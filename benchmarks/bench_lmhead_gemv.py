@@ -256,17 +256,17 @@ def run_gluon(dev, w, s, dtypes, gen, w32_cache, frac_ceiling) -> dict:
     for dtype in dtypes:
         for b in (33, 48, 64):
             x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
-            for stages in (2, 3, 4):
+            for stages, persistent in ((2, False), (3, False), (4, False), (3, True), (4, True)):
                 out = torch.full((b, w.shape[0]), float("nan"), device=dev, dtype=dtype)
-                rec = {"B": b, "dtype": str(dtype)[6:], "stages": stages}
+                rec = {"B": b, "dtype": str(dtype)[6:], "stages": stages, "persistent": persistent}
                 try:
-                    call = gw.make_call(g, x, w_t, s, out, stages)
+                    call = gw.make_call(g, x, w_t, s, out, stages, persistent)
                     call()
                     torch.cuda.synchronize()
                 except Exception as exc:
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     rows.append(rec)
-                    log(f"gluon B={b} {rec['dtype']} stages={stages}: {rec['error']}")
+                    log(f"gluon B={b} {rec['dtype']} stages={stages} persistent={persistent}: {rec['error']}")
                     continue
                 rec["check"] = check(out, x, w, s, reference(x, w, s, w32_cache), "i16")
                 if rec["check"]["within_bound"]:
@@ -274,7 +274,8 @@ def run_gluon(dev, w, s, dtypes, gen, w32_cache, frac_ceiling) -> dict:
                     rec["graph_ms"] = graph_ms(call)
                     rec["frac_ceiling"] = frac_ceiling(rec["ms"])
                 rows.append(rec)
-                log(f"gluon B={b} {rec['dtype']} stages={stages}: within bound {rec['check']['within_bound']} "
+                log(f"gluon B={b} {rec['dtype']} stages={stages} persistent={persistent}: "
+                    f"within bound {rec['check']['within_bound']} "
                     f"{rec.get('ms', 0) * 1e3:.1f} us ({rec.get('frac_ceiling', 0):.1%})")
     return {"rows": rows}
 
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                          "would ship) instead of config_for's")
     ap.add_argument("--gluon", action="store_true",
                     help="also time and check the warp-specialized Gluon candidate (benchmarks/gluon_i16_ws.py) "
-                         "at B = 33 / 48 / 64, 2-4 stages")
+                         "at B = 33 / 48 / 64, 2-4 stages, one tile per program or persistent")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every step on the CPU under TRITON_INTERPRET=1 at --n/--k (checks the script only)")
     args = ap.parse_args(argv)

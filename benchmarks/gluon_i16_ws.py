@@ -1,10 +1,10 @@
 """A warp-specialized candidate for the head kernel's act="i16" form at B = 33-64 (issue 28),
 written in Gluon (Triton's explicit-layout dialect, triton 3.6's API). NOT measured yet, NOT
 shipped: it exists so that one H200 call can time and check it (`bench_lmhead_gemv.py --gluon`
-runs it against the reference with the i16 bound, at B = 33 / 48 / 64 and 2-4 stages), and it
-compiles on the CPU here:
+runs it against the reference with the i16 bound, at B = 33 / 48 / 64, 2-4 stages, one tile per
+program or persistent), and it compiles on the CPU here:
 
-    python benchmarks/gluon_i16_ws.py --compile [--stages 3]   # with triton 3.6, for sm_90a
+    python benchmarks/gluon_i16_ws.py --compile [--stages 3]   # triton 3.6 or 3.9, for sm_90
 
 Why (docs/kernel.md "Where B = 33-64 loses"): in Triton's software pipeline the next TMA loads
 are issued only as the previous wgmma group retires, and the int8 dot of 128 x-rows is about
@@ -13,10 +13,12 @@ STAGES shared-memory slots, each guarded by two mbarriers ("ready": the slot's b
 "empty": the MMA warp group has finished reading it), while the default partition (one warp
 group) only waits, issues wgmma and retires it one step behind.
 
-Per program: one 128-row weight tile ([N / 128, K / 128, 128, 128], tile_weight's layout, read
-through a descriptor over its [-1, 128] view) against x's high and low halves (P = 64 rows each,
-the quantizer of serve/int8_gemv.py), two accumulators, the epilogue (256 hi + lo) t_b s_n as in
-the Triton form.
+Per tile: 128 weight rows ([N / 128, K / 128, 128, 128], tile_weight's layout, read through a
+descriptor over its [-1, 128] view) against x's high and low halves (P = 64 rows each, the
+quantizer of serve/int8_gemv.py), two accumulators, the epilogue (256 hi + lo) t_b s_n as in
+the Triton form, run by the MMA warp group while the loader already fills the ring for its next
+tile. A program takes one tile, or with a grid of one program per SM (``persistent``) walks
+several, so no tile's start or epilogue leaves the weight stream idle.
 """
 from __future__ import annotations
 
@@ -39,45 +41,63 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def _loader(x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, w_row0, K,
+def _loader(x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, N, K,
             BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr):
     nbytes: gl.constexpr = 2 * BLOCK_P * BLOCK_K + TILE_N * BLOCK_K
-    for i in range(gl.cdiv(K, BLOCK_K)):
-        s = i % STAGES
-        # a fresh "empty" barrier counts as released for the first lap (parity 1)
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        _tma_load(x_desc, [0, i * BLOCK_K], ready.index(s), xh_bufs.index(s))
-        _tma_load(x_desc, [BLOCK_P, i * BLOCK_K], ready.index(s), xl_bufs.index(s))
-        _tma_load(w_desc, [w_row0 + i * TILE_N, 0], ready.index(s), w_bufs.index(s))
+    kt = gl.cdiv(K, BLOCK_K)
+    c = 0  # steps issued by this program, over all its tiles: slot c % STAGES, lap c // STAGES
+    for tile in range(gl.program_id(0), gl.cdiv(N, TILE_N), gl.num_programs(0)):
+        for i in range(kt):
+            s = c % STAGES
+            # a fresh "empty" barrier counts as released for the first lap (parity 1)
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            _tma_load(x_desc, [0, i * BLOCK_K], ready.index(s), xh_bufs.index(s))
+            _tma_load(x_desc, [BLOCK_P, i * BLOCK_K], ready.index(s), xl_bufs.index(s))
+            _tma_load(w_desc, [(tile * kt + i) * TILE_N, 0], ready.index(s), w_bufs.index(s))
+            c += 1
 
 
 @gluon.jit
-def _mma(xh_bufs, xl_bufs, w_bufs, ready, empty, K,
-         BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
-         ACC_LAYOUT: gl.constexpr):
-    acc_hi = gl.zeros([BLOCK_P, TILE_N], gl.int32, layout=ACC_LAYOUT)
-    acc_lo = gl.zeros([BLOCK_P, TILE_N], gl.int32, layout=ACC_LAYOUT)
-    n = gl.cdiv(K, BLOCK_K)
-    for i in range(n):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        w_t = w_bufs.index(s).permute((1, 0))
-        acc_hi = warpgroup_mma(xh_bufs.index(s), w_t, acc_hi, is_async=True)
-        acc_lo = warpgroup_mma(xl_bufs.index(s), w_t, acc_lo, is_async=True)
-        # keep this step's pair in flight; the previous step's pair is done: free its slot
-        acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=2, deps=[acc_hi, acc_lo])
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=[acc_hi, acc_lo])
-    return acc_hi, acc_lo
+def _mma_epilogue(xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B, N, K, stride_ob,
+                  BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+                  ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr):
+    kt = gl.cdiv(K, BLOCK_K)
+    offs_b = gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    b_ok = offs_b < B
+    t = gl.load(t_ptr + offs_b, mask=b_ok, other=0.0)
+    c = 0
+    for tile in range(gl.program_id(0), gl.cdiv(N, TILE_N), gl.num_programs(0)):
+        acc_hi = gl.zeros([BLOCK_P, TILE_N], gl.int32, layout=ACC_LAYOUT)
+        acc_lo = gl.zeros([BLOCK_P, TILE_N], gl.int32, layout=ACC_LAYOUT)
+        for i in range(kt):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            w_t = w_bufs.index(s).permute((1, 0))
+            acc_hi = warpgroup_mma(xh_bufs.index(s), w_t, acc_hi, is_async=True)
+            acc_lo = warpgroup_mma(xl_bufs.index(s), w_t, acc_lo, is_async=True)
+            # keep this step's pair in flight; the previous step's pair is done: free its slot
+            acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=2, deps=[acc_hi, acc_lo])
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=c > 0)
+            c += 1
+        acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=[acc_hi, acc_lo])
+        # the epilogue of this tile runs while the loader fills the ring for the next one
+        hi = gl.convert_layout(acc_hi, OUT_LAYOUT).to(gl.float32)
+        lo = gl.convert_layout(acc_lo, OUT_LAYOUT).to(gl.float32)
+        offs_n = tile * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        n_ok = offs_n < N
+        s_n = gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)
+        val = (hi * 256.0 + lo) * t[:, None] * s_n[None, :]
+        o_ptrs = o_ptr + offs_b[:, None] * stride_ob + offs_n[None, :]
+        gl.store(o_ptrs, val.to(o_ptr.dtype.element_ty), mask=b_ok[:, None] & n_ok[None, :])
 
 
 @gluon.jit
 def gluon_i16_ws_kernel(x_desc, t_ptr, w_desc, s_ptr, o_ptr, B, N, K, stride_ob,
                         BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr,
                         STAGES: gl.constexpr, num_warps: gl.constexpr):
-    pid = gl.program_id(0)
-    w_row0 = pid * gl.cdiv(K, BLOCK_K) * TILE_N
+    """Programs take the weight's 128-row tiles pid, pid + grid, ...: one each with a grid of
+    ceil(N / 128), several (persistent) with a smaller grid."""
     xh_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_P, BLOCK_K], x_desc.layout)
     xl_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_P, BLOCK_K], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, TILE_N, BLOCK_K], w_desc.layout)
@@ -90,24 +110,13 @@ def gluon_i16_ws_kernel(x_desc, t_ptr, w_desc, s_ptr, o_ptr, B, N, K, stride_ob,
 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, TILE_N, 32])
-    acc_hi, acc_lo = gl.warp_specialize([
-        (_mma, (xh_bufs, xl_bufs, w_bufs, ready, empty, K, BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout)),
-        (_loader, (x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, w_row0, K, BLOCK_P, BLOCK_K, TILE_N,
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    gl.warp_specialize([
+        (_mma_epilogue, (xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B, N, K, stride_ob,
+                         BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout, out_layout)),
+        (_loader, (x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, N, K, BLOCK_P, BLOCK_K, TILE_N,
                    STAGES)),
     ], [1], [24])
-
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    hi = gl.convert_layout(acc_hi, out_layout).to(gl.float32)
-    lo = gl.convert_layout(acc_lo, out_layout).to(gl.float32)
-    offs_b = gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, out_layout))
-    offs_n = pid * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, out_layout))
-    b_ok = offs_b < B
-    n_ok = offs_n < N
-    t = gl.load(t_ptr + offs_b, mask=b_ok, other=0.0)
-    s = gl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)
-    val = (hi * 256.0 + lo) * t[:, None] * s[None, :]
-    o_ptrs = o_ptr + offs_b[:, None] * stride_ob + offs_n[None, :]
-    gl.store(o_ptrs, val.to(o_ptr.dtype.element_ty), mask=b_ok[:, None] & n_ok[None, :])
 
 
 def shared_layouts(block_p: int = 64):
@@ -116,9 +125,11 @@ def shared_layouts(block_p: int = 64):
             gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_K], gl.int8))
 
 
-def make_call(g, x, w_tiled, s, out, stages: int = 3):
+def make_call(g, x, w_tiled, s, out, stages: int = 3, persistent: bool = False):
     """A zero-argument call computing ``out = x @ (w * s).T`` (B <= 64): x's quantizer from
-    ``g`` (serve/int8_gemv.py, the module) then this kernel, descriptors built once here."""
+    ``g`` (serve/int8_gemv.py, the module) then this kernel, descriptors built once here; with
+    ``persistent`` one program per SM walks the tiles."""
+    import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, k = x.shape
@@ -129,7 +140,8 @@ def make_call(g, x, w_tiled, s, out, stages: int = 3):
     x_desc = TensorDescriptor.from_tensor(xq, [block_p, BLOCK_K], x_layout)
     w_desc = TensorDescriptor.from_tensor(w_tiled.view(-1, w_tiled.shape[3]), [TILE_N, BLOCK_K], w_layout)
     n = s.numel()
-    grid = (-(-n // TILE_N),)
+    tiles = -(-n // TILE_N)
+    grid = (min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if persistent else tiles,)
 
     def call():
         g._launch_i16(x, w_tiled, s, out, cfg, block_p, stage="quant_only")
