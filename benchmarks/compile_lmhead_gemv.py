@@ -71,7 +71,7 @@ def _compile_i16(g, cfg, block_p: int, cc: int):
            "N": "i32", "K": "i32", "stride_ob": "i32"}
     const = dict(BLOCK_P=block_p, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILE_N=g.TILE[0], EVEN_K=True,
                  W_TILED=True, SWAP=cfg.swap, W_EVICT=cfg.w_evict, O_EVICT=cfg.o_evict, TMA=cfg.tma,
-                 WS=cfg.warp_spec, SPLIT=cfg.split_acc)
+                 SPLIT=cfg.split_acc)
     sig.update({name: "constexpr" for name in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in (1, 3, 4, 7, 8) + (() if cfg.tma else (0, 2))}
     src = ASTSource(g._kernel(False, "i16"), sig, constexprs=const, attrs=aligned)

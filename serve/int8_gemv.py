@@ -112,10 +112,9 @@ class GemvConfig:
     ``act="i16"`` is the int8 tensor-core form (module docstring): ``block_m`` is then the padded
     batch P (16, 32 or 64; the dot has 2 P rows, x's two int8 halves), ``dots`` is 1, ``dequant``
     is unused, and ``block_n`` may be a multiple of a tiled weight's tile rows (several tiles per
-    program), ``block_k`` must be its tile's K. ``tma`` (act="i16", a tiled weight, ``block_n`` one or two
-    of its tiles' rows) loads both tiles with the Tensor Memory Accelerator (sm_90+) instead of per-thread
-    copies. ``warp_spec`` (act="i16") asks Triton to split the K loop into producer and consumer
-    warps (``tl.range(warp_specialize=True)``). ``split_acc`` (act="i16") runs the high and the
+    program), ``block_k`` must be its tile's K. ``tma`` (act="i16", a tiled weight, ``block_n`` its
+    tile's rows) loads both tiles with the Tensor Memory Accelerator (sm_90+) instead of per-thread
+    copies. ``split_acc`` (act="i16") runs the high and the
     low halves as two dots of P rows with their own accumulators, so the epilogue combines them
     element by element instead of splitting one 2P-row accumulator.
     """
@@ -132,7 +131,6 @@ class GemvConfig:
     swap: bool = False
     act: str = "native"
     tma: bool = False
-    warp_spec: bool = False
     split_acc: bool = False
 
     def as_dict(self) -> dict:
@@ -147,8 +145,8 @@ class GemvConfig:
             raise ValueError(f"unknown act {self.act!r}; valid: {', '.join(ACT_MODES)}")
         if (self.swap or self.act == "i16") and self.dots != 1:
             raise ValueError(f"a swapped or act='i16' config runs one dot, got dots={self.dots}")
-        if (self.tma or self.warp_spec or self.split_acc) and self.act != "i16":
-            raise ValueError("tma, warp_spec and split_acc need act='i16'")
+        if (self.tma or self.split_acc) and self.act != "i16":
+            raise ValueError("tma and split_acc need act='i16'")
         if self.act == "i16" and self.block_k % 32:
             raise ValueError(f"act='i16' needs block_k a multiple of 32 (the int8 MMA's K step), got {self.block_k}")
         if m * self.dots < batch:
@@ -166,7 +164,8 @@ _H200_TABLE: dict[int, GemvConfig] = {
     8: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
     16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
     # B = 17-64: the int8 tensor-core form (x on a 16-bit grid, TMA loads; issue 28's sweeps,
-    # benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json): 1.2-1.6x the dequantizing form.
+    # benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json): 1.14-1.18x the best dequantizing
+    # config at B = 32 and 1.42-1.44x at B = 64, in the same runs.
     32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=32, o_evict=_LOGITS_IN_L2,
                    act="i16", tma=True),
     64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64, o_evict=_LOGITS_IN_L2,
@@ -340,9 +339,7 @@ def _reads_tile(cfg: GemvConfig, tile: tuple[int, int]) -> bool:
     """Whether ``cfg`` reads a weight tiled ``tile``: its own block shape, or for act="i16" whole
     tiles, several per program along N."""
     if cfg.act == "i16":
-        tiles = cfg.block_n // tile[0]
-        return (cfg.block_k == tile[1] and cfg.block_n % tile[0] == 0
-                and (not cfg.tma or tiles == 1 or (tiles == 2 and not cfg.split_acc)))
+        return cfg.block_k == tile[1] and cfg.block_n % tile[0] == 0 and (not cfg.tma or cfg.block_n == tile[0])
     return (cfg.block_n, cfg.block_k) == tuple(tile)
 
 
@@ -473,7 +470,7 @@ def _launch_i16(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Te
     tile_n = w.shape[2] if w.dim() == 4 else cfg.block_n
     wa = _weight_descriptor(w) if cfg.tma else w
     return _kernel(interpret, "i16")[(-(-n // cfg.block_n),)](
-        xa, xs, wa, s, out, batch, n, k, out.stride(0), TMA=cfg.tma, WS=cfg.warp_spec, SPLIT=cfg.split_acc,
+        xa, xs, wa, s, out, batch, n, k, out.stride(0), TMA=cfg.tma, SPLIT=cfg.split_acc,
         BLOCK_P=block_p, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILE_N=tile_n,
         EVEN_K=(k % cfg.block_k == 0), W_TILED=(w.dim() == 4), SWAP=cfg.swap,
         W_EVICT=cfg.w_evict, O_EVICT=cfg.o_evict,
@@ -759,22 +756,16 @@ def _int8_i16_kernel(
     B, N, K, stride_ob,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_N: tl.constexpr,
     EVEN_K: tl.constexpr, W_TILED: tl.constexpr, SWAP: tl.constexpr,
-    W_EVICT: tl.constexpr, O_EVICT: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SPLIT: tl.constexpr,
+    W_EVICT: tl.constexpr, O_EVICT: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """act="i16": ``out[b, n] = (256 acc[b, n] + acc[P + b, n]) * t_b * s_n``, acc the int32 dot of
     x's 2P int8 rows with the int8 weight rows, both tiles fed to the tensor cores as loaded."""
     pid = tl.program_id(0)
     offs_k = tl.arange(0, BLOCK_K)
-    # TMA loads one tile per load: a program of two tiles runs two dots (accumulators acc, acc2)
-    HALVES: tl.constexpr = BLOCK_N // TILE_N if TMA else 1
-    HN: tl.constexpr = BLOCK_N // HALVES
     if TMA:
         # q_ptr and w_ptr are tensor descriptors: x's [2P, K] rows; the tiles stacked as rows,
-        # tile (i, j) at row (i * kt + j) * TILE_N; a tile past the last re-reads the last
-        kt = tl.cdiv(K, BLOCK_K)
-        tn = tl.cdiv(N, TILE_N)
-        w_row = pid * HALVES * kt * TILE_N
-        w_row2 = tl.minimum(pid * HALVES + 1, tn - 1) * kt * TILE_N
+        # tile (i, j) at row (i * kt + j) * TILE_N (BLOCK_N == TILE_N: one tile per program)
+        w_row = pid * tl.cdiv(K, BLOCK_K) * TILE_N
     elif W_TILED:
         # BLOCK_N // TILE_N whole tiles per program ([N / TILE_N, K / BLOCK_K, TILE_N, BLOCK_K],
         # zero-padded); a tile past the last one re-reads the last (its rows are never stored).
@@ -794,22 +785,18 @@ def _int8_i16_kernel(
     if not TMA:
         x_ptrs = q_ptr + tl.arange(0, XR)[:, None] * K + offs_k[None, :]
     if SWAP:
-        acc = tl.zeros((HN, XR), dtype=tl.int32)
-        acc2 = tl.zeros((HN, XR), dtype=tl.int32)
-        acc_lo = tl.zeros((HN, XR), dtype=tl.int32)
+        acc = tl.zeros((BLOCK_N, XR), dtype=tl.int32)
+        acc_lo = tl.zeros((BLOCK_N, XR), dtype=tl.int32)
     else:
-        acc = tl.zeros((XR, HN), dtype=tl.int32)
-        acc2 = tl.zeros((XR, HN), dtype=tl.int32)
-        acc_lo = tl.zeros((XR, HN), dtype=tl.int32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+        acc = tl.zeros((XR, BLOCK_N), dtype=tl.int32)
+        acc_lo = tl.zeros((XR, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
         if TMA:
             # out-of-range columns of x read as zeros; the tiled weight is zero-padded
             xq = q_ptr.load([0, k0])
             if SPLIT:
                 xl = q_ptr.load([BLOCK_P, k0])
             wq = w_ptr.load([w_row + (k0 // BLOCK_K) * TILE_N, 0])
-            if HALVES == 2:
-                wq2 = w_ptr.load([w_row2 + (k0 // BLOCK_K) * TILE_N, 0])
         elif EVEN_K:
             xq = tl.load(x_ptrs)
             if SPLIT:
@@ -828,39 +815,30 @@ def _int8_i16_kernel(
             acc = tl.dot(wq, tl.trans(xq), acc, out_dtype=tl.int32)
             if SPLIT:
                 acc_lo = tl.dot(wq, tl.trans(xl), acc_lo, out_dtype=tl.int32)
-            if HALVES == 2:
-                acc2 = tl.dot(wq2, tl.trans(xq), acc2, out_dtype=tl.int32)
         else:
             acc = tl.dot(xq, tl.trans(wq), acc, out_dtype=tl.int32)
             if SPLIT:
                 acc_lo = tl.dot(xl, tl.trans(wq), acc_lo, out_dtype=tl.int32)
-            if HALVES == 2:
-                acc2 = tl.dot(xq, tl.trans(wq2), acc2, out_dtype=tl.int32)
         if not TMA:
             w_ptrs += w_step
             x_ptrs += BLOCK_K
     offs_b = tl.arange(0, BLOCK_P)
     b_ok = offs_b < B
     t = tl.load(t_ptr + offs_b, mask=b_ok, other=0.0)
-    for h in tl.static_range(HALVES):
-        if h == 0:
-            a = acc
-        else:
-            a = acc2
-        if SPLIT:
-            hi = a
-            lo = acc_lo
-            if SWAP:
-                hi = tl.trans(hi)
-                lo = tl.trans(lo)
-        else:
-            if SWAP:
-                a = tl.trans(a)
-            # rows [0, P) hold the high bytes' sums, [P, 2P) the low bytes'
-            hi, lo = tl.split(tl.permute(tl.reshape(a, (2, BLOCK_P, HN)), (1, 2, 0)))
-        offs_n = pid * BLOCK_N + h * HN + tl.arange(0, HN)
-        s = tl.load(s_ptr + tl.where(offs_n < N, offs_n, N - 1)).to(tl.float32)
-        val = (hi.to(tl.float32) * 256.0 + lo.to(tl.float32)) * t[:, None] * s[None, :]
-        o_ptrs = o_ptr + offs_b[:, None] * stride_ob + offs_n[None, :]
-        tl.store(o_ptrs, val.to(o_ptr.dtype.element_ty), mask=b_ok[:, None] & (offs_n[None, :] < N),
-                 eviction_policy=O_EVICT)
+    if SPLIT:
+        hi = acc
+        lo = acc_lo
+        if SWAP:
+            hi = tl.trans(hi)
+            lo = tl.trans(lo)
+    else:
+        if SWAP:
+            acc = tl.trans(acc)
+        # rows [0, P) hold the high bytes' sums, [P, 2P) the low bytes'
+        hi, lo = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_P, BLOCK_N)), (1, 2, 0)))
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.load(s_ptr + tl.where(offs_n < N, offs_n, N - 1)).to(tl.float32)
+    val = (hi.to(tl.float32) * 256.0 + lo.to(tl.float32)) * t[:, None] * s[None, :]
+    o_ptrs = o_ptr + offs_b[:, None] * stride_ob + offs_n[None, :]
+    tl.store(o_ptrs, val.to(o_ptr.dtype.element_ty), mask=b_ok[:, None] & (offs_n[None, :] < N),
+             eviction_policy=O_EVICT)

@@ -478,14 +478,14 @@ def test_every_batch_class_compiles_for_gb10_within_its_shared_memory():
 
 # act="i16": x on a per-row 16-bit grid, int8 dots (module docstring). (B, N, K, config, tiled):
 # one and two weight tiles per program, x's rows on either side of the dot, one accumulator or
-# split halves, per-thread copies or TMA descriptors, N and K tails, the row-major weight.
+# split halves, per-thread copies or TMA descriptors (one tile), N and K tails, the row-major weight.
 I16 = dict(act="i16", o_evict="evict_last")
 I16_CASES = [
     (20, 300, 272, g.GemvConfig(128, 128, 4, 3, block_m=32, **I16), True),
     (33, 517, 256, g.GemvConfig(256, 128, 8, 3, block_m=64, swap=True, **I16), True),
     (5, 130, 208, g.GemvConfig(128, 128, 4, 3, block_m=16, split_acc=True, **I16), True),
     (64, 300, 384, g.GemvConfig(128, 128, 4, 3, block_m=64, tma=True, **I16), True),
-    (31, 390, 272, g.GemvConfig(256, 128, 8, 3, block_m=32, tma=True, **I16), True),
+    (31, 390, 272, g.GemvConfig(256, 128, 8, 3, block_m=32, split_acc=True, **I16), True),
     (40, 129, 128, g.GemvConfig(128, 128, 4, 3, block_m=64, tma=True, split_acc=True, swap=True, **I16), True),
     (18, 77, 48, g.GemvConfig(32, 32, 4, 2, block_m=32, **I16), False),
     (50, 45, 96, g.GemvConfig(64, 32, 4, 2, block_m=64, split_acc=True, **I16), False),
@@ -577,8 +577,8 @@ def test_i16_config_rules():
     with pytest.raises(ValueError, match="multiple of 32"):
         g.GemvConfig(64, 16, 4, 3, act="i16").rows(8)
     x, w, s = problem(20, 300, 256, seed=1)
-    with pytest.raises(ValueError, match="does not match"):  # TMA: one or two whole tiles
-        g.int8_linear(x, g.tile_weight(w), s, config=g.GemvConfig(384, 128, 4, 3, block_m=32, act="i16", tma=True))
+    with pytest.raises(ValueError, match="does not match"):  # TMA: one whole tile per program
+        g.int8_linear(x, g.tile_weight(w), s, config=g.GemvConfig(256, 128, 4, 3, block_m=32, act="i16", tma=True))
     with pytest.raises(ValueError, match="tiled weight"):
         g.int8_linear(x, w, s, config=g.GemvConfig(128, 128, 4, 3, block_m=32, act="i16", tma=True))
     with pytest.raises(ValueError, match="act='i16' runs stage"):
