@@ -322,16 +322,15 @@ def _request(url: str, api_key: str | None, data: bytes | None = None) -> urllib
     return urllib.request.Request(url, data=data, headers={**headers, **bearer(api_key)})
 
 
-def _open(req: urllib.request.Request | str, timeout: float, base_url: str | None = None):
+def _open(req: urllib.request.Request, timeout: float, base_url: str):
     """``urlopen``, with a failure said in one line that names the URL; a 401/403 is the API key's
     (the line says whether one was sent, never the key)."""
-    url = req.full_url if isinstance(req, urllib.request.Request) else req
+    url = req.full_url
     try:
         return urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as e:
         if e.code in REFUSED:
-            sent = isinstance(req, urllib.request.Request) and req.has_header("Authorization")
-            raise refused(base_url or url, e.code, sent) from None
+            raise refused(base_url, e.code, req.has_header("Authorization")) from None
         try:
             body = e.read().decode("utf-8", "replace").strip().replace("\n", " ")[:300]
         except (OSError, AttributeError, ValueError):

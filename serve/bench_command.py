@@ -41,7 +41,7 @@ def register(sub, common) -> None:
                "  hybrid-build bench http://127.0.0.1:8000/v1 --runs 3 --max-tokens 128 --json\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --workloads counting,agent --runs 3\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --concurrency 4 --runs 3   # 4 streams at once\n"
-               "  hybrid-build bench https://gpu.example/v1 --api-key \"$KEY\"      # default: $OPENAI_API_KEY\n"
+               "  OPENAI_API_KEY=\"$(cat key)\" hybrid-build bench https://gpu.example/v1   # a served API key\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 http://127.0.0.1:8000/v1 --runs 3   # A/A: the size of the noise\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out source.json     # serving the source\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out hybrid.json     # later, serving the hybrid\n"
@@ -60,8 +60,8 @@ def register(sub, common) -> None:
                         "its own kind of text)")
     p.add_argument("--concurrency", type=int, default=1, metavar="N",
                    help=f"streams at once, each its own request (default 1; at most {MAX_CONCURRENCY})")
-    p.add_argument("--api-key", help="sent as a Bearer token on every request (default: $OPENAI_API_KEY); "
-                                     "never printed")
+    p.add_argument("--api-key", help="sent as a Bearer token on every request (default: $OPENAI_API_KEY, "
+                                     "which keeps it out of `ps`); never printed")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file (input of --compare)")
     add_json_flag(p)
     p.set_defaults(handler=run)

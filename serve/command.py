@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                        hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
                        api_key=None if several else _api_key(args, args.host))  # several: for the head's address
-    if args.nodes or args.nodes_file:
+    if several:
         return _run_nodes(args, plan)
     if args.dry_run:
         if args.json:

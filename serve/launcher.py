@@ -36,7 +36,7 @@ def serve_hint(sent: bool) -> str:
     one serve did not give it."""
     if sent:
         return "serve sends the key it gave vLLM; does a profile's extra_args hold its own --api-key?"
-    return "serve gave vLLM no key; is VLLM_API_KEY set where vLLM runs, or --api-key in a profile's extra_args?"
+    return f"serve gave vLLM no key; is {SERVER_ENV} set where vLLM runs, or --api-key in a profile's extra_args?"
 
 
 def plan_key(plan: LaunchPlan) -> str | None:
@@ -157,18 +157,17 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
 
 
 def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | None = SMOKE_EXPECT,
-               api_key: str | None = None, hint: str | None = None) -> str:
+               api_key: str | None = None) -> str:
     """Ask for the capital of France; the answer must contain ``expect`` (case-insensitive), or,
     with ``expect=None`` (the recipe says the weights are random), be non-empty. Returns it.
-    ``api_key`` is sent as a Bearer token; a refused one is ``KeyRefused`` (``hint`` says what to do;
-    default: serve's own)."""
+    ``api_key`` is sent as a Bearer token; a refused one is ``KeyRefused`` with serve's hint."""
     try:
         r = http_json(base_url + "/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": SMOKE_PROMPT}],
             "max_tokens": 64, "temperature": 0}, timeout=timeout, api_key=api_key)
     except urllib.error.HTTPError as e:
         if e.code in REFUSED:
-            raise refused(base_url, e.code, bool(api_key), hint or serve_hint(bool(api_key))) from None
+            raise refused(base_url, e.code, bool(api_key), serve_hint(bool(api_key))) from None
         raise ArtifactError(f"smoke test: the server answered HTTP {e.code}: {e.read()[:300].decode(errors='replace')}")
     except (urllib.error.URLError, OSError) as e:
         raise ArtifactError(f"smoke test: no answer from {base_url} ({e})")

@@ -25,6 +25,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.api_key import CLIENT_ENV
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.private_file import read_private, write_private
 
@@ -80,7 +81,7 @@ class ApiKey:
     def client_hint(self) -> str:
         """How a client sends it."""
         key = f'"$(cat {shlex.quote(str(self.path))})"' if self.path is not None else "KEY"
-        return f"clients send it as a Bearer token, e.g. OPENAI_API_KEY={key} hybrid-build verify URL --artifact OUT"
+        return f"clients send it as a Bearer token, e.g. {CLIENT_ENV}={key} hybrid-build verify URL --artifact OUT"
 
     def shell_line(self) -> str:
         """The ``--dry-run`` line that puts the key in the environment, without the key."""

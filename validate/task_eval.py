@@ -18,8 +18,8 @@ Backends:
 - ``completions`` / ``chat``: lm-eval's ``local-completions`` / ``local-chat-completions`` against
   running OpenAI-compatible servers (``hybrid-build serve``): what the engine really computes.
   The chat backend runs generative tasks only (a chat API returns no prompt log-likelihoods).
-  An API key goes to lm-eval in its environment (``OPENAI_API_KEY``, which those models read at
-  each request), never in its model arguments, which lm-eval records.
+  An API key goes to lm-eval in its environment (``OPENAI_API_KEY``, which those models read when
+  they build their request headers), never in its model arguments, which lm-eval records.
 
 Tasks are any lm-eval task or group by name, plus the bundled offline set (``eval_taskset``:
 groups ``hybrid_build`` and ``hybrid_build_gen``), which needs no network.
@@ -339,8 +339,9 @@ def _server_lm(server: ServerModel, settings: EvalSettings):
 
 @contextmanager
 def client_key_env(api_key: str | None):
-    """``OPENAI_API_KEY`` set to ``api_key`` while lm-eval runs in this process (its API models read
-    it at every request), then restored; without a key, the environment as it is."""
+    """``OPENAI_API_KEY`` set to ``api_key`` while lm-eval runs in this process, then restored;
+    without a key, the environment as it is. lm-eval's API models read it once per model object
+    (a cached header), so the model objects must be made and used inside this context."""
     if not api_key:
         yield
         return
@@ -363,9 +364,10 @@ def evaluate_servers(source: ServerModel, hybrid: ServerModel, settings: EvalSet
     out = {}
     try:
         for role, server in (("source", source), ("hybrid", hybrid)):
-            lm = counting_lm(_server_lm(server, settings), role, events, chunk=max(64, 4 * settings.concurrency))
             try:
-                with client_key_env(api_key):
+                with client_key_env(api_key):  # the model reads the key when it is made and used
+                    lm = counting_lm(_server_lm(server, settings), role, events,
+                                     chunk=max(64, 4 * settings.concurrency))
                     out[role] = run_lm_eval(lm, settings, manager)
             except Exception as e:  # noqa: BLE001 - lm-eval re-raises the server's failure after its retries
                 if isinstance(e, (UserError, ExternalToolError)):

@@ -638,13 +638,7 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # the serve command stops its vLLM server on Ctrl-C
-            try:
-                proc.wait(25)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)  # the serve command stops its vLLM server on Ctrl-C
         res["serve_stdout"] = (proc.stdout.read() if proc.stdout else "")[-2000:]
         logf = out / f"serve_{profile}.log"
         if logf.exists():
@@ -748,6 +742,9 @@ def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=
     """Issue 28: ``hybrid-build bench --concurrency N`` against a real vLLM server (the tiny dense
     profile, DFlash drafter): per-stream rows, the overlap, and whether the per-stream acceptance
     read from the streamed chunks matches the server's /metrics counters."""
+    if left() < 180:
+        record(out, "bench_conc", {"skipped": f"no time left ({left():.0f} s)"})
+        return
     port = 8400
     cmd = serve_command(hb, src, recipe, "dense", port, min(420, left() - 60), out / "bench_conc_server.log",
                         hb / "drafter-dflash") + ["--no-verify"]

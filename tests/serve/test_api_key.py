@@ -315,5 +315,5 @@ def test_serve_beyond_loopback_generates_a_key_and_uses_it(referenced_artifact, 
             run.proc.send_signal(signal.SIGINT)
         rc = run.proc.wait(timeout=60)
     assert rc == 130
-    shown = "\n".join(run.seen) + run.proc.stdout.read() + run.proc.stderr.read()
+    shown = run.output()
     assert key not in shown and key not in (c["cwd"] / "serve.log").read_text()

@@ -13,7 +13,6 @@ import ast
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,12 +29,6 @@ import vllm_sources  # noqa: E402
 from standin_server import Engine, FakeNetwork, FakeServer  # noqa: E402
 
 VERDICT = re.compile(r"^(B (faster|slower) by \d+\.\d%|within noise)$")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_network(monkeypatch, **servers) -> FakeNetwork:

@@ -578,6 +578,14 @@ class CliRun:
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
 
+    def output(self, timeout: float = 30) -> str:
+        """Everything the child printed, stdout then stderr, once it has exited: the lines already
+        seen, the rest of what the reader thread took from stdout, then stderr."""
+        said = list(self.seen)
+        while (line := self.lines.get(timeout=timeout)) is not None:
+            said.append(line)
+        return "\n".join(said + [self.proc.stderr.read()])
+
     def wait_for(self, prefix: str, timeout: float) -> str:
         """The first line starting with ``prefix``; fails on exit or after ``timeout`` seconds."""
         while True:
@@ -794,10 +802,7 @@ def test_two_ray_nodes_on_loopback_only_admit_the_tokens_holders_and_stop_on_ctr
             run.proc.kill()
             run.proc.wait()
     assert _token_files(home) == []
-    said = list(run.seen)
-    while (line := run.lines.get(timeout=30)) is not None:  # the rest of stdout, read by CliRun's thread
-        said.append(line)
-    shown = "\n".join(said + [run.proc.stderr.read()]).encode()
+    shown = run.output().encode()
     assert token not in shown and key.encode() not in shown
     for secret in (token, key.encode()):
         assert _files_holding(c["cwd"] / "logs", secret) == [] and _files_holding(Path(c["ray_tmp"]), secret) == []

@@ -216,7 +216,7 @@ def test_serve_verify_and_bench_leak_nothing(demo, secrets_env, serve_env, capfd
             run.proc.send_signal(signal.SIGINT)
         rc = run.proc.wait(timeout=60)
     assert rc == 130
-    assert_clean("serve -vv", "\n".join(run.seen) + run.proc.stdout.read() + run.proc.stderr.read())
+    assert_clean("serve -vv", run.output())
     assert serve_log.read_text().strip() and bench_out.is_file()
     assert leaks_in_tree(c["cwd"]) == {}  # the serve log, bench's result, the stand-in's record
     assert leaks_in_tree(demo["work"]) == {}
