@@ -27,28 +27,41 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 STANDIN = Path(__file__).resolve().parent / "standin_server.py"
 
 
-def epilog_examples() -> list[tuple[str, str]]:
-    """(command whose help shows it, example command line) for every example of every epilog."""
+# An example line: optional environment assignments (VAR=word or VAR="..."), then the command.
+EXAMPLE_LINE = re.compile(r'^\s+(?:[A-Z_][A-Z0-9_]*=(?:"[^"]*"|\S+)\s+)*(hybrid-build\s.*?)\s*(#.*)?$')
+
+
+def epilog_examples() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(command whose help shows it, example command line) for every example of every epilog, and
+    the indented lines of an examples block that are not an example (which would hide the rest)."""
     from hybrid_build.pipeline.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    found = []
+    found, unparsed = [], []
     for name, p in [("hybrid-build", parser), *sub.choices.items()]:
         in_block = False
         for line in (p.epilog or "").splitlines():
             if re.match(r"^examples?:\s*$", line):
                 in_block = True
                 continue
-            m = re.match(r"^\s+(hybrid-build\s.*?)\s*(#.*)?$", line) if in_block else None
+            m = EXAMPLE_LINE.match(line) if in_block else None
             if m:
                 found.append((name, m.group(1)))
             elif in_block and line.strip():
+                if line[:1].isspace():
+                    unparsed.append((name, line))
                 in_block = False
-    return found
+    return found, unparsed
 
 
-EXAMPLES = epilog_examples()
+EXAMPLES, UNPARSED = epilog_examples()
+
+
+def test_every_indented_example_line_is_read():
+    """An examples block ends at its first unindented line; an indented line the parser cannot
+    read would silently drop every example after it from the checks below."""
+    assert UNPARSED == []
 
 
 def why_not(cmd: str, cwd: Path) -> str | None:
