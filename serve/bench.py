@@ -335,9 +335,20 @@ def _open(req: urllib.request.Request, timeout: float, base_url: str):
             body = e.read().decode("utf-8", "replace").strip().replace("\n", " ")[:300]
         except (OSError, AttributeError, ValueError):
             body = ""
-        raise ExternalToolError(f"{url}: HTTP {e.code}" + (f": {body}" if body else "")) from e
+        raise ExternalToolError(f"{url}: HTTP {e.code}" + (f": {body}" if body else "") + _tools_hint(req, e.code))
     except (urllib.error.URLError, OSError) as e:
         raise ExternalToolError(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
+
+
+def _tools_hint(req: urllib.request.Request, code: int) -> str:
+    """What to do when a server refuses a request that carries tools (vLLM started without a
+    tool-call parser answers 400): leave the workloads with tools out, or serve with a parser."""
+    if code != 400 or not req.data or b'"tools"' not in req.data:
+        return ""
+    with_tools = [name for name, w in WORKLOADS.items() if w.tools]
+    rest = ",".join(name for name in WORKLOADS if name not in with_tools)
+    return (f" (the {', '.join(with_tools)} workload sends tools: serve with a tool-call parser, "
+            f"or leave it out with --workloads {rest})")
 
 
 def first_model(base_url: str, timeout: float = 10.0, api_key: str | None = None) -> str:

@@ -774,6 +774,8 @@ def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=
         for n in streams:
             ab_command(out, f"bench_conc_{n}", ["hybrid-build", "bench", ready["base_url"], "--concurrency", str(n),
                                                 "--runs", "2", "--max-tokens", "96",
+                                                # the tiny profiles have no tool-call parser: no agent
+                                                "--workloads", "prose,code,counting",
                                                 "--out", str(out / f"bench_conc_{n}.json")], min(150, left(10)))
     finally:
         stop_group(proc)

@@ -224,8 +224,10 @@ class FakeServer:
 
     def __init__(self, clock: list[float], engine: Engine, tokens: int = 30, first: float | list = 0.3,
                  steps: float | list = 0.02, usage: bool = True, metrics: bool = True,
-                 blank: tuple[int, int] = (0, 0)):
+                 blank: tuple[int, int] = (0, 0), tool_parser: bool = True):
         self.clock, self.engine, self.tokens, self.usage, self.metrics = clock, engine, tokens, usage, metrics
+        # without a tool-call parser vLLM refuses a request with tools (400, its words below)
+        self.tool_parser = tool_parser
         # tokens lo <= i < hi stream with empty content, as vLLM streams tokens whose text its
         # detokenizer holds back (partial UTF-8) or that decode to nothing
         self.blank = blank
@@ -283,7 +285,13 @@ class FakeNetwork:
             return _Body(server.engine.render().encode())
         if parts.path.endswith("/v1/chat/completions"):
             self.order.append(parts.netloc)
-            return server.stream(json.loads(req.data))
+            body = json.loads(req.data)
+            if body.get("tools") and not server.tool_parser:
+                import io
+                msg = {"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice and '
+                                            '--tool-call-parser to be set', "type": "BadRequestError", "code": 400}}
+                raise urllib.error.HTTPError(url, 400, "Bad Request", {}, io.BytesIO(json.dumps(msg).encode()))
+            return server.stream(body)
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
 

@@ -226,6 +226,21 @@ def test_blank_chunks_do_not_shrink_the_decode_window(monkeypatch, blank, window
     assert r["decode_tok_s"] == pytest.approx(29 / (window_steps * 0.02))  # 29 tokens over the visible window
 
 
+def test_bench_on_a_server_without_a_tool_parser_says_what_to_do(monkeypatch):
+    """vLLM without a tool-call parser refuses the agent workload's tools with a 400 (found against a
+    real vLLM 0.25.1): the one line names the workload and the --workloads that leaves it out,
+    and that list runs on the same server."""
+    _fake(monkeypatch, **{"stand-in": dict(engine=Engine(), tokens=8, tool_parser=False)})
+    with pytest.raises(ExternalToolError) as e:
+        bench_mod.bench("http://stand-in/v1", runs=1, max_tokens=8, workloads=["prose", "agent"])
+    line = str(e.value)
+    assert "HTTP 400" in line and "--enable-auto-tool-choice" in line and "\n" not in line
+    rest = line.rsplit("--workloads ", 1)[1].rstrip(")").split(",")
+    assert "agent" in line.split("--workloads")[0] and "agent" not in rest and rest
+    report = bench_mod.bench("http://stand-in/v1", runs=1, max_tokens=8, workloads=rest)
+    assert [r["workload"] for r in report["results"]] == rest
+
+
 def test_bench_median_and_range_of_runs(monkeypatch):
     """Runs that differ: the figure is their median, the spread their range (the warm-up run, at
     the first step time, is left out)."""
