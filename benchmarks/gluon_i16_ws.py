@@ -81,7 +81,8 @@ def _loader(x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, N, K,
 @gluon.jit
 def _mma_epilogue(xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B, N, K, stride_ob,
                   BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
-                  ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr):
+                  ACC_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
+                  MMA: gl.constexpr):
     kt = gl.cdiv(K, BLOCK_K)
     offs_b = gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, OUT_LAYOUT))
     b_ok = offs_b < B
@@ -95,13 +96,20 @@ def _mma_epilogue(xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B
             s = c % STAGES
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
             w_t = w_bufs.index(s * HALVES + HALF).permute((1, 0))
-            acc_hi = warpgroup_mma(xh_bufs.index(s), w_t, acc_hi, is_async=True)
-            acc_lo = warpgroup_mma(xl_bufs.index(s), w_t, acc_lo, is_async=True)
-            # keep this step's pair in flight; the previous step's pair is done: free its slot
-            acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=2, deps=[acc_hi, acc_lo])
+            if MMA == 2:
+                acc_hi = warpgroup_mma(xh_bufs.index(s), w_t, acc_hi, is_async=True)
+                acc_lo = warpgroup_mma(xl_bufs.index(s), w_t, acc_lo, is_async=True)
+                # keep this step's pair in flight; the previous step's pair is done: free its slot
+                acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=2, deps=[acc_hi, acc_lo])
+            elif MMA == 1:  # probe only (wrong numbers): half the tensor-core work
+                acc_hi = warpgroup_mma(xh_bufs.index(s), w_t, acc_hi, is_async=True)
+                acc_hi = warpgroup_mma_wait(num_outstanding=1, deps=[acc_hi])
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=c > 0)
             c += 1
-        acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=[acc_hi, acc_lo])
+        if MMA == 2:
+            acc_hi, acc_lo = warpgroup_mma_wait(num_outstanding=0, deps=[acc_hi, acc_lo])
+        elif MMA == 1:
+            acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=[acc_hi])
         # the epilogue of this tile runs while the loader fills the ring for the next one
         hi_f = gl.convert_layout(acc_hi, OUT_LAYOUT).to(gl.float32)
         lo_f = gl.convert_layout(acc_lo, OUT_LAYOUT).to(gl.float32)
@@ -125,7 +133,7 @@ def _mma_epilogue(xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B
 @gluon.jit
 def gluon_i16_ws_kernel(x_desc, t_ptr, w_desc, s_ptr, o_ptr, B, N, K, stride_ob,
                         BLOCK_P: gl.constexpr, BLOCK_K: gl.constexpr, TILE_N: gl.constexpr,
-                        STAGES: gl.constexpr, HALVES: gl.constexpr, num_warps: gl.constexpr):
+                        STAGES: gl.constexpr, HALVES: gl.constexpr, num_warps: gl.constexpr, MMA: gl.constexpr = 2):
     """Each program takes a contiguous run of the weight's 128-row tiles (`_tile_range`), in units
     of HALVES tiles: one unit each with a grid of ceil(tiles / HALVES), several (persistent) with
     a smaller grid. With
@@ -147,16 +155,16 @@ def gluon_i16_ws_kernel(x_desc, t_ptr, w_desc, s_ptr, o_ptr, B, N, K, stride_ob,
     if HALVES == 1:
         gl.warp_specialize([
             (_mma_epilogue, (xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B, N, K, stride_ob,
-                             BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout, out_layout, 0, 1)),
+                             BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout, out_layout, 0, 1, MMA)),
             (_loader, (x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, N, K, BLOCK_P, BLOCK_K, TILE_N,
                        STAGES, 1)),
         ], [1], [24])
     else:
         gl.warp_specialize([
             (_mma_epilogue, (xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B, N, K, stride_ob,
-                             BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout, out_layout, 0, 2)),
+                             BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout, out_layout, 0, 2, MMA)),
             (_mma_epilogue, (xh_bufs, xl_bufs, w_bufs, ready, empty, t_ptr, s_ptr, o_ptr, B, N, K, stride_ob,
-                             BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout, out_layout, 1, 2)),
+                             BLOCK_P, BLOCK_K, TILE_N, STAGES, acc_layout, out_layout, 1, 2, MMA)),
             (_loader, (x_desc, w_desc, xh_bufs, xl_bufs, w_bufs, ready, empty, N, K, BLOCK_P, BLOCK_K, TILE_N,
                        STAGES, 2)),
         ], [num_warps, 1], [CONSUMER_REGS, 24])
@@ -168,10 +176,11 @@ def shared_layouts(block_p: int = 64):
             gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_K], gl.int8))
 
 
-def make_call(g, x, w_tiled, s, out, stages: int = 3, persistent: bool = False, halves: int = 1):
+def make_call(g, x, w_tiled, s, out, stages: int = 3, persistent: bool = False, halves: int = 1, mma: int = 2):
     """A zero-argument call computing ``out = x @ (w * s).T`` (B <= 64): x's quantizer from
     ``g`` (serve/int8_gemv.py, the module) then this kernel, descriptors built once here; with
-    ``persistent`` one program per SM walks the units; ``halves`` weight tiles per unit."""
+    ``persistent`` one program per SM walks the units; ``halves`` weight tiles per unit; ``mma``
+    below 2 is a probe that drops the low half's (1) or every (0) tensor-core dot: wrong numbers."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -189,12 +198,12 @@ def make_call(g, x, w_tiled, s, out, stages: int = 3, persistent: bool = False, 
     def call():
         g._launch_i16(x, w_tiled, s, out, cfg, block_p, stage="quant_only")
         gluon_i16_ws_kernel[grid](x_desc, t, w_desc, s, out, batch, n, k, out.stride(0), BLOCK_P=block_p,
-                                  BLOCK_K=BLOCK_K, TILE_N=TILE_N, STAGES=stages, HALVES=halves, num_warps=4)
+                                  BLOCK_K=BLOCK_K, TILE_N=TILE_N, STAGES=stages, HALVES=halves, num_warps=4, MMA=mma)
 
     return call
 
 
-def compile_for(cc: int = 90, block_p: int = 64, stages: int = 3, halves: int = 1):
+def compile_for(cc: int = 90, block_p: int = 64, stages: int = 3, halves: int = 1, mma: int = 2):
     """Triton's compiled kernel for compute capability ``cc`` without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -204,7 +213,7 @@ def compile_for(cc: int = 90, block_p: int = 64, stages: int = 3, halves: int = 
     sig = {"x_desc": f"tensordesc<i8[{block_p},{BLOCK_K}],{x_layout!r}>", "t_ptr": "*fp32",
            "w_desc": f"tensordesc<i8[{TILE_N},{BLOCK_K}],{w_layout!r}>", "s_ptr": "*fp32", "o_ptr": "*bf16",
            "B": "i32", "N": "i32", "K": "i32", "stride_ob": "i32"}
-    const = dict(BLOCK_P=block_p, BLOCK_K=BLOCK_K, TILE_N=TILE_N, STAGES=stages, HALVES=halves, num_warps=4)
+    const = dict(BLOCK_P=block_p, BLOCK_K=BLOCK_K, TILE_N=TILE_N, STAGES=stages, HALVES=halves, num_warps=4, MMA=mma)
     sig.update({name: "constexpr" for name in const})
     src = GluonASTSource(gluon_i16_ws_kernel, sig, constexprs=const,
                          attrs={(i,): [["tt.divisibility", 16]] for i in (1, 3, 4, 7, 8)})

@@ -557,6 +557,18 @@ def overlaps(windows: list[tuple[float, float]]) -> tuple[float, list[float | No
     return common, [min(1.0, common / (b - a)) if b > a else None for a, b in windows]
 
 
+def peak_decoding(windows: list[tuple[float, float]]) -> int:
+    """The most streams decoding (between their first and last token) at one moment. A server that
+    batches fewer sequences than the streams sent (vLLM's --max-num-seqs) queues the rest, which
+    start after others end: the peak stays below N. A window ending as another starts is not shared."""
+    events = sorted([(b, -1) for a, b in windows if b > a] + [(a, 1) for a, b in windows if b > a])
+    peak = running = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
 def concurrent_round(streams: list[Stream], timed: list[tuple[RunSample, StreamTimes]],
                      spec: dict | None) -> tuple[list[StreamSample], dict]:
     """The samples of one round of concurrent streams and the round's aggregate."""
@@ -571,6 +583,7 @@ def concurrent_round(streams: list[Stream], timed: list[tuple[RunSample, StreamT
     return samples, {"wall_s": wall, "tokens": tokens, "total_tok_s": tokens / wall if wall > 0 else None,
                      "mean_decode_tok_s": statistics.fmean(decode) if decode else None,
                      "min_decode_tok_s": min(decode) if decode else None, "all_decoding_s": common,
+                     "peak_decoding": peak_decoding([(t.first, t.last) for _, t in timed]),
                      "chunk_steps": sum(s.steps for s in samples), "spec": spec}
 
 
@@ -698,6 +711,7 @@ def _concurrent_report(server: Server, runs: int, max_tokens: int, thinking: boo
                  "spread": {k: [st["min"], st["max"]] if st else None for k, st in stats.items()},
                  "overlap": {"median": statistics.median(o for o, _ in shares) if shares else None,
                              "min": lowest[0] if lowest else None, "min_stream": lowest[1] if lowest else None},
+                 "peak_decoding": max((r.get("peak_decoding", len(streams)) for r in rounds), default=None),
                  "acceptance": server_wide, "acceptance_basis": basis}
     # the useless-drafter warning once, from the counters; streams only where those do not show it
     warnings = report_warnings([{"workload": "all streams", "acceptance": server_wide}]) if server_wide else []
@@ -708,6 +722,12 @@ def _concurrent_report(server: Server, runs: int, max_tokens: int, thinking: boo
                         f"(decode tokens per chunk)")
     if basis and not basis["one_chunk_per_step"]:
         warnings.append(f"per-stream acceptance: {basis['text']}")
+    peak = aggregate["peak_decoding"]
+    if peak is not None and peak < len(streams):
+        warnings.append(f"at most {peak} of the {len(streams)} streams were decoding at once in any round: the "
+                        f"server ran the others after them (a server batching fewer sequences than --concurrency, "
+                        f"vLLM's --max-num-seqs, queues the rest; their TTFTs show the wait), so these figures "
+                        f"are not {len(streams)}-stream speed")
     if lowest and lowest[0] < LOW_OVERLAP:
         warnings.append(f"stream {lowest[1]} decoded only {lowest[0]:.0%} of its window while all {len(streams)} "
                         f"streams were decoding: its tok/s was partly measured with fewer streams running")

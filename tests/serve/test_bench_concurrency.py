@@ -81,13 +81,15 @@ class LockstepNetwork:
     workload's drafter counters, as one server's) and streamed chat completions."""
 
     def __init__(self, hosts: tuple[str, ...], concurrency: int, tick: float = TICK, accepted: dict | None = None,
-                 key: str | None = None, merge: int = 1):
+                 key: str | None = None, merge: int = 1, max_seqs: int | None = None):
         self.clock = Lockstep(tick)
         accepted = accepted or ACCEPTED
         self.engines = {h: {w: Engine(spec_tokens=4, accepted=(accepted[w],)) for w in bench_mod.WORKLOADS}
                         for h in hosts}
         self.arrivals = threading.Barrier(concurrency, timeout=60)
         self.key, self.merge = key, merge  # merge: decode steps per chunk (a server that falls behind)
+        # max_seqs: the sequences the server runs at once (vLLM's --max-num-seqs); the rest wait, a tick at a time
+        self.max_seqs, self.running = max_seqs, 0
         self.lock = threading.Lock()
         self.requests: list[dict] = []  # every request: host, path, Authorization, body
         self.order: list[str] = []
@@ -126,6 +128,12 @@ class LockstepNetwork:
 
     def _stream(self, engine: Engine, n: int):
         sent = pending = 0
+        while self.max_seqs:
+            with self.lock:
+                if self.running < self.max_seqs:
+                    self.running += 1
+                    break
+            self.clock.step()  # queued: time passes, no token
         steps = engine.steps(n)
         for i, (tokens, accepted) in enumerate(steps):
             for _ in range(FIRST_TICKS if i == 0 else 1):
@@ -140,6 +148,8 @@ class LockstepNetwork:
             pending = 0
             yield f"data: {json.dumps(event)}\n".encode()
             yield b"\n"
+        with self.lock:
+            self.running -= 1  # before leaving: a queued stream takes the slot at the next tick
         self.clock.leave()
         yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': sent}})}\n".encode()
         yield b"data: [DONE]\n"
@@ -226,6 +236,34 @@ def test_more_streams_than_workloads_send_different_prompts(monkeypatch):
     for r in report["results"]:
         assert r["decode_tok_s"] == pytest.approx(expected("counting")["decode_tok_s"]) and r["overlap"] == 1.0
     assert not any("decoded only" in w for w in report["warnings"])
+
+
+def test_a_server_running_fewer_sequences_than_streams_is_said_to_queue(monkeypatch):
+    """Found against a real vLLM (the tiny profile's max_num_seqs is 2): with 4 streams, two decode
+    while two wait in the queue. The peak of streams decoding at once is 2 in every round, the
+    report says the figures are not 4-stream speed, and the queued streams' TTFTs show the wait."""
+    lockstep(monkeypatch, concurrency=4, max_seqs=2)
+    report = bench_mod.bench("http://s/v1", runs=2, max_tokens=TOKENS, workloads=["counting"], concurrency=4)
+    assert [r["peak_decoding"] for r in report["rounds"]] == [2, 2]
+    assert report["aggregate"]["peak_decoding"] == 2 and report["aggregate"]["all_decoding_s"] == 0
+    assert any(w.startswith("at most 2 of the 4 streams were decoding at once") for w in report["warnings"])
+    ttfts = sorted(s["ttft_s"] for r in report["results"] for s in r["samples"])
+    steps = expected("counting")["steps"]
+    # two per round first; two after a running stream's last step (FIRST_TICKS + steps ticks), then FIRST_TICKS more
+    assert ttfts[:4] == pytest.approx([FIRST_TICKS * TICK] * 4)
+    assert min(ttfts[4:]) >= (2 * FIRST_TICKS + steps) * TICK - 1e-9
+    # the same server with room for all four: no such warning
+    lockstep(monkeypatch, concurrency=4, max_seqs=4)
+    report = bench_mod.bench("http://s/v1", runs=1, max_tokens=TOKENS, workloads=["counting"], concurrency=4)
+    assert report["aggregate"]["peak_decoding"] == 4
+    assert not any(w.startswith("at most") for w in report["warnings"])
+
+
+def test_peak_decoding_arithmetic():
+    assert bench_mod.peak_decoding([(0.0, 1.0), (0.5, 2.0), (0.25, 0.75)]) == 3
+    assert bench_mod.peak_decoding([(0.0, 1.0), (1.0, 2.0)]) == 1  # one ends as the next starts
+    assert bench_mod.peak_decoding([(0.0, 1.0), (0.5, 0.5)]) == 1  # one token: never decoding
+    assert bench_mod.peak_decoding([]) == 0
 
 
 def test_merged_steps_are_said_to_read_high(monkeypatch):
