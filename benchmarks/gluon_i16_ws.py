@@ -1,24 +1,23 @@
 """A warp-specialized candidate for the head kernel's act="i16" form at B = 33-64 (issue 28),
-written in Gluon (Triton's explicit-layout dialect, triton 3.6's API). NOT measured yet, NOT
-shipped: it exists so that one H200 call can time and check it (`bench_lmhead_gemv.py --gluon`
-runs it against the reference with the i16 bound, at B = 33 / 48 / 64, 2-4 stages, one tile per
-program or persistent), and it compiles on the CPU here:
+written in Gluon (Triton's explicit-layout dialect, triton 3.6's API). Measured, NOT shipped:
+its best variant (two tiles per unit, 4 stages, persistent) ran at 82-85 % of the H200's read
+ceiling, 2-4 % faster than the shipped Triton form and short of 88 % (docs/kernel.md "A
+warp-specialized kernel in Gluon"). `bench_lmhead_gemv.py --gluon` checks every variant against
+the reference with the i16 bound and times it; `probe_gluon_mma.py` drops its dots to see where
+the time goes. It compiles on the CPU here:
 
-    python benchmarks/gluon_i16_ws.py --compile [--stages 3]   # triton 3.6 or 3.9, for sm_90
+    python benchmarks/gluon_i16_ws.py --compile [--stages 4] [--halves 2]   # triton 3.6 or 3.9, sm_90
 
-Why (docs/kernel.md "Where B = 33-64 loses"): in Triton's software pipeline the next TMA loads
-are issued only as the previous wgmma group retires, and the int8 dot of 128 x-rows is about
-half the weight stream's time; here one loader warp owns the loads and runs ahead on a ring of
-STAGES shared-memory slots, each guarded by two mbarriers ("ready": the slot's bytes landed;
-"empty": the MMA warp group has finished reading it), while the default partition (one warp
-group) only waits, issues wgmma and retires it one step behind.
+The idea: in Triton's software pipeline the next TMA loads are issued only as the previous wgmma
+group retires; here one loader warp owns the loads and runs ahead on a ring of STAGES
+shared-memory slots, each guarded by two mbarriers ("ready": the slot's bytes landed; "empty":
+every consumer has finished reading it), while the consumer warp groups only wait, issue wgmma
+and retire it one step behind.
 
 Per tile: 128 weight rows ([N / 128, K / 128, 128, 128], tile_weight's layout, read through a
 descriptor over its [-1, 128] view) against x's high and low halves (P = 64 rows each, the
 quantizer of serve/int8_gemv.py), two accumulators, the epilogue (256 hi + lo) t_b s_n as in
-the Triton form, run by the MMA warp group while the loader already fills the ring for its next
-tile. A program takes one tile, or with a grid of one program per SM (``persistent``) walks
-several, so no tile's start or epilogue leaves the weight stream idle.
+the Triton form, run by its consumer while the loader already fills the ring for the next tile.
 """
 from __future__ import annotations
 
