@@ -93,7 +93,38 @@ def why_not(cmd: str, cwd: Path) -> str | None:
 
 def offline_env(cwd: Path) -> dict:
     # module-scoped: the autouse offline-Hub fixture is not active yet, so the same isolation here
-    return dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(cwd / ".hf_home"), PYTHONUNBUFFERED="1")
+    # (and a generated API key, `serve --host 0.0.0.0`, lands in the test's folder, not the user's)
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(cwd / ".hf_home"), PYTHONUNBUFFERED="1",
+                XDG_STATE_HOME=str(cwd / ".state"))
+
+
+def readme_usage() -> list[str]:
+    """The command lines of README.md's Usage block (comments dropped)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"^## Usage\n.*?```bash\n(.*?)\n```", readme, re.S | re.M)
+    assert block, "README has no Usage block"
+    return [re.sub(r"\s+#.*$", "", ln).strip() for ln in block.group(1).splitlines() if ln.startswith("hybrid-build ")]
+
+
+README_USAGE = readme_usage()
+
+
+def readme_why_not(cmd: str, cwd: Path) -> str | None:
+    """Why a README line cannot run on the demo here: what ``why_not`` says, plus the lines that
+    need a running server or more context than the demo model has."""
+    args = shlex.split(cmd)[1:]
+    if args[0] == "bench":
+        return "measures a running server (bench's --help examples run against the stand-in)"
+    if "--nodes" in args:
+        return "starts vLLM on other machines (its --help examples run with --dry-run on local names)"
+    if "--context" in args:
+        import json
+
+        limit = json.loads((cwd / "int4" / "config.json").read_text())
+        limit = limit.get("text_config", limit).get("max_position_embeddings")
+        if limit and int(args[args.index("--context") + 1]) > limit:
+            return f"a context beyond the demo model's {limit} tokens (the README says so)"
+    return why_not(cmd, cwd)
 
 
 def as_run(cmd: str) -> str:
@@ -165,6 +196,25 @@ def test_example_runs_on_the_demo_output(demo_cwd, request, command, example):
     proc = subprocess.run(["bash", "-c", as_run(example)], cwd=cwd, capture_output=True, text=True, timeout=600,
                           env=offline_env(cwd))
     assert proc.returncode == 0, f"`{example}` (from `{command} --help`) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", README_USAGE)
+def test_readme_usage_runs_on_the_demo_output(demo_cwd, line):
+    """README's Usage block, with ``./int4`` the demo source and ``./hybrid`` a built demo output."""
+    cwd, _ = demo_cwd
+    reason = readme_why_not(line, cwd)
+    if reason:
+        pytest.skip(reason)
+    proc = subprocess.run(["bash", "-c", as_run(line)], cwd=cwd, capture_output=True, text=True, timeout=900,
+                          env=offline_env(cwd))
+    assert proc.returncode == 0, f"`{line}` (README) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+
+
+def test_readme_usage_lines_that_must_run_are_not_skipped(demo_cwd):
+    cwd, _ = demo_cwd
+    runnable = {ln.split()[1] for ln in README_USAGE if readme_why_not(ln, cwd) is None}
+    assert {"plan", "run", "status", "validate", "eval", "serve"} <= runnable, runnable
 
 
 def test_examples_that_must_run_are_not_skipped(demo_cwd):
