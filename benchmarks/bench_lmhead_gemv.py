@@ -191,6 +191,23 @@ def make_problem(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, to
     return w, s, gen
 
 
+def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072):
+    """The probes' command line and setup (probe_lmhead_wide.py, probe_gluon_mma.py): ``--out``,
+    the head's int8 weight, its scales, the tiled weight, the generator and the 4 GiB fp32 sum's
+    bandwidth (GB/s) on this GPU; None (said on stderr) without a CUDA GPU."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    out = ap.parse_args().out
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU", file=sys.stderr)
+        return None
+    dev = torch.device("cuda")
+    w, s, gen = make_problem(n, k, dev)
+    big = torch.randn(2**30, device=dev, dtype=torch.float32, generator=gen)
+    ceiling = big.numel() * 4 / bench_ms(lambda: big.sum()) / 1e6
+    return out, w, s, g.tile_weight(w), gen, ceiling
+
+
 def reference(x, w, s, w32_cache: dict) -> torch.Tensor:
     if "w32" not in w32_cache:
         w32_cache["w32"] = w.float() * s.float()[:, None]

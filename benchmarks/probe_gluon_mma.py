@@ -11,7 +11,6 @@ from power or clocks shows beside the time. Then the same for B = 32 (P = 32: ha
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_i16_ws as gw  # noqa: E402
-from bench_lmhead_gemv import bench_ms, g  # noqa: E402
+from bench_lmhead_gemv import bench_ms, g, probe_setup  # noqa: E402
 
 FIELDS = "clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active"
 
@@ -51,19 +50,12 @@ def sampled(fn, seconds: float = 1.5) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_gluon_mma: needs a CUDA GPU", file=sys.stderr)
+    setup = probe_setup(__doc__, "probe_gluon_mma")
+    if setup is None:
         return 2
-    dev, n, k = torch.device("cuda"), 248320, 3072
-    gen = torch.Generator(device=dev).manual_seed(1234)
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev, generator=gen)
-    s = torch.rand(n, device=dev, generator=gen) * 0.01 + 1e-3
-    wt = g.tile_weight(w)
+    out_path, w, s, wt, gen, ceiling = setup
+    dev, n, k = w.device, *w.shape
     big = torch.randn(2**30, device=dev, dtype=torch.float32, generator=gen)
-    ceiling = big.numel() * 4 / bench_ms(lambda: big.sum()) / 1e6
     idle = sampled(lambda: big.sum(), 1.0)
     del big
     rows = [{"variant": "4 GiB fp32 sum (the ceiling's load)", "us": None, **idle}]
@@ -85,7 +77,7 @@ def main() -> int:
                   f"  SM {row['sm_mhz']} MHz  mem {row['mem_mhz']} MHz  {row['power_w']} W  {row['event_reasons']}",
                   flush=True)
     print(f"ceiling load: SM {idle['sm_mhz']} MHz, {idle['power_w']} W, {idle['event_reasons']}")
-    a.out.write_text(json.dumps({"ceiling_GBps": ceiling, "rows": rows}, indent=1))
+    out_path.write_text(json.dumps({"ceiling_GBps": ceiling, "rows": rows}, indent=1))
     return 0
 
 

@@ -6,7 +6,6 @@ dropped (no dot, loads only, no output store) and with a bf16 weight through the
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -15,24 +14,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lmhead_gemv import bench_ms, g  # noqa: E402
+from bench_lmhead_gemv import bench_ms, g, probe_setup  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("probe_lmhead_wide: needs a CUDA GPU", file=sys.stderr)
+    setup = probe_setup(__doc__, "probe_lmhead_wide")
+    if setup is None:
         return 2
-    dev, n, k = torch.device("cuda"), 248320, 3072
-    gen = torch.Generator(device=dev).manual_seed(1234)
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev, generator=gen)
-    s = torch.rand(n, device=dev, generator=gen) * 0.01 + 1e-3
-    wt = g.tile_weight(w)
-    big = torch.randn(2**30, device=dev, dtype=torch.float32, generator=gen)
-    ceiling = big.numel() * 4 / bench_ms(lambda: big.sum()) / 1e6
-    del big
+    out_path, w, s, wt, gen, ceiling = setup
+    dev, n, k = w.device, *w.shape
     rows = []
     for b in (16, 32, 64):
         cfg = g.config_for(b, dev, torch.bfloat16, tile=g.TILE)
@@ -49,7 +39,7 @@ def main() -> int:
         del w16
         for r in rows[-5:]:
             print(f"B={b:2d} {r['variant']:52s} {r['us']:7.1f} us  {r['frac_ceiling']:6.1%}", flush=True)
-    a.out.write_text(json.dumps({"ceiling_GBps": ceiling, "config": {str(b): g.config_for(b, dev, torch.bfloat16, tile=g.TILE).as_dict() for b in (16, 32, 64)}, "rows": rows}, indent=1))
+    out_path.write_text(json.dumps({"ceiling_GBps": ceiling, "config": {str(b): g.config_for(b, dev, torch.bfloat16, tile=g.TILE).as_dict() for b in (16, 32, 64)}, "rows": rows}, indent=1))
     return 0
 
 
