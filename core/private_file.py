@@ -1,5 +1,5 @@
 """Files only their owner can read, for secrets (a served API's key, a Ray token): written whole or
-not at all, and never over a file that is there already."""
+not at all, and never over a file that is there already; and the rule a secret keeps: one word."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,11 @@ import stat
 from pathlib import Path
 
 from .errors import UserError
+
+
+def is_one_word(secret: str) -> bool:
+    """True when ``secret`` is not empty and holds no whitespace (a key or token is one word)."""
+    return bool(secret) and not any(c.isspace() for c in secret)
 
 
 def write_private(path: Path, text: str) -> bool:

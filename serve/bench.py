@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
-from hybrid_build.core.api_key import REFUSED, bearer, refused
+from hybrid_build.core.api_key import bearer, raise_if_refused
 from hybrid_build.core.errors import ExternalToolError, UserError
 
 log = logging.getLogger(__name__)
@@ -270,8 +270,7 @@ def read_spec_counts(base_url: str, timeout: float = 30.0, api_key: str | None =
         with urllib.request.urlopen(_request(url, api_key), timeout=timeout) as r:
             text = r.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
-        if e.code in REFUSED:
-            raise refused(base_url, e.code, bool(api_key)) from None
+        raise_if_refused(e, base_url, bool(api_key))
         log.debug("%s: HTTP %s, no acceptance figures", url, e.code)
         return None
     except (urllib.error.URLError, OSError) as e:
@@ -329,8 +328,7 @@ def _open(req: urllib.request.Request, timeout: float, base_url: str):
     try:
         return urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as e:
-        if e.code in REFUSED:
-            raise refused(base_url, e.code, req.has_header("Authorization")) from None
+        raise_if_refused(e, base_url, req.has_header("Authorization"))
         try:
             body = e.read().decode("utf-8", "replace").strip().replace("\n", " ")[:300]
         except (OSError, AttributeError, ValueError):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybrid_build.core.api_key import REFUSED, bearer, refused
+from hybrid_build.core.api_key import REFUSED, bearer, raise_if_refused
 from hybrid_build.core.errors import ArtifactError, ExternalToolError
 
 from .engine import LaunchPlan
@@ -143,7 +143,7 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
         except urllib.error.HTTPError as e:
             if e.code in REFUSED:  # up, and refusing us: waiting longer changes nothing
                 server.stop()
-                raise refused(server.plan.base_url, e.code, bool(key), serve_hint(bool(key))) from None
+            raise_if_refused(e, server.plan.base_url, bool(key), serve_hint(bool(key)))
         except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
             pass
         elapsed = time.monotonic() - t0
@@ -166,8 +166,7 @@ def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | 
             "model": model, "messages": [{"role": "user", "content": SMOKE_PROMPT}],
             "max_tokens": 64, "temperature": 0}, timeout=timeout, api_key=api_key)
     except urllib.error.HTTPError as e:
-        if e.code in REFUSED:
-            raise refused(base_url, e.code, bool(api_key), serve_hint(bool(api_key))) from None
+        raise_if_refused(e, base_url, bool(api_key), serve_hint(bool(api_key)))
         raise ArtifactError(f"smoke test: the server answered HTTP {e.code}: {e.read()[:300].decode(errors='replace')}")
     except (urllib.error.URLError, OSError) as e:
         raise ArtifactError(f"smoke test: no answer from {base_url} ({e})")

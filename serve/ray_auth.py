@@ -21,14 +21,13 @@ variable); a file must be its owner's alone (mode 0600).
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.errors import UserError
-from hybrid_build.core.private_file import read_private, write_private
+from hybrid_build.core.private_file import is_one_word, read_private, write_private
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -39,7 +38,6 @@ TOKEN_FILE = "ray-token"
 KEY_FILE = "api-key"  # the served API's key, on a head that is another machine
 CONTAINER_TOKEN = "/run/hybrid-build/ray-token"  # where a docker node's file is mounted, read-only
 MIN_LENGTH = 16
-TOKEN_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: a gRPC metadata value
 
 
 def node_file(kind: str, port: int, node_index: int, local: bool) -> str:
@@ -56,7 +54,8 @@ def auth_env(token_path: str) -> dict[str, str]:
 
 
 def check_token(token: str, what: str) -> str:
-    if not TOKEN_CHARS.fullmatch(token):
+    """``token`` if Ray takes it: one word of printable ASCII (a gRPC metadata value), long enough."""
+    if not (is_one_word(token) and token.isascii() and token.isprintable()):
         raise UserError(f"{what}: the Ray token must be one word of printable ASCII (no spaces)")
     if len(token) < MIN_LENGTH:
         raise UserError(f"{what}: the Ray token has {len(token)} characters; use {MIN_LENGTH} or more "
@@ -119,7 +118,7 @@ def write_node_file(path: Path, secret: str) -> None:
     """Write ``secret`` (a token or a key: one word) to ``path``, readable by its owner only
     (``write_private``). A ``path`` that exists already is left alone: ``UserError`` (another
     cluster on the same Ray port may use it)."""
-    if not secret or any(c.isspace() for c in secret):
+    if not is_one_word(secret):
         raise UserError(f"{path}: a token or key is one word, without spaces")
     if not write_private(path, secret + "\n"):
         raise _exists(path)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from hybrid_build.core.api_key import CLIENT_ENV
 from hybrid_build.core.errors import UserError
-from hybrid_build.core.private_file import read_private, write_private
+from hybrid_build.core.private_file import is_one_word, read_private, write_private
 
 SERVER_ENV = "VLLM_API_KEY"  # what vLLM's OpenAI server reads
 KEY_FILE = "serve-api-key"
@@ -80,13 +80,13 @@ class ApiKey:
 
     def client_hint(self) -> str:
         """How a client sends it."""
-        key = f'"$(cat {shlex.quote(str(self.path))})"' if self.path is not None else "KEY"
+        key = _cat(self.path) if self.path is not None else "KEY"
         return f"clients send it as a Bearer token, e.g. {CLIENT_ENV}={key} hybrid-build verify URL --artifact OUT"
 
     def shell_line(self) -> str:
         """The ``--dry-run`` line that puts the key in the environment, without the key."""
         if self.path is not None:
-            return f'export {SERVER_ENV}="$(cat {shlex.quote(str(self.path))})"'
+            return f"export {SERVER_ENV}={_cat(self.path)}"
         if self.origin == SERVER_ENV:
             return f"# {SERVER_ENV}: this environment's, passed on (not shown)"
         return f"# {SERVER_ENV}: the key given by {self.origin} (not shown)"
@@ -96,10 +96,15 @@ class ApiKey:
                 "pending": self.pending}
 
 
+def _cat(path: Path) -> str:
+    """``"$(cat PATH)"``: the key file's content in a shell line, which shows the path, never the key."""
+    return f'"$(cat {shlex.quote(str(path))})"'
+
+
 def _read_key(path: Path, what: str) -> str:
     """The key in ``path``, a file its owner alone can read (``read_private``), alone on its line."""
     key = read_private(path, what)
-    if not key or any(c.isspace() for c in key):
+    if not is_one_word(key):
         raise UserError(f"{what} {path}: it should hold the key alone, on one line")
     return key
 
@@ -137,7 +142,7 @@ def resolve(host: str, flag: str | None = None, file: Path | None = None, enviro
     if flag is not None and file is not None:
         raise UserError("give the API key once: --api-key or --api-key-file")
     if flag is not None:
-        if not flag.strip() or any(c.isspace() for c in flag):
+        if not is_one_word(flag):
             raise UserError("--api-key: empty, or holds a space")
         return ApiKey(flag, "--api-key")
     if file is not None:

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.api_key import CLIENT_ENV, REFUSED, bearer, refused
+from hybrid_build.core.api_key import CLIENT_ENV, bearer, raise_if_refused
 from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
@@ -285,8 +285,7 @@ def list_models(url: str, timeout: float = 10.0, api_key: str | None = None) -> 
         with urllib.request.urlopen(req, timeout=timeout) as r:
             data = json.loads(r.read().decode())
     except urllib.error.HTTPError as e:
-        if e.code in REFUSED:
-            raise refused(url, e.code, bool(api_key)) from None
+        raise_if_refused(e, url, bool(api_key))
         raise ExternalToolError(f"{url}: GET /models answered HTTP {e.code}: is this an OpenAI-compatible base URL "
                                 f"(ending in /v1)?") from None
     except (urllib.error.URLError, OSError) as e:

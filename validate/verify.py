@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.api_key import REFUSED, bearer, client_key, refused
+from hybrid_build.core.api_key import bearer, client_key, raise_if_refused
 from hybrid_build.core.errors import CannotVerify, HybridBuildError
 from hybrid_build.recipes.schema import VerifySpec
 
@@ -146,8 +146,7 @@ def served_models(base_url: str, api_key: str | None, timeout: float) -> list[st
     try:
         data = _request(url, None, api_key, timeout)
     except urllib.error.HTTPError as e:
-        if e.code in REFUSED:
-            raise refused(base_url, e.code, bool(api_key)) from None
+        raise_if_refused(e, base_url, bool(api_key))
         raise CannotVerify(f"could not verify: {url} answered {_http_detail(e)}") from None
     try:
         return [str(m["id"]) for m in data["data"]]
@@ -199,8 +198,7 @@ def prompt_logprobs(base_url: str, model: str, token_ids: list[int], k: int, api
         try:
             data = _request(url, request_body(protocol, model, token_ids, k), api_key, timeout)
         except urllib.error.HTTPError as e:
-            if e.code in REFUSED:
-                raise refused(base_url, e.code, bool(api_key)) from None
+            raise_if_refused(e, base_url, bool(api_key))
             tried.append(f"{protocol}: {_http_detail(e)}")
             continue
         choices = data.get("choices") if isinstance(data, dict) else None
