@@ -15,8 +15,9 @@ import logging
 import sys
 
 from hybrid_build.core import __version__
-from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error, interrupt_exit_code, stop_on_signals
+from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error
 from hybrid_build.core.errors import HybridBuildError
+from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
 
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {

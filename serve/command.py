@@ -9,9 +9,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, interrupt_exit_code, progress
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.stop_signals import interrupt_exit_code
 
+from . import ray_auth, served_key
 from .engine import GPU_PRESETS
 from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
 
@@ -45,8 +47,9 @@ def register(sub, common) -> None:
     p.add_argument("--api-key", metavar="KEY",
                    help="the key clients must send (Bearer); vLLM gets it as VLLM_API_KEY in its environment. "
                         "Default: --api-key-file, else $VLLM_API_KEY, else beyond loopback one generated into "
-                        "$XDG_STATE_HOME/hybrid-build/serve-api-key (default ~/.local/state/...; 0600; the path is "
-                        "printed, never the key). A flag shows in `ps`: prefer the file or the variable")
+                        f"$XDG_STATE_HOME/{served_key.STATE_FOLDER}/{served_key.KEY_FILE} (default ~/.local/state/...; "
+                        "0600; the path is printed, never the key). A flag shows in `ps`: prefer the file or the "
+                        "variable")
     p.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the API key from FILE (one line; a file of yours, mode 0600)")
     p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
     p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
@@ -70,7 +73,7 @@ def register(sub, common) -> None:
         "several nodes (vLLM on a Ray cluster; docs/multinode.md)",
         "Ray runs with token authentication: a token generated per run (or --ray-token-file,\n"
         "$RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH), handed to each node in a 0600 file under\n"
-        "~/.cache/hybrid-build, never on a command line, and removed when the cluster stops. The Ray\n"
+        f"~/{ray_auth.TOKEN_DIR}, never on a command line, and removed when the cluster stops. The Ray\n"
         "dashboard stays on the head's loopback. vLLM on the head gets the API key (--api-key...) as\n"
         "for one node, in its environment; one is needed where it listens beyond loopback, as on a\n"
         "head that is another machine.")

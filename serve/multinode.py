@@ -42,19 +42,18 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.stop_signals import stop_signals_held
 
 from . import ray_auth
 from .engine import CONTAINER_DRAFTER, CONTAINER_MODEL, CONTAINER_SERVE, LaunchPlan, apply_patches_command
@@ -731,28 +730,6 @@ class Started:
     stop_cmd: Command | None = None
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextmanager
-def _stop_signals_held() -> Iterator[None]:
-    """Hold a stop signal's Python handler back until the block ends: a signal that interrupted
-    ``Popen`` after its fork, or came before the child is listed, would leave a child no teardown
-    knows of (seen: a stand-in vLLM that outlived a SIGTERM). Only the main thread has handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    before = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        if got:
-            signal.raise_signal(got[0])  # now, to the handler that was there
-
-
 class Cluster:
     """What ``bring_up`` started, in order, and the secrets' files it wrote; ``stop`` ends the
     processes last-started first, then removes the files."""
@@ -802,7 +779,7 @@ class Cluster:
         """Start ``cmd`` here (or over ssh); ``secret_env`` goes into its environment, never on a
         command line."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out, _stop_signals_held():
+        with open(log_path, "ab") as out, stop_signals_held():
             # a session of its own: a Ctrl-C in the terminal reaches this process only, which stops
             # the others in order
             proc = subprocess.Popen(cmd.local_argv(self.plan.remote_venv), stdout=out, stderr=subprocess.STDOUT,

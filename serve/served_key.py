@@ -30,7 +30,8 @@ from hybrid_build.core.errors import UserError
 from hybrid_build.core.private_file import is_one_word, read_private, write_private
 
 SERVER_ENV = "VLLM_API_KEY"  # what vLLM's OpenAI server reads
-KEY_FILE = "serve-api-key"
+STATE_FOLDER = "hybrid-build"  # under $XDG_STATE_HOME (default ~/.local/state)
+KEY_FILE = "serve-api-key"  # the generated key, in STATE_FOLDER
 
 
 def is_loopback(host: str) -> bool:
@@ -49,7 +50,7 @@ def state_dir() -> Path:
     ``~/.local/state/hybrid-build``."""
     xdg = os.environ.get("XDG_STATE_HOME", "")
     base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
-    return base / "hybrid-build"
+    return base / STATE_FOLDER
 
 
 @dataclass(frozen=True)

@@ -424,28 +424,6 @@ def test_the_served_key_is_never_shown_and_goes_where_vllm_listens_beyond_loopba
     assert "VLLM_API_KEY" not in mn.child_env() and mn.child_env({"VLLM_API_KEY": key})["VLLM_API_KEY"] == key
 
 
-def test_a_stop_signal_waits_until_a_started_child_is_listed():
-    """``Cluster.start`` holds SIGINT/SIGTERM/SIGHUP back from its ``Popen`` until the child is listed
-    for the teardown; the signal then reaches the handler that was there (a child started in that
-    window once outlived a SIGTERM)."""
-    class Stop(Exception):
-        pass
-
-    def stop(signum, _frame):
-        raise Stop(signum)
-
-    before = signal.signal(signal.SIGTERM, stop)
-    reached = []
-    try:
-        with pytest.raises(Stop):
-            with mn._stop_signals_held():
-                os.kill(os.getpid(), signal.SIGTERM)
-                reached.append("listed")
-        assert reached == ["listed"] and signal.getsignal(signal.SIGTERM) is stop
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
 def test_a_node_address_that_is_not_private_is_refused_without_force(artifact, capsys, monkeypatch):
     def nodes(*ips):
         return [mn.Node(ip if i == 0 else f"u@{ip}", ip, i == 0, i) for i, ip in enumerate(ips)]
