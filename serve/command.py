@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
 from hybrid_build.core.errors import UserError
-from hybrid_build.core.stop_signals import interrupt_exit_code
+from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_held
 
 from . import ray_auth, served_key
 from .engine import GPU_PRESETS
@@ -139,15 +139,18 @@ def run(args: argparse.Namespace) -> int:
             for n in plan.notes:
                 print(f"# {n}")
             if plan.api_key is not None:
-                print(f"# {plan.api_key.describe()}; {plan.api_key.client_hint()}")
+                print(f"# {plan.api_key.announce()}")
         return 0
     check_prerequisites(plan)
     warn_if_untested(plan)  # an untested vLLM still runs: verify checks what it serves
     if plan.api_key is not None and not (args.quiet or args.json):
-        print(f"{plan.api_key.describe()}; {plan.api_key.client_hint()}", flush=True)
+        print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
-    server = start(plan, log_path)
+    server = None
     try:
+        # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
+        with stop_signals_held():
+            server = start(plan, log_path)
         bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
         ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
         bar.close()
@@ -171,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
@@ -246,7 +250,7 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
     check_tools(mplan)
     key = mplan.serve.api_key
     if key is not None and not (args.quiet or args.json):
-        print(f"{key.describe()}; {key.client_hint()}", flush=True)
+        print(key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{mplan.serve.profile}.log")
     say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))
     try:

@@ -84,6 +84,10 @@ class ApiKey:
         key = _cat(self.path) if self.path is not None else "KEY"
         return f"clients send it as a Bearer token, e.g. {CLIENT_ENV}={key} hybrid-build verify URL --artifact OUT"
 
+    def announce(self) -> str:
+        """The line serve prints before starting: where the key is and how a client sends it."""
+        return f"{self.describe()}; {self.client_hint()}"
+
     def shell_line(self) -> str:
         """The ``--dry-run`` line that puts the key in the environment, without the key."""
         if self.path is not None:
