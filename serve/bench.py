@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import re
 import statistics
 import threading
@@ -196,19 +197,27 @@ class SpecCounts:
     accepted_tokens: float
     accepted_per_pos: tuple[float, ...] = ()
 
-    def __sub__(self, other: "SpecCounts") -> "SpecCounts":
+    def _combine(self, other: "SpecCounts", op) -> "SpecCounts":
+        """Field by field; the per-position counts padded with zeros to the longer of the two."""
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         a = self.accepted_per_pos + (0.0,) * (n - len(self.accepted_per_pos))
         b = other.accepted_per_pos + (0.0,) * (n - len(other.accepted_per_pos))
-        return SpecCounts(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                          self.accepted_tokens - other.accepted_tokens, tuple(x - y for x, y in zip(a, b)))
+        return SpecCounts(op(self.drafts, other.drafts), op(self.draft_tokens, other.draft_tokens),
+                          op(self.accepted_tokens, other.accepted_tokens), tuple(op(x, y) for x, y in zip(a, b)))
+
+    def __sub__(self, other: "SpecCounts") -> "SpecCounts":
+        return self._combine(other, operator.sub)
 
     def __add__(self, other: "SpecCounts") -> "SpecCounts":
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        a = self.accepted_per_pos + (0.0,) * (n - len(self.accepted_per_pos))
-        b = other.accepted_per_pos + (0.0,) * (n - len(other.accepted_per_pos))
-        return SpecCounts(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
-                          self.accepted_tokens + other.accepted_tokens, tuple(x + y for x, y in zip(a, b)))
+        return self._combine(other, operator.add)
+
+    @classmethod
+    def total(cls, deltas: list[dict]) -> "SpecCounts":
+        """The sum of counter deltas as reports store them (``"spec"`` of a run or a round)."""
+        out = cls(0, 0, 0)
+        for sp in deltas:
+            out = out + cls(sp["drafts"], sp["draft_tokens"], sp["accepted_tokens"], tuple(sp["accepted_per_pos"]))
+        return out
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
@@ -641,10 +650,7 @@ def summarize(workload: str, samples: list[RunSample]) -> dict:
     acceptance = None
     specs = [s.spec for s in samples]
     if specs and all(sp is not None for sp in specs):
-        total = SpecCounts(0, 0, 0)
-        for sp in specs:
-            total = total + SpecCounts(sp["drafts"], sp["draft_tokens"], sp["accepted_tokens"],
-                                       tuple(sp["accepted_per_pos"]))
+        total = SpecCounts.total(specs)
         if total.drafts > 0:
             acceptance = acceptance_of(total)
             lengths = [1 + sp["accepted_tokens"] / sp["drafts"] for sp in specs if sp["drafts"] > 0]
@@ -683,11 +689,7 @@ def _concurrent_report(server: Server, runs: int, max_tokens: int, thinking: boo
                        samples: dict[str, list[StreamSample]], rounds: list[dict]) -> dict:
     server_wide = basis = draft_len = None
     if rounds and all(r["spec"] is not None for r in rounds):
-        total = SpecCounts(0, 0, 0)
-        for r in rounds:
-            sp = r["spec"]
-            total = total + SpecCounts(sp["drafts"], sp["draft_tokens"], sp["accepted_tokens"],
-                                       tuple(sp["accepted_per_pos"]))
+        total = SpecCounts.total([r["spec"] for r in rounds])
         if total.drafts > 0:
             server_wide = acceptance_of(total)
             draft_len = total.draft_tokens / total.drafts
