@@ -342,7 +342,8 @@ def _open(req: urllib.request.Request, timeout: float, base_url: str):
             body = e.read().decode("utf-8", "replace").strip().replace("\n", " ")[:300]
         except (OSError, AttributeError, ValueError):
             body = ""
-        raise ExternalToolError(f"{url}: HTTP {e.code}" + (f": {body}" if body else "") + _tools_hint(req, e.code))
+        raise ExternalToolError(f"{url}: HTTP {e.code}" + (f": {body}" if body else "")
+                                + _tools_hint(req, e.code)) from e
     except (urllib.error.URLError, OSError) as e:
         raise ExternalToolError(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
 
@@ -711,7 +712,7 @@ def _concurrent_report(server: Server, runs: int, max_tokens: int, thinking: boo
                  "spread": {k: [st["min"], st["max"]] if st else None for k, st in stats.items()},
                  "overlap": {"median": statistics.median(o for o, _ in shares) if shares else None,
                              "min": lowest[0] if lowest else None, "min_stream": lowest[1] if lowest else None},
-                 "peak_decoding": max((r.get("peak_decoding", len(streams)) for r in rounds), default=None),
+                 "peak_decoding": max((r["peak_decoding"] for r in rounds), default=None),
                  "acceptance": server_wide, "acceptance_basis": basis}
     # the useless-drafter warning once, from the counters; streams only where those do not show it
     warnings = report_warnings([{"workload": "all streams", "acceptance": server_wide}]) if server_wide else []

@@ -143,7 +143,7 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
         except urllib.error.HTTPError as e:
             if e.code in REFUSED:  # up, and refusing us: waiting longer changes nothing
                 server.stop()
-            raise_if_refused(e, server.plan.base_url, bool(key), serve_hint(bool(key)))
+                raise_if_refused(e, server.plan.base_url, bool(key), serve_hint(bool(key)))
         except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
             pass
         elapsed = time.monotonic() - t0
