@@ -162,6 +162,9 @@ def bench_server(tmp_path_factory):
     assert len(ports) == 1, ports
     port = ports.pop()
     with socket.socket() as s:
+        # as the stand-in binds (ThreadingHTTPServer reuses the address): an earlier server's
+        # connections in TIME_WAIT do not make the port taken, a listening process does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
