@@ -1,0 +1,111 @@
+"""Where the head kernel's time goes at B = 1-64, and what the board's power limit allows (issue 28).
+
+For each B the shipped kernel (bf16 x) is timed on the benchmark table's uniform int8 weight
+and on a Gaussian head quantized by the tool's own quantizer, then run in a loop while
+`nvidia-smi` samples the SM clock, the power draw and the clock-event reasons
+(probe_gluon_mma.sampled): its energy per call is the median power times the loop's time per
+call. At B = 64 (uniform head) the parts of the call are timed alone: the quantizer of x (a
+separate launch), the dot kernel alone, a write of the logits alone (bytes the read ceiling does
+not count); then the shipped kernel on operands that switch no bits (x all zero, x one constant:
+the same instructions and bytes), and the Gluon candidate with and without its dots. The
+board's power limits (enforced, default, max) are read, not changed.
+
+    python benchmarks/probe_head_power.py --out OUT.json     (a CUDA GPU with Gluon; ~2 min)
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gluon_i16_ws as gw  # noqa: E402
+from bench_lmhead_gemv import bench_ms, g, probe_setup  # noqa: E402
+from probe_gluon_mma import sampled  # noqa: E402
+
+LIMITS = "power.limit,enforced.power.limit,power.default_limit,power.max_limit,clocks.max.sm,clocks.max.mem"
+
+
+def board_limits() -> dict:
+    """The board's power limits and top clocks as nvidia-smi reports them (read only)."""
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={LIMITS}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False).stdout.strip().splitlines()
+    return dict(zip(LIMITS.split(","), (v.strip() for v in out[0].split(",")))) if out else {}
+
+
+def gaussian_head(n: int, k: int, dev, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head of Gaussian rows quantized by the tool's own int8 row quantizer (loaded by path: the
+    GPU machine has the checkout, not the package), in row chunks."""
+    spec = importlib.util.spec_from_file_location("int8_rows", ROOT / "calibration" / "int8_rows.py")
+    rows_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows_mod)
+    q = torch.empty((n, k), dtype=torch.int8, device=dev)
+    sc = torch.empty(n, dtype=torch.float32, device=dev)
+    for r0 in range(0, n, 16384):
+        w = torch.randn(min(16384, n - r0), k, device=dev, generator=gen)
+        q[r0:r0 + w.shape[0]], sc[r0:r0 + w.shape[0]] = rows_mod.quantize_int8_rows(w)
+    return q, sc
+
+
+def timed(name: str, fn, bytes_: int, ceiling: float, **extra) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    ms = bench_ms(fn)
+    row = {"variant": name, "us": ms * 1e3, "frac_ceiling": bytes_ / ms / 1e6 / ceiling, **extra, **sampled(fn)}
+    row["mJ_per_call"] = row["power_w"] * row["loop_us_per_call"] / 1e3 if row["power_w"] else None
+    print(f"{name:44s} {row['us']:7.1f} us {row['frac_ceiling']:6.1%}  SM {row['sm_mhz']} MHz  "
+          f"{row['power_w']} W  {row['mJ_per_call'] or 0:6.1f} mJ  {row['event_reasons']}", flush=True)
+    return row
+
+
+def main() -> int:
+    setup = probe_setup(__doc__, "probe_head_power")
+    if setup is None:
+        return 2
+    out_path, w, s, wt, gen, ceiling = setup
+    dev, n, k = w.device, *w.shape
+    limits = board_limits()
+    print("board:", limits, f"ceiling {ceiling:.0f} GB/s", flush=True)
+    bytes_ = n * k + 4 * n  # what the ceiling counts: int8 weight + fp32 scales
+    rows = []
+    # The table's weight is uniform int8 (every bit switches half the time); a quantized head is
+    # not: the tool's own quantizer (calibration/int8_rows.py) on Gaussian rows gives codes with a
+    # spread of ~27, as a real head's (heavier-tailed, so nearer 0 still) would.
+    wg, sg = gaussian_head(n, k, dev, gen)
+    heads = {"uniform": (wt, s), "gaussian": (g.tile_weight(wg), sg)}
+    del wg
+    for head, (w_h, s_h) in heads.items():
+        for b in (1, 16, 32, 33, 48, 64):
+            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            out = torch.empty((b, n), device=dev, dtype=torch.bfloat16)
+            rows.append(timed(f"B={b} shipped, {head} head", lambda: g.int8_linear(x, w_h, s_h, out=out),
+                              bytes_, ceiling, B=b, head=head))
+        rows.append(timed(f"B=64 gluon pair 4 stages, {head} head", gw.make_call(g, x, w_h, s_h, out, 4, True, 2),
+                          bytes_, ceiling, B=64, head=head))
+    # B = 64 in parts (same x and out as the last row)
+    cfg = g.config_for(64, dev, torch.bfloat16, tile=tuple(wt.shape[2:]))
+    rows.append(timed("B=64 quantizer of x alone", lambda: g._launch(x, wt, s, out, cfg, stage="quant_only"),
+                      bytes_, ceiling, B=64))
+    rows.append(timed("B=64 dot kernel alone", lambda: g._launch(x, wt, s, out, cfg, stage="dot_only"),
+                      bytes_, ceiling, B=64))
+    rows.append(timed("B=64 logits write alone (out.zero_())", out.zero_, bytes_, ceiling, B=64,
+                      out_bytes=out.numel() * out.element_size()))
+    # The same instructions and bytes with other operand values: the tensor cores' power depends
+    # on how many bits their operands switch, their time here (the limiter's) should follow it.
+    for what, xv in (("x all zero", torch.zeros_like(x)), ("x one constant", torch.full_like(x, 0.5))):
+        rows.append(timed(f"B=64 shipped, {what}", lambda xv=xv: g.int8_linear(xv, wt, s, out=out), bytes_, ceiling,
+                          B=64))
+    for mma, what in ((2, "hi + lo dots"), (0, "no dot (probe)")):
+        rows.append(timed(f"B=64 gluon pair 4 stages, {what}", gw.make_call(g, x, wt, s, out, 4, True, 2, mma=mma),
+                          bytes_, ceiling, B=64))
+    out_path.write_text(json.dumps({"ceiling_GBps": ceiling, "board": limits, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
