@@ -184,14 +184,38 @@ def check(out: torch.Tensor, x, w, s, ref32: torch.Tensor, act: str = "native") 
             "argmax_equal": tied_ok}
 
 
-def make_problem(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+HEADS = ("uniform", "gaussian")
+
+
+def make_problem(n: int, k: int, device, head: str = "uniform") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's int8 weight [n, k], its fp32 row scales and the generator for what follows.
+
+    "uniform": codes uniform in [-127, 127], the tables' weight since issue 17: every bit of
+    every byte switches half the time, a worst case for the tensor cores' power. "gaussian":
+    Gaussian rows through the tool's own quantizer (calibration/int8_rows.py, loaded by path:
+    the GPU machine has the checkout, not the package), as `run` quantizes a real head: codes
+    with a standard deviation of ~34 at K = 3,072 (a real head's, heavier-tailed, sit nearer 0 still)."""
     gen = torch.Generator(device=device).manual_seed(1234)
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
-    s = (torch.rand(n, device=device, generator=gen) + 0.5) * (0.05 / 127)
+    if head == "uniform":
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=gen)
+        s = (torch.rand(n, device=device, generator=gen) + 0.5) * (0.05 / 127)
+        return w, s, gen
+    if head != "gaussian":
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    path = Path(__file__).resolve().parents[1] / "calibration" / "int8_rows.py"
+    spec = importlib.util.spec_from_file_location("int8_rows", path)
+    rows_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows_mod)
+    w = torch.empty((n, k), dtype=torch.int8, device=device)
+    s = torch.empty(n, dtype=torch.float32, device=device)
+    for r0 in range(0, n, 16384):
+        r1 = min(n, r0 + 16384)
+        w[r0:r1], s[r0:r1] = rows_mod.quantize_int8_rows(
+            torch.randn(r1 - r0, k, device=device, generator=gen) * 0.02)
     return w, s, gen
 
 
-def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072):
+def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072, head: str = "uniform"):
     """The probes' command line and setup (probe_lmhead_wide.py, probe_gluon_mma.py): ``--out``,
     the head's int8 weight, its scales, the tiled weight, the generator and the 4 GiB fp32 sum's
     bandwidth (GB/s) on this GPU; None (said on stderr) without a CUDA GPU."""
@@ -202,7 +226,7 @@ def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072):
         print(f"{name}: needs a CUDA GPU", file=sys.stderr)
         return None
     dev = torch.device("cuda")
-    w, s, gen = make_problem(n, k, dev)
+    w, s, gen = make_problem(n, k, dev, head)
     big = torch.randn(2**30, device=dev, dtype=torch.float32, generator=gen)
     ceiling = big.numel() * 4 / bench_ms(lambda: big.sum()) / 1e6
     return out, w, s, g.tile_weight(w), gen, ceiling
@@ -328,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon", action="store_true",
                     help="also time and check the warp-specialized Gluon candidate (benchmarks/gluon_i16_ws.py) "
                          "at B = 33 / 48 / 64, 2-4 stages, one tile per program or persistent")
+    ap.add_argument("--head", choices=HEADS, default="uniform",
+                    help="the weight's codes: uniform int8 (the tables' worst case for power) or Gaussian rows "
+                         "through the tool's quantizer (as a real head); see make_problem")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run every step on the CPU under TRITON_INTERPRET=1 at --n/--k (checks the script only)")
     args = ap.parse_args(argv)
@@ -369,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
     t0 = time.time()
-    w, s, gen = make_problem(n, k, dev)
+    w, s, gen = make_problem(n, k, dev, args.head)
+    result["head"] = args.head
     w32_cache: dict = {}
 
     # Read bandwidth: the sum of a 2 GiB bf16 tensor (docs/kernel.md's first ceiling), and of a

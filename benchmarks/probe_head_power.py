@@ -14,7 +14,6 @@ board's power limits (enforced, default, max) are read, not changed.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_i16_ws as gw  # noqa: E402
-from bench_lmhead_gemv import bench_ms, g, probe_setup  # noqa: E402
+from bench_lmhead_gemv import bench_ms, g, make_problem, probe_setup  # noqa: E402
 from probe_gluon_mma import sampled  # noqa: E402
 
 LIMITS = "power.limit,enforced.power.limit,power.default_limit,power.max_limit,clocks.max.sm,clocks.max.mem"
@@ -36,20 +34,6 @@ def board_limits() -> dict:
     out = subprocess.run(["nvidia-smi", f"--query-gpu={LIMITS}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=False).stdout.strip().splitlines()
     return dict(zip(LIMITS.split(","), (v.strip() for v in out[0].split(",")))) if out else {}
-
-
-def gaussian_head(n: int, k: int, dev, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """A head of Gaussian rows quantized by the tool's own int8 row quantizer (loaded by path: the
-    GPU machine has the checkout, not the package), in row chunks."""
-    spec = importlib.util.spec_from_file_location("int8_rows", ROOT / "calibration" / "int8_rows.py")
-    rows_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rows_mod)
-    q = torch.empty((n, k), dtype=torch.int8, device=dev)
-    sc = torch.empty(n, dtype=torch.float32, device=dev)
-    for r0 in range(0, n, 16384):
-        w = torch.randn(min(16384, n - r0), k, device=dev, generator=gen)
-        q[r0:r0 + w.shape[0]], sc[r0:r0 + w.shape[0]] = rows_mod.quantize_int8_rows(w)
-    return q, sc
 
 
 def timed(name: str, fn, bytes_: int, ceiling: float, **extra) -> dict:
@@ -73,10 +57,8 @@ def main() -> int:
     print("board:", limits, f"ceiling {ceiling:.0f} GB/s", flush=True)
     bytes_ = n * k + 4 * n  # what the ceiling counts: int8 weight + fp32 scales
     rows = []
-    # The table's weight is uniform int8 (every bit switches half the time); a quantized head is
-    # not: the tool's own quantizer (calibration/int8_rows.py) on Gaussian rows gives codes with a
-    # spread of ~27, as a real head's (heavier-tailed, so nearer 0 still) would.
-    wg, sg = gaussian_head(n, k, dev, gen)
+    # the tables' uniform codes, and Gaussian rows through the tool's quantizer (make_problem)
+    wg, sg, _ = make_problem(n, k, dev, "gaussian")
     heads = {"uniform": (wt, s), "gaussian": (g.tile_weight(wg), sg)}
     del wg
     for head, (w_h, s_h) in heads.items():

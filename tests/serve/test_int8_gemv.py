@@ -451,6 +451,15 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     assert [(r["dtype"], r["B"]) for r in res["ab_b16"]] == [(d, b) for d in ("bfloat16", "float16") for b in (1, 13)]
     assert all(r["control"]["ratio_to_control"] == 1.0 for r in res["ab_b16"])
     assert all(c["within_bound"] for r in res["ab_b16"] for c in r["checks_B16"].values())
+    # the Gaussian head (the tool's own quantizer on Gaussian rows): every row reaches +-127, as
+    # the absmax quantizer makes it, and the kernel meets the bound on it too
+    w, s, _ = bench.make_problem(96, 64, torch.device("cpu"), "gaussian")
+    assert torch.equal(w.abs().amax(dim=1), torch.full((96,), 127, dtype=torch.int8)) and w.float().std() < 64
+    assert bench.main(["--cpu-smoke", "--n", "96", "--k", "64", "--batches", "40", "--dtypes", "bf16",
+                       "--head", "gaussian", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["head"] == "gaussian" and [r["B"] for r in res["table"]] == [40]
+    assert all(r["check"]["within_bound"] and r["check"]["argmax_equal"] for r in res["table"])
 
 
 def test_swapped_config_runs_one_dot():
