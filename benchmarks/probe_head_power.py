@@ -5,10 +5,10 @@ and on a Gaussian head quantized by the tool's own quantizer, then run in a loop
 `nvidia-smi` samples the SM clock, the power draw and the clock-event reasons
 (probe_gluon_mma.sampled): its energy per call is the median power times the loop's time per
 call. At B = 64 (uniform head) the parts of the call are timed alone: the quantizer of x (a
-separate launch), the dot kernel alone, a write of the logits alone (bytes the read ceiling does
-not count); then the shipped kernel on operands that switch no bits (x all zero, x one constant:
-the same instructions and bytes), and the Gluon candidate with and without its dots. The
-board's power limits (enforced, default, max) are read, not changed.
+separate launch) and the dot kernel alone; then the shipped kernel on operands that switch no bits (x all zero, x one constant:
+the same instructions and bytes); and at B = 33, 48, 64 the Gluon candidate with both dots, the
+high half's only and none, beside a write of the logits alone (bytes the read ceiling does not
+count). The board's power limits (enforced, default, max) are read, not changed.
 
     python benchmarks/probe_head_power.py --out OUT.json     (a CUDA GPU with Gluon; ~2 min)
 """
@@ -75,16 +75,21 @@ def main() -> int:
                       bytes_, ceiling, B=64))
     rows.append(timed("B=64 dot kernel alone", lambda: g._launch(x, wt, s, out, cfg, stage="dot_only"),
                       bytes_, ceiling, B=64))
-    rows.append(timed("B=64 logits write alone (out.zero_())", out.zero_, bytes_, ceiling, B=64,
-                      out_bytes=out.numel() * out.element_size()))
     # The same instructions and bytes with other operand values: the tensor cores' power depends
     # on how many bits their operands switch, their time here (the limiter's) should follow it.
     for what, xv in (("x all zero", torch.zeros_like(x)), ("x one constant", torch.full_like(x, 0.5))):
         rows.append(timed(f"B=64 shipped, {what}", lambda xv=xv: g.int8_linear(xv, wt, s, out=out), bytes_, ceiling,
                           B=64))
-    for mma, what in ((2, "hi + lo dots"), (0, "no dot (probe)")):
-        rows.append(timed(f"B=64 gluon pair 4 stages, {what}", gw.make_call(g, x, wt, s, out, 4, True, 2, mma=mma),
-                          bytes_, ceiling, B=64))
+    # What the dots cost at each B of 33-64: the Gluon candidate with both, the high half's only,
+    # none (the probes give wrong numbers and are only timed), next to a write of the logits alone.
+    for b in (33, 48, 64):
+        x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=gen)
+        out = torch.empty((b, n), device=dev, dtype=torch.bfloat16)
+        for mma, what in ((2, "hi + lo dots"), (1, "hi dot only (probe)"), (0, "no dot (probe)")):
+            rows.append(timed(f"B={b} gluon pair 4 stages, {what}", gw.make_call(g, x, wt, s, out, 4, True, 2, mma=mma),
+                              bytes_, ceiling, B=b, mma=mma))
+        rows.append(timed(f"B={b} logits write alone (out.zero_())", out.zero_, bytes_, ceiling, B=b,
+                          out_bytes=out.numel() * out.element_size()))
     out_path.write_text(json.dumps({"ceiling_GBps": ceiling, "board": limits, "rows": rows}, indent=1))
     return 0
 
