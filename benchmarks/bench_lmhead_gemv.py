@@ -215,18 +215,19 @@ def make_problem(n: int, k: int, device, head: str = "uniform") -> tuple[torch.T
     return w, s, gen
 
 
-def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072, head: str = "uniform"):
-    """The probes' command line and setup (probe_lmhead_wide.py, probe_gluon_mma.py): ``--out``,
+def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072):
+    """The probes' command line and setup (probe_lmhead_wide.py, probe_gluon_mma.py,
+    probe_head_power.py): ``--out``,
     the head's int8 weight, its scales, the tiled weight, the generator and the 4 GiB fp32 sum's
-    bandwidth (GB/s) on this GPU; None (said on stderr) without a CUDA GPU."""
+    bandwidth (GB/s) on this GPU. Without a CUDA GPU it says so on stderr and exits with 2."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     out = ap.parse_args().out
     if not torch.cuda.is_available():
         print(f"{name}: needs a CUDA GPU", file=sys.stderr)
-        return None
+        raise SystemExit(2)
     dev = torch.device("cuda")
-    w, s, gen = make_problem(n, k, dev, head)
+    w, s, gen = make_problem(n, k, dev)
     big = torch.randn(2**30, device=dev, dtype=torch.float32, generator=gen)
     ceiling = big.numel() * 4 / bench_ms(lambda: big.sum()) / 1e6
     return out, w, s, g.tile_weight(w), gen, ceiling

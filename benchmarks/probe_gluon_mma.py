@@ -50,10 +50,7 @@ def sampled(fn, seconds: float = 1.5) -> dict:
 
 
 def main() -> int:
-    setup = probe_setup(__doc__, "probe_gluon_mma")
-    if setup is None:
-        return 2
-    out_path, w, s, wt, gen, ceiling = setup
+    out_path, w, s, wt, gen, ceiling = probe_setup(__doc__, "probe_gluon_mma")
     dev, n, k = w.device, *w.shape
     big = torch.randn(2**30, device=dev, dtype=torch.float32, generator=gen)
     idle = sampled(lambda: big.sum(), 1.0)

@@ -48,10 +48,7 @@ def timed(name: str, fn, bytes_: int, ceiling: float, **extra) -> dict:
 
 
 def main() -> int:
-    setup = probe_setup(__doc__, "probe_head_power")
-    if setup is None:
-        return 2
-    out_path, w, s, wt, gen, ceiling = setup
+    out_path, w, s, wt, gen, ceiling = probe_setup(__doc__, "probe_head_power")
     dev, n, k = w.device, *w.shape
     limits = board_limits()
     print("board:", limits, f"ceiling {ceiling:.0f} GB/s", flush=True)

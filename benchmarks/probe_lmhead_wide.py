@@ -18,10 +18,7 @@ from bench_lmhead_gemv import bench_ms, g, probe_setup  # noqa: E402
 
 
 def main() -> int:
-    setup = probe_setup(__doc__, "probe_lmhead_wide")
-    if setup is None:
-        return 2
-    out_path, w, s, wt, gen, ceiling = setup
+    out_path, w, s, wt, gen, ceiling = probe_setup(__doc__, "probe_lmhead_wide")
     dev, n, k = w.device, *w.shape
     rows = []
     for b in (16, 32, 64):
