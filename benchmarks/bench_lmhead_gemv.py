@@ -217,9 +217,8 @@ def make_problem(n: int, k: int, device, head: str = "uniform") -> tuple[torch.T
 
 def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072):
     """The probes' command line and setup (probe_lmhead_wide.py, probe_gluon_mma.py,
-    probe_head_power.py): ``--out``,
-    the head's int8 weight, its scales, the tiled weight, the generator and the 4 GiB fp32 sum's
-    bandwidth (GB/s) on this GPU. Without a CUDA GPU it says so on stderr and exits with 2."""
+    probe_head_power.py): ``--out``, the head's int8 weight, its scales, the tiled weight, the
+    generator and the 4 GiB fp32 sum's bandwidth (GB/s) on this GPU. Without a CUDA GPU it says so on stderr and exits with 2."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     out = ap.parse_args().out
