@@ -5,10 +5,11 @@ and on a Gaussian head quantized by the tool's own quantizer, then run in a loop
 `nvidia-smi` samples the SM clock, the power draw and the clock-event reasons
 (probe_gluon_mma.sampled): its energy per call is the median power times the loop's time per
 call. At B = 64 (uniform head) the parts of the call are timed alone: the quantizer of x (a
-separate launch) and the dot kernel alone; then the shipped kernel on operands that switch no bits (x all zero, x one constant:
-the same instructions and bytes); and at B = 33, 48, 64 the Gluon candidate with both dots, the
-high half's only and none, beside a write of the logits alone (bytes the read ceiling does not
-count). The board's power limits (enforced, default, max) are read, not changed.
+separate launch) and the dot kernel alone; then the shipped kernel on operands that switch no
+bits (x all zero, x one constant: the same instructions and bytes); and at B = 33, 48, 64 the
+Gluon candidate with both dots, the high half's only and none, beside a write of the logits
+alone (bytes the read ceiling does not count). The board's power limits (enforced, default,
+max) are read, not changed. docs/kernel.md "The budget at B = 33-64" reads the results.
 
     python benchmarks/probe_head_power.py --out OUT.json     (a CUDA GPU with Gluon; ~2 min)
 """
@@ -72,8 +73,8 @@ def main() -> int:
                       bytes_, ceiling, B=64))
     rows.append(timed("B=64 dot kernel alone", lambda: g._launch(x, wt, s, out, cfg, stage="dot_only"),
                       bytes_, ceiling, B=64))
-    # The same instructions and bytes with other operand values: the tensor cores' power depends
-    # on how many bits their operands switch, their time here (the limiter's) should follow it.
+    # The same instructions and bytes with other operand values: the tensor cores' power depends on
+    # how many operand bits switch, so a kernel bound by the power limiter speeds up on these.
     for what, xv in (("x all zero", torch.zeros_like(x)), ("x one constant", torch.full_like(x, 0.5))):
         rows.append(timed(f"B=64 shipped, {what}", lambda xv=xv: g.int8_linear(xv, wt, s, out=out), bytes_, ceiling,
                           B=64))
