@@ -3,8 +3,8 @@
 For the lm-head shape [N=248320, K=3072], each batch B and each activation dtype (bf16, fp16)
 it reports the time of what ships (``config_for`` on the weight tiled by ``tile_weight``), the
 bytes it must move over that time (GB/s), the ratio to the read bandwidth measured in the same run
-(a 2 GiB bf16 sum), the weight bytes over the time against the 4 GiB fp32 sum (issue 17's ceiling:
-the goal is >= 90 % for every B <= 16), and the speed-up over ``torch.nn.functional.linear`` of the
+(a 2 GiB bf16 sum), the weight bytes over the time against the 4 GiB fp32 sum (the ceiling
+docs/kernel.md measures against), and the speed-up over ``torch.nn.functional.linear`` of the
 dequantized weight in the same dtype. Every timed variant is first checked against the
 dequantized fp32 reference (max error within the fp32 accumulation + output rounding bound,
 argmax equal), and every dequant mode in both dtypes and both weight layouts on odd shapes.
@@ -13,7 +13,7 @@ dequant variants and stage-drop variants; ``--ab`` times, at B = 1..16 and in ea
 row-major weight with its table (the kernel before the tiled layout) against the tiled weight with
 its table, in interleaved rounds. Writes one JSON file.
 
-    python benchmarks/bench_lmhead_gemv.py --sweep --ab --out benchmarks/results/lmhead_gemv_h200.json
+    python benchmarks/bench_lmhead_gemv.py --sweep --ab --out OUT.json
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ BATCHES = (1, 2, 4, 8, 13, 16, 24, 32, 48, 64)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Candidates per table class (the largest batch of the class; the sweep times each at that B):
 # (weight layout, config). "rows" is the row-major [N, K] weight, "tiled" the weight stored by
-# tile_weight() in the config's tile. Earlier sweeps and probes on the same H200 (docs/kernel.md,
-# benchmarks/results/lmhead_gemv_h200_issue17*.json) dropped what lost everywhere: other hints, x
+# tile_weight() in the config's tile. Earlier sweeps and probes on the same H200 (lab/kernel_history.md,
+# lab/results/lmhead_gemv_h200_*.json) dropped what lost everywhere: other hints, x
 # through L1, 64 KB tiles, 256-row tiles, persistent grids. The first candidate of each class is
 # the row-major table's entry (the control), the second the tiled table's (what ships).
 def _candidates() -> dict[int, list[tuple[str, object]]]:
@@ -62,7 +62,7 @@ def _candidates() -> dict[int, list[tuple[str, object]]]:
         ("tiled", G(128, 128, 4, 4, block_m=16, o_evict="evict_last")),
         ("tiled", G(128, 256, 4, 3, block_m=16, o_evict="evict_last")),
     ]
-    # B = 17-64 (issue 28: >= 88 % of the ceiling at every B <= 64): at these batches mma.sync runs
+    # B = 17-64 (the aim: >= 88 % of the ceiling at every B <= 64): at these batches mma.sync runs
     # out of tensor-core rate (B = 64 needs ~150 us of it against a ~200 us budget), so the
     # candidates are wgmma shapes: x as the left operand with the weight staged through shared
     # memory (block_m 64, also padding B = 17-32 to 64), or the weight as the left operand from
@@ -83,7 +83,7 @@ def _candidates() -> dict[int, list[tuple[str, object]]]:
     # 3-5 stages, x's rows on either side of the dot.
     # tma: both tiles through the Tensor Memory Accelerator; split: the high and low halves of x
     # as two dots with their own accumulators (an element-wise epilogue). The H200 runs of
-    # 2026-12-01 (benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json) dropped 4 / 5
+    # 2026-12-01 (lab/results/lmhead_gemv_h200_i16_sweep*.json) dropped 4 / 5
     # stages, 8 warps on one tile, two tiles per program (block_n 256, 4 or 8 warps, x's L2 reads
     # halved: no faster), L2 hints, and Triton's warp specialization (fails to compile with 4 warps,
     # slower with 8).
@@ -108,7 +108,7 @@ def _candidates() -> dict[int, list[tuple[str, object]]]:
 
 
 SWEEP = _candidates()
-# --ab: the B <= 16 question (issue 17: >= 90 % of the read ceiling for every B <= 16), the
+# --ab: the B <= 16 question (>= 90 % of the read ceiling for every B <= 16?), the
 # configs compared in interleaved rounds at each of these batches.
 AB_BATCHES = (1, 4, 8, 9, 12, 13, 16)
 U32 = 2.0**-24  # fp32 unit roundoff
@@ -190,7 +190,7 @@ HEADS = ("uniform", "gaussian")
 def make_problem(n: int, k: int, device, head: str = "uniform") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The head's int8 weight [n, k], its fp32 row scales and the generator for what follows.
 
-    "uniform": codes uniform in [-127, 127], the tables' weight since issue 17: every bit of
+    "uniform": codes uniform in [-127, 127], the tables' weight: every bit of
     every byte switches half the time, a worst case for the tensor cores' power. "gaussian":
     Gaussian rows through the tool's own quantizer (calibration/int8_rows.py, loaded by path:
     the GPU machine has the checkout, not the package), as `run` quantizes a real head: codes
@@ -213,23 +213,6 @@ def make_problem(n: int, k: int, device, head: str = "uniform") -> tuple[torch.T
         w[r0:r1], s[r0:r1] = rows_mod.quantize_int8_rows(
             torch.randn(r1 - r0, k, device=device, generator=gen) * 0.02)
     return w, s, gen
-
-
-def probe_setup(doc: str, name: str, n: int = 248320, k: int = 3072):
-    """The probes' command line and setup (probe_lmhead_wide.py, probe_gluon_mma.py,
-    probe_head_power.py): ``--out``, the head's int8 weight, its scales, the tiled weight, the
-    generator and the 4 GiB fp32 sum's bandwidth (GB/s) on this GPU. Without a CUDA GPU it says so on stderr and exits with 2."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    out = ap.parse_args().out
-    if not torch.cuda.is_available():
-        print(f"{name}: needs a CUDA GPU", file=sys.stderr)
-        raise SystemExit(2)
-    dev = torch.device("cuda")
-    w, s, gen = make_problem(n, k, dev)
-    big = torch.randn(2**30, device=dev, dtype=torch.float32, generator=gen)
-    ceiling = big.numel() * 4 / bench_ms(lambda: big.sum()) / 1e6
-    return out, w, s, g.tile_weight(w), gen, ceiling
 
 
 def reference(x, w, s, w32_cache: dict) -> torch.Tensor:
@@ -280,55 +263,6 @@ def graph_ms(fn) -> float | None:
     return bench_ms(graph.replay)
 
 
-# (stages, persistent grid, weight tiles per unit): one tile per unit fits 6 stages in shared
-# memory (200 KiB), two tiles 4 (208 KiB). Run 11's first calls timed 2-6 stages with programs
-# striding over the units (best: 6 stages, persistent); each program now takes a contiguous run.
-GLUON_CANDIDATES = ((5, True, 1), (6, True, 1), (3, True, 2), (4, True, 2), (4, False, 2))
-
-
-def run_gluon(dev, w, s, dtypes, gen, w32_cache, frac_ceiling) -> dict:
-    """The Gluon candidate (benchmarks/gluon_i16_ws.py): each B and stage count checked against
-    the reference with the i16 bound, then timed (plain and from a CUDA graph); or why it could
-    not run (no GPU, a Triton without that Gluon API)."""
-    if SMOKE:
-        return {"not_run": "CPU smoke run (Gluon has no interpreter)"}
-    try:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import gluon_i16_ws as gw
-    except Exception as exc:
-        return {"not_run": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    rows = []
-    w_t = g.tile_weight(w)
-    k = w.shape[1]
-    for dtype in dtypes:
-        for b in (33, 48, 64):
-            x = torch.randn(b, k, device=dev, dtype=dtype, generator=gen)
-            for stages, persistent, halves in GLUON_CANDIDATES:
-                out = torch.full((b, w.shape[0]), float("nan"), device=dev, dtype=dtype)
-                rec = {"B": b, "dtype": str(dtype)[6:], "stages": stages, "persistent": persistent,
-                       "halves": halves}
-                try:
-                    call = gw.make_call(g, x, w_t, s, out, stages, persistent, halves)
-                    call()
-                    torch.cuda.synchronize()
-                except Exception as exc:
-                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    rows.append(rec)
-                    log(f"gluon B={b} {rec['dtype']} stages={stages} persistent={persistent} halves={halves}: "
-                        f"{rec['error']}")
-                    continue
-                rec["check"] = check(out, x, w, s, reference(x, w, s, w32_cache), "i16")
-                if rec["check"]["within_bound"]:
-                    rec["ms"] = bench_ms(call)
-                    rec["graph_ms"] = graph_ms(call)
-                    rec["frac_ceiling"] = frac_ceiling(rec["ms"])
-                rows.append(rec)
-                log(f"gluon B={b} {rec['dtype']} stages={stages} persistent={persistent} halves={halves}: "
-                    f"within bound {rec['check']['within_bound']} "
-                    f"{rec.get('ms', 0) * 1e3:.1f} us ({rec.get('frac_ceiling', 0):.1%})")
-    return {"rows": rows}
-
-
 def median(v: list[float]) -> float:
     v = sorted(v)
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
@@ -349,9 +283,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-from-sweep", action="store_true",
                     help="the table times the sweep's fastest tiled config per swept class (what a table edit "
                          "would ship) instead of config_for's")
-    ap.add_argument("--gluon", action="store_true",
-                    help="also time and check the warp-specialized Gluon candidate (benchmarks/gluon_i16_ws.py) "
-                         "at B = 33 / 48 / 64, 2-4 stages, one tile per program or persistent")
     ap.add_argument("--head", choices=HEADS, default="uniform",
                     help="the weight's codes: uniform int8 (the tables' worst case for power) or Gaussian rows "
                          "through the tool's quantizer (as a real head); see make_problem")
@@ -387,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                   "replayed from a CUDA graph (no host work between its kernels)",
         "metrics": "GBps: weight + scales + x + output bytes over the time; frac_read_bw: that over the 2 GiB "
                    "bf16 sum; frac_ceiling: the int8 weight and its scales over the time, over the larger of "
-                   "the 4 GiB fp32 sum and the 2 GiB bf16 sum (issue 28's metric and ceiling: the goal is "
+                   "the 4 GiB fp32 sum and the 2 GiB bf16 sum (docs/kernel.md's metric and ceiling: the aim is "
                    ">= 0.88 at every B <= 64 and >= 0.90 for B <= 16)",
     }
 
@@ -401,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     w32_cache: dict = {}
 
     # Read bandwidth: the sum of a 2 GiB bf16 tensor (docs/kernel.md's first ceiling), and of a
-    # 4 GiB fp32 tensor (the ceiling issue 17 measured, 4,426 GB/s); one read, a negligible write.
+    # 4 GiB fp32 tensor (the ceiling docs/kernel.md uses, 4,426 GB/s); one read, a negligible write.
     big = torch.randn(2**30 if not SMOKE else 2**16, device=dev, dtype=torch.bfloat16, generator=gen)
     t_sum = bench_ms(lambda: big.sum(dtype=torch.float32))
     read_gbs = big.numel() * 2 / t_sum / 1e6
@@ -411,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ceiling_gbs = big_gbs32 = big.numel() * 4 / t_sum32 / 1e6
     del big
     t_sum_w = bench_ms(lambda: w.sum(dtype=torch.int32))
-    # Issue 28's ceiling: the larger of the two sums, measured here.
+    # The ceiling: the larger of the two sums, measured here.
     ceiling_gbs = max(ceiling_gbs, read_gbs)
     result["read_bandwidth"] = {"bf16_sum_2GiB_GBps": read_gbs, "ms": t_sum, "fp32_sum_4GiB_GBps": big_gbs32,
                                 "ceiling_GBps": ceiling_gbs, "int8_weight_sum_GBps": w.numel() / t_sum_w / 1e6}
@@ -505,10 +436,6 @@ def main(argv: list[str] | None = None) -> int:
         for d in diag:
             log(f"diag {d['variant']:28s} {d.get('ms', d.get('error'))} ms  {d.get('GBps', 0):.0f} GB/s")
         result["diagnostics_B16"] = diag
-        save()
-
-    if args.gluon:
-        result["gluon_i16_ws"] = run_gluon(dev, w, s, dtypes, gen, w32_cache, frac_ceiling)
         save()
 
     # Odd shapes through the kernel (masking, K tail, batch chunking past 64), every dequant mode,

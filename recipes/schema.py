@@ -118,14 +118,14 @@ class VerifySpec(_Strict):
     """What `hybrid-build verify` (and `serve` before it says ready) accepts from a running server, against
     the artifact's reference (its own top-k next-token log-probabilities on the validate texts).
 
-    Measured (benchmarks/results/gpu_h200_issue27_verify.json: vLLM 0.25.1 on an H200 serving the tiny
+    Measured (lab/results/verify_real_vllm_h200.json: vLLM 0.25.1 on an H200 serving the tiny
     inc-hybrid through `hybrid-build serve`, 765 positions): the correct server against the reference
     gave KL mean 2.9e-5, p99 3.1e-4, max 5.9e-4, same top-1 0.867 (a random model's flat
     distributions; the source served as `base` against the source side: 9.5e-7, same top-1 0.997);
     with the Marlin MoE scale fix switched off it gave KL mean 5.2e-4 and same top-1 0.089 and
     failed. The defaults below are for trained models, whose served-vs-fp32 noise no run here has
     measured at full width, so they keep wide headroom over the tiny model's figures and over vLLM
-    against transformers on it (KL mean 0.00089, max 0.0145; docs/gpu.md, run 4); the tiny recipe
+    against transformers on it (KL mean 0.00089, max 0.0145; lab/gpu_runs.md, run 4); the tiny recipe
     sets its own from the measurement. The KL figure is a lower bound of the full-vocabulary KL (top-k
     with the tail lumped), so these bounds are at least as loose on the full KL as they read."""
 

@@ -96,7 +96,7 @@ DEFAULT_CONTEXT = 4096
 GB10_FLOOR = StepFloor(source="none: the published GB10 lever gains exceed the byte ratio, which leaves no "
                               "room for a floor")
 
-# H200, measured here (docs/gpu.md, runs 4-5): read ceiling 4,426 GB/s of 4,800 from a 4 GiB fp32
+# H200, measured here (lab/gpu_runs.md, runs 4-5): read ceiling 4,426 GB/s of 4,800 from a 4 GiB fp32
 # sum (efficiency 0.922). vLLM 0.25.1 at the real 122B widths, dummy weights, full CUDA graphs,
 # single stream, five layer compositions (48 layers 36+12, 24 layers, other linear:full mixes):
 # step_ms = 0.250 + 0.1437 x n_linear + 0.1790 x n_full + bytes / 4426 GB/s, RMS residual 0.027 ms.

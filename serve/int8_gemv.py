@@ -79,7 +79,7 @@ _DEQUANT_CODE = {"cvt": 0, "bits": 1, "asm": 2, "none": 3}
 # L2 eviction priorities (Triton's spellings) a config may put on the weight loads and the
 # output stores; "" is the default (evict normal). Triton 3.6 lowers every 16-byte cp.async to
 # .cg (L2 only) whatever cache modifier a load asks for, so x has no L1 hint here
-# (docs/kernel.md, "Tiles and the output": x through L1 measured slower anyway).
+# (lab/kernel_history.md, "Tiles and the output": x through L1 measured slower anyway).
 EVICT_MODES = ("", "evict_first", "evict_last")
 # How x meets the weight (GemvConfig.act):
 #   "native": x in its own dtype, the weight dequantized to it in registers, bf16/fp16 dots;
@@ -155,24 +155,24 @@ class GemvConfig:
 
 
 # Fixed tables per batch class (key: the largest batch of the class: B <= 8, 9-16, 17-32, 33-64),
-# chosen by benchmarks/bench_lmhead_gemv.py and benchmarks/probe_lmhead_sched.py on an H200.
+# chosen by benchmarks/bench_lmhead_gemv.py and lab/probes/probe_lmhead_sched.py on an H200.
 # _H200_TABLE is for the tiled weight (TILE), what the runtime serves: every class reads the same
-# 128 x 128 tiles; B <= 16 is one config (the issue-17 probes: 5 programs per SM, logits kept in L2;
-# benchmarks/results/lmhead_gemv_h200_issue17_sched.json, docs/kernel.md "Tiles and the output").
+# 128 x 128 tiles; B <= 16 is one config (the B <= 16 probes: 5 programs per SM, logits kept in L2;
+# lab/results/lmhead_sched_probes_h200.json, lab/kernel_history.md "Tiles and the output").
 _LOGITS_IN_L2 = "evict_last"
 _H200_TABLE: dict[int, GemvConfig] = {
     8: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
     16: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=16, o_evict=_LOGITS_IN_L2),
-    # B = 17-64: the int8 tensor-core form (x on a 16-bit grid, TMA loads; issue 28's sweeps,
-    # benchmarks/results/lmhead_gemv_h200_issue28_i16_sweep*.json): 1.14-1.18x the best dequantizing
+    # B = 17-64: the int8 tensor-core form (x on a 16-bit grid, TMA loads; the sweeps in
+    # lab/results/lmhead_gemv_h200_i16_sweep*.json): 1.14-1.18x the best dequantizing
     # config at B = 32 and 1.42-1.44x at B = 64, in the same runs.
     32: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=32, o_evict=_LOGITS_IN_L2,
                    act="i16", tma=True),
     64: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, block_m=64, o_evict=_LOGITS_IN_L2,
                    act="i16", tma=True),
 }
-# For a row-major [N, K] weight: the earlier sweeps' tiling (lmhead_gemv_h200.json,
-# lmhead_gemv_h200_issue17.json), kept for callers that cannot re-lay the weight out.
+# For a row-major [N, K] weight: the earlier sweeps' tiling (lmhead_gemv_h200_first_kernel.json,
+# lmhead_gemv_h200_b16_sweep_ab.json), kept for callers that cannot re-lay the weight out.
 _H200_ROWS_TABLE: dict[int, GemvConfig] = {
     8: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
     16: GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, block_m=16),
@@ -211,7 +211,7 @@ def config_for(batch: int, device: torch.device | None = None,
     The bf16 inline-PTX dequant needs sm_90 (``sub.bf16x2``): older CUDA GPUs get Triton's own
     cast for bf16. fp16 takes its inline PTX (``sub.f16x2``, sm_53+) everywhere: on the H200 it
     passed every odd-shape check and reads at the bf16 path's rate (194.6 vs 254.0 us for Triton's
-    cast at B = 16, ``benchmarks/results/lmhead_gemv_h200_issue17.json``). The interpreter gets the plain-Triton
+    cast at B = 16, ``lab/results/lmhead_gemv_h200_b16_sweep_ab.json``). The interpreter gets the plain-Triton
     "bits" path (it runs no PTX and, in triton 3.9, no correct int8 -> bf16 cast).
     """
     if dtype not in ACTIVATION_DTYPES:

@@ -15,7 +15,7 @@ already passes ``size_k = groups * group_size``, i.e. that rule). So a model who
 ``moe_intermediate_size <= group_size < hidden_size`` gets its w13 scales scattered across columns
 and the routed experts compute garbage. The tiny Qwen3.5-MoE fixture (hidden 256, experts of 128,
 group 128) is such a model; Qwen3.5-122B-A10B (experts of 1024) is not. Measured on an H200 with
-vLLM 0.25.1 (docs/gpu.md, run 3): the routed experts' output differed from the checkpoint's math by
+vLLM 0.25.1 (lab/gpu_runs.md, run 3): the routed experts' output differed from the checkpoint's math by
 a relative 1.36-1.43 and matched a CPU simulation of the mis-permuted scales to 0.0007.
 
 The fix derives ``size_k`` from the scale tensor itself (``groups * group_size``), which is the

@@ -1,4 +1,4 @@
-"""The H200 run of issue 9 in one process tree: correctness, speed and serve profiles under vLLM.
+"""The H200 runs in one process tree: correctness, speed and serve profiles under vLLM.
 
 Runs THERE (the GPU machine), started by ``scripts/gpu/run.sh``; every vLLM use is a child process
 of this script (``driver.py child KIND ...``) with its own time limit, so one failure leaves the
@@ -13,18 +13,18 @@ Steps, in the order the GPU takes them (the synthetic build runs beside them on 
   ``dense`` (the hybrid), no speculation, eager and (time permitting) CUDA graphs.
 - profiles: ``hybrid-build serve`` with the dense (+ a random tiny DFlash drafter), base and mtp
   profiles; one completion each, spec-decode counters from ``/metrics``.
-- floor (issue 17, run 5): the per-step time floor at full depth. vLLM with ``load_format="dummy"``
+- floor: the per-step time floor at full depth. vLLM with ``load_format="dummy"``
   on config-only checkpoints (``floor_configs.py`` makes them here: real 122B widths, 48 layers and
   other linear/full-attention compositions), full CUDA graphs, single stream; ``warm`` compiles every
   kernel once on a 4-layer hybrid, ``floor`` interleaves base / dense / dense-triton-head engines at
   48 layers (``--repeat`` rounds), ``mix`` times the other compositions (base), ``eagerprof`` profiles
   one eager decode step kernel by kernel; every graphs engine also profiles its decode steps.
-- ab_start / ab_bench / ab_eval / ab_stop (issues 17, 18): ``hybrid-build serve`` of the tiny artifact
+- ab_start / ab_bench / ab_eval / ab_stop: ``hybrid-build serve`` of the tiny artifact
   with the dense, dflash, base and mtp profiles side by side (their own process sessions, so a later
   call finds them), ``hybrid-build bench`` A/B on profile pairs (dflash vs dense: the same drafter on
   source and hybrid; base vs mtp), ``hybrid-build eval`` of base (the source) against dense (the hybrid).
-- nccl_lo / tp2 / tp1 / pp2 / tp2s / tp2mp (issue 20, a machine with two GPUs): ``multinode_steps.py``.
-- vcompare (issue 16): ``validate.vllm_compare.compare_in_vllm`` on the tiny source vs its hybrid, and
+- nccl_lo / tp2 / tp1 / pp2 / tp2s / tp2mp (a machine with two GPUs): ``multinode_steps.py``.
+- vcompare: ``validate.vllm_compare.compare_in_vllm`` on the tiny source vs its hybrid, and
   on a synthetic 4-layer model with the Qwen3.5-35B-A3B widths (written and built here, on the CPUs,
   while the GPU warms up).
 """
@@ -323,7 +323,7 @@ def kernel_table(prof_1, prof_n, steps: int) -> dict:
 
 
 def child_floor(model: str, label: str, mode: str, tokens: str, profile_steps: str = "0", timings: str = "5") -> dict:
-    """Issue 17: single-stream decode of a config-only checkpoint with dummy weights (graphs or
+    """Single-stream decode of a config-only checkpoint with dummy weights (graphs or
     eager); ``timings`` pairs t(1), t(n+1) after a warm-up; then, if ``profile_steps``, the GPU
     kernels of that many decode steps (in graphs mode: the kernels the graph replays)."""
     from vllm.inputs import TokensPrompt
@@ -382,7 +382,7 @@ def child_floor(model: str, label: str, mode: str, tokens: str, profile_steps: s
 
 
 def child_concurrency(model: str, label: str, tokens: str, streams: str = "1,2,4", timings: str = "3") -> dict:
-    """Issue 28: decode of ``streams`` concurrent sequences on a config-only checkpoint with dummy
+    """Decode of ``streams`` concurrent sequences on a config-only checkpoint with dummy
     weights (full CUDA graphs of the decode step, as the floor step). For N streams, N distinct
     prompts are generated together, all ``tokens`` long (ignore_eos), so the N decode in lockstep:
     per-stream tok/s = n / (t(n + 1) - t(1)), total = N x that; median of ``timings`` pairs."""
@@ -531,7 +531,7 @@ def build_35b(work: Path, tokenizer_from: Path, layers: int = 4) -> dict:
 
 
 def vcompare(out: Path, key: str, source: Path, artifact: Path, texts: dict, work: Path, limit: float) -> None:
-    """Issue 16: ``compare_in_vllm`` on one source/hybrid pair; the report goes into results.json."""
+    """``compare_in_vllm`` on one source/hybrid pair; the report goes into results.json."""
     t0 = now()
     if limit < 60:
         record(out, key, {"skipped": f"no time left ({limit:.0f} s)"})
@@ -650,7 +650,7 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
         record(out, key, res)
 
 
-# ------------------------------------------------------------------------------ verify (issue 27)
+# ------------------------------------------------------------------------------ verify
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -713,7 +713,7 @@ def serve_verified(out: Path, key: str, cmd: list[str], env: dict, limit: float)
 
 
 def kv_fp8_recipe(recipe: Path) -> Path:
-    """The GPU recipe with every profile's KV cache in fp8 (issue 28: vLLM's --kv-cache-dtype fp8,
+    """The GPU recipe with every profile's KV cache in fp8 (vLLM's --kv-cache-dtype fp8,
     checked with verify before any shipped profile turns it on)."""
     import yaml
 
@@ -726,7 +726,7 @@ def kv_fp8_recipe(recipe: Path) -> Path:
 
 
 def verify_kv_fp8_step(out: Path, hb: Path, src: Path, recipe: Path, left) -> None:
-    """Issue 28: the dense (hybrid + DFlash drafter) and base (source) profiles with an fp8 KV cache,
+    """The dense (hybrid + DFlash drafter) and base (source) profiles with an fp8 KV cache,
     each verified before READY against the same reference as with the default KV cache."""
     fp8 = kv_fp8_recipe(recipe)
     for i, (key, profile) in enumerate((("verify_dense_kv_fp8", "dense"), ("verify_base_kv_fp8", "base"))):
@@ -739,7 +739,7 @@ def verify_kv_fp8_step(out: Path, hb: Path, src: Path, recipe: Path, left) -> No
 
 
 def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=(1, 2, 4)) -> None:
-    """Issue 28: ``hybrid-build bench --concurrency N`` against a real vLLM server (the tiny dense
+    """``hybrid-build bench --concurrency N`` against a real vLLM server (the tiny dense
     profile, DFlash drafter): per-stream rows, the overlap, and whether the per-stream acceptance
     read from the streamed chunks matches the server's /metrics counters."""
     if left() < 180:
@@ -799,7 +799,7 @@ def verify_step(out: Path, hb: Path, src: Path, recipe: Path, left, only: str | 
         serve_verified(out, key, cmd, env, min(480, left()))
 
 
-# ------------------------------------------------------------------------------ A/B servers (issues 17, 18)
+# ------------------------------------------------------------------------------ A/B servers
 
 # the tiny artifact's four profiles side by side on one GPU (eager, 2 GiB of KV cache each)
 AB_PORTS = {"dense": 8000, "dflash": 8001, "base": 8002, "mtp": 8003}
@@ -924,7 +924,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="engines per speed variant, interleaved")
     ap.add_argument("--floor", type=Path, help="the config-only checkpoints of floor_configs.py (.gpufloor)")
     ap.add_argument("--round0", type=int, default=0, help="first floor round's number (a later call goes on)")
-    ap.add_argument("--conc-streams", default="1,2,4", help="conc step: the concurrent stream counts (issue 28)")
+    ap.add_argument("--conc-streams", default="1,2,4", help="conc step: the concurrent stream counts")
     ap.add_argument("--mix", default="L24,L24h,L24e,L12", help="compositions the mix step times (base)")
     ap.add_argument("--bench-pairs", default="dflash:dense,base:mtp", help="A:B profile pairs the bench step runs")
     ap.add_argument("--bench-runs", type=int, default=5)
@@ -1023,7 +1023,7 @@ def main() -> int:
             floor_child("warm_L4_dense-triton-head", "L4-dense", "dense-triton-head", profile=0, env=triton_head,
                         limit=480)
 
-    def lane_vcompare() -> None:  # issue 16, beside the warm-up (compiles on the CPUs overlap)
+    def lane_vcompare() -> None:  # beside the warm-up (compiles on the CPUs overlap)
         if "vcompare" not in steps:
             return
         texts = json.loads((a.floor / "texts.json").read_text())
@@ -1056,7 +1056,7 @@ def main() -> int:
         if "eagerprof" in steps:
             for label, folder in (("base", "L48-base"), ("dense", "L48-dense")):
                 floor_child(f"eagerprof_L48_{label}", folder, label, mode="eager", tokens=8, profile=4, limit=300)
-        if "conc" in steps:  # issue 28: 1, 2 and 4 concurrent streams at full depth, one engine each
+        if "conc" in steps:  # 1, 2 and 4 concurrent streams at full depth, one engine each
             for label, folder, env in (("base", "L48-base", {}), ("dense", "L48-dense", {}),
                                        ("dense-triton-head", "L48-dense", triton_head)):
                 if left() < 100:
@@ -1071,29 +1071,29 @@ def main() -> int:
                     shutil.copy(seq, a.out / seq.name)
 
     multinode = [s for s in steps if s in ("nccl_lo", "tp2", "tp1", "pp2", "tp2s", "tp2mp")]
-    if multinode:  # issue 20, on a machine with two GPUs (multinode_steps.py)
+    if multinode:  # on a machine with two GPUs (multinode_steps.py)
         import multinode_steps
 
         multinode_steps.run(multinode, record, http, a.out, a.hb, a.src, recipe, a.work, left)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0
-    if "bench_conc" in steps:  # issue 28: bench --concurrency against real vLLM
+    if "bench_conc" in steps:  # bench --concurrency against real vLLM
         bench_conc_step(a.out, a.hb, a.src, recipe, left)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0
-    if "verify_kv_fp8" in steps:  # issue 28: the fp8 KV cache, verified against the artifact's reference
+    if "verify_kv_fp8" in steps:  # the fp8 KV cache, verified against the artifact's reference
         verify_kv_fp8_step(a.out, a.hb, a.src, recipe, left)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0
-    if "verify" in steps or "verify_broken" in steps:  # issue 27: verify before READY against real vLLM
+    if "verify" in steps or "verify_broken" in steps:  # verify before READY against real vLLM
         verify_step(a.out, a.hb, a.src, recipe, left, None if "verify" in steps else "verify_dense_without_marlin_fix")
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0
-    if any(s.startswith("ab_") for s in steps):  # issues 17-18: the tiny artifact behind four servers
+    if any(s.startswith("ab_") for s in steps):  # the tiny artifact behind four servers
         if "ab_start" in steps:
             ab_start(a.out, a.hb, a.src, recipe, a.work, min(240, left(30)))
         if "ab_eval" in steps:  # source (base profile) against the hybrid (dense profile)

@@ -1,4 +1,4 @@
-"""The checkpoints of the `floor` step (issue 17), as configs only: run HERE, carried in .gpufloor/.
+"""The checkpoints of the `floor` step, as configs only: run HERE, carried in .gpufloor/.
 
     python scripts/gpu/floor_configs.py WORK OUT --tokenizer-from .gpusrc/src [--check]
 

@@ -3,7 +3,7 @@ spread of the 48-layer variants, the kernel tables and the time per decoder laye
 
     python scripts/gpu/floor_fit.py OUT.json RESULTS.json [RESULTS.json ...] [--kseq FILE.json.gz ...]
 
-Model (issue 17): ``step_ms = fixed + a * n_linear + b * n_full + bytes / (4426 GB/s)``, fitted by
+Model: ``step_ms = fixed + a * n_linear + b * n_full + bytes / (4426 GB/s)``, fitted by
 least squares over every engine's median step (the 48-layer base engines of each round and the
 base engine of each other composition), ``bytes`` being ``plan``'s base bytes per token at the
 timing's context (``floor_plan.json``). The same model is also fitted to the profiled GPU kernel

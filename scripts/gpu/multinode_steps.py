@@ -1,4 +1,4 @@
-"""Issue 20 on a machine with two GPUs (``nvidia-h200-x2``): the multi-node serving path for real.
+"""The multi-node serving path on a machine with two GPUs (``nvidia-h200-x2``), for real.
 
 Steps of ``driver.py`` (``--steps nccl_lo,tp2,tp1,pp2,tp2s``), each writing into results.json:
 
@@ -13,7 +13,7 @@ Steps of ``driver.py`` (``--steps nccl_lo,tp2,tp1,pp2,tp2s``), each writing into
 - ``tp1``: the same artifact and recipe on one GPU: the reference;
 - ``tp2s``: ``tp2`` with the dense profile as it is (the random tiny DFlash drafter speculating);
 - ``tp2mp``: TP=2 on one node with both GPUs, vLLM's own multiprocessing executor (no Ray; ``serve
-  --nodes`` wants two hosts or more): the other layout the issue allows.
+  --nodes`` wants two hosts or more): the other layout a two-GPU machine allows.
 
 Per text position, KL(tp1 || tp2) over the whole vocabulary (exact: every token's log-probability
 comes back), its mean / max, and the share of positions whose top token agrees.

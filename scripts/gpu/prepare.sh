@@ -62,7 +62,7 @@ rm -rf .gpuhb/inc/.hybrid-build .gpuhb/ct/.hybrid-build
 python3 "$here/reference.py" .gpusrc/src .gpuhb/inc .gpuhb/ct .gpuhb/ref.pt
 python3 "$here/tiny_drafter.py" .gpuhb/inc .gpuhb/drafter-dflash
 python3 -m pip wheel -q --no-deps -w .gpuhb .
-# Ray for the multi-node steps (issue 20): the wheel unpacked, less what vLLM never imports (its Java
+# Ray for the multi-node steps: the wheel unpacked, less what vLLM never imports (its Java
 # jars, the dashboard's web client, rllib / tune / train / serve / data / llm), 28 MB as tar.xz
 rm -rf .gpuray "$cache/ray"; mkdir -p .gpuray "$cache/ray"
 ls "$cache"/ray-2.60.0-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d "$cache" ray==2.60.0

@@ -18,7 +18,7 @@ if [ -d .gpufloor ]; then rm -rf "$HOME/floor"; cp -r .gpufloor "$HOME/floor"; f
 if [ -d .gpuev ] && [ ! -d "$HOME/evsite/lm_eval" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/evsite" .gpuev/*.whl
 fi
-# Ray (issue 20) travels as the unpacked ray wheel less its Java, dashboard client and libraries
+# Ray (the multi-node steps) travels as the unpacked ray wheel less its Java, dashboard client and libraries
 # vLLM does not import (.gpuray/ray-site.tar.xz, made by prepare.sh), possibly with an earlier call
 if [ -f .gpuray/ray-site.tar.xz ] && [ ! -d "$HOME/raysite/ray" ]; then
   mkdir -p "$HOME/raysite"; tar -C "$HOME/raysite" -xJf .gpuray/ray-site.tar.xz

@@ -1,4 +1,4 @@
-"""The served API's key (issue 29): ``serve`` needs one beyond loopback and generates it into a 0600
+"""The served API's key: ``serve`` needs one beyond loopback and generates it into a 0600
 file under the user's state folder, hands it to vLLM in the environment only (docker: ``-e
 VLLM_API_KEY`` without the value) and sends it with its own readiness probe, check and smoke test;
 ``verify`` and ``eval`` send ``--api-key`` / ``$OPENAI_API_KEY``, and a server that refuses theirs is

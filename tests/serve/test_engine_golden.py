@@ -124,7 +124,7 @@ def test_dense_profile_says_when_its_levers_gain_little(tiny_artifact):
 
 
 def test_kv_cache_dtype_reaches_vllm_only_when_a_profile_asks(artifact, tmp_path):
-    """Issue 28: a profile's ``kv_cache_dtype`` becomes vLLM's --kv-cache-dtype; no shipped
+    """A profile's ``kv_cache_dtype`` becomes vLLM's --kv-cache-dtype; no shipped
     profile sets it (fp8 KV is checked with verify first, docs/serve.md); a value vLLM does not
     know is refused by the schema, and every value the schema takes is one that each vLLM
     version this project targets lists in its CacheDType."""

@@ -1,4 +1,4 @@
-"""Secrets never leak (issue 29): a recognisable fake secret is planted in every place a user could
+"""Secrets never leak: a recognisable fake secret is planted in every place a user could
 give one (the Hub token in ``HF_TOKEN`` and in the token file; a client's API key in
 ``OPENAI_API_KEY`` and ``--api-key``; the served API's key in ``VLLM_API_KEY``, ``--api-key`` and
 ``--api-key-file``; the Ray token in ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names and the

@@ -220,7 +220,7 @@ def test_predictions_against_published_gb10(reads_122b):
 
 # ----------------------------------------------------------------------------- the per-step floor
 
-H200_MEASURED = {"base": 109.43, "dense_over_base": 1.010}  # docs/gpu.md run 5: 48 layers, dummy weights, graphs
+H200_MEASURED = {"base": 109.43, "dense_over_base": 1.010}  # lab/gpu_runs.md run 5: 48 layers, dummy weights, graphs
 
 
 def test_h200_prediction_matches_full_depth_measurement(real_122b):

@@ -199,7 +199,7 @@ def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
 def _marlin_layout(shape: list[int], perms: dict) -> list[float]:
     """The scale layout Marlin's MoE kernel reads for [experts, groups, n] scales holding their own
     flat index: the grouped permutation when there is more than one group, else the channel-wise one
-    (the rule vLLM's own w2 call encodes; measured on the H200 for w13, docs/gpu.md)."""
+    (the rule vLLM's own w2 call encodes; measured on the H200 for w13, lab/gpu_runs.md)."""
     import torch
 
     experts, groups, n = shape

@@ -1,8 +1,8 @@
-"""Where the time goes at B = 32 and 64 (issue 28): the shipped config of each class with stages
+"""Where the time goes at B = 32 and 64: the shipped config of each class with stages
 dropped (no dot, loads only, no output store) and with a bf16 weight through the same kernel
 (dequant "none": the dot structure without the int8 dequant), do_bench medians, L2 flushed.
 
-    python benchmarks/probe_lmhead_wide.py --out OUT.json     (a CUDA GPU; ~1 min)
+    python lab/probes/probe_lmhead_wide.py --out OUT.json     (a CUDA GPU; ~1 min)
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lmhead_gemv import bench_ms, g, probe_setup  # noqa: E402
+from _setup import bench_ms, g, probe_setup  # noqa: E402
 
 
 def main() -> int:

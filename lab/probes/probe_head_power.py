@@ -1,4 +1,4 @@
-"""Where the head kernel's time goes at B = 1-64, and what the board's power limit allows (issue 28).
+"""Where the head kernel's time goes at B = 1-64, and what the board's power limit allows.
 
 For each B the shipped kernel (bf16 x) is timed on the benchmark table's uniform int8 weight
 and on a Gaussian head quantized by the tool's own quantizer, then run in a loop while
@@ -9,9 +9,9 @@ separate launch) and the dot kernel alone; then the shipped kernel on operands t
 bits (x all zero, x one constant: the same instructions and bytes); and at B = 33, 48, 64 the
 Gluon candidate with both dots, the high half's only and none, beside a write of the logits
 alone (bytes the read ceiling does not count). The board's power limits (enforced, default,
-max) are read, not changed. docs/kernel.md "The budget at B = 33-64" reads the results.
+max) are read, not changed. lab/kernel_history.md "The budget at B = 33-64" reads the results.
 
-    python benchmarks/probe_head_power.py --out OUT.json     (a CUDA GPU with Gluon; ~2 min)
+    python lab/probes/probe_head_power.py --out OUT.json     (a CUDA GPU with Gluon; ~2 min)
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_i16_ws as gw  # noqa: E402
-from bench_lmhead_gemv import bench_ms, g, make_problem, probe_setup  # noqa: E402
+from _setup import bench_ms, g, make_problem, probe_setup  # noqa: E402
 from probe_gluon_mma import sampled  # noqa: E402
 
 LIMITS = "power.limit,enforced.power.limit,power.default_limit,power.max_limit,clocks.max.sm,clocks.max.mem"

@@ -1,12 +1,12 @@
-"""Where the int8 lm-head kernel loses its last percent (issue 17), measured on one GPU.
+"""Where the int8 lm-head kernel loses its last percent at B <= 16, measured on one GPU.
 
 For the [N=248320, K=3072] head, each figure a ratio to a baseline measured in the same run:
 
-* ``--variants``: the row-major weight with its table (the kernel before issue 17's change: the
+* ``--variants``: the row-major weight with its table (the kernel before the tiled layout: the
   control) against the weight tiled by ``tile_weight`` with its table (what ships), and two
   diagnostics: the tiled kernel without its output store, and the row-major kernel with the
   logits kept in L2. Interleaved rounds per batch and dtype; the median, the spread and the share
-  of the 4 GiB fp32 sum's bandwidth (issue 17's ceiling), every variant checked first;
+  of the 4 GiB fp32 sum's bandwidth (the ceiling), every variant checked first;
 * ``--waves``: both at N = 7 and 8 full waves of 128-row tiles over the resident programs against
   the head's N (7.35 waves): what a part-empty last wave costs;
 * ``--flush``: the timer zeroes 256 MB before every call, as ``triton.testing.do_bench`` does, so
@@ -16,11 +16,11 @@ For the [N=248320, K=3072] head, each figure a ratio to a baseline measured in t
 Its own timer (CUDA events around each call, one flush before each) keeps the rounds within
 about a microsecond. ``--ncu`` only launches the kernels ncu profiles:
 
-    python benchmarks/probe_lmhead_sched.py --variants --waves --flush --out probe.json
-    ncu --clock-control none -k regex:int8_gemv --section SpeedOfLight python benchmarks/probe_lmhead_sched.py --ncu
+    python lab/probes/probe_lmhead_sched.py --variants --waves --flush --out probe.json
+    ncu --clock-control none -k regex:int8_gemv --section SpeedOfLight python lab/probes/probe_lmhead_sched.py --ncu
 
 Earlier versions of this script (git history, the results in
-``benchmarks/results/lmhead_gemv_h200_issue17_sched.json``) also timed a persistent grid, a
+``lab/results/lmhead_sched_probes_h200.json``) also timed a persistent grid, a
 rotated K order, x through L1 with shared-memory carveouts, and other tilings: all slower.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lmhead_gemv import DTYPES, check, g, median, reference  # noqa: E402
+from _setup import DTYPES, check, g, median, reference  # noqa: E402
 
 N, K = 248320, 3072
 

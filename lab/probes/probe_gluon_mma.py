@@ -1,13 +1,13 @@
-"""Is the head kernel at B = 33-64 bound by its tensor-core work? (issue 28)
+"""Is the head kernel at B = 33-64 bound by its tensor-core work?
 
-The Gluon candidate (benchmarks/gluon_i16_ws.py, two weight tiles per x slot, 4 stages, one
+The Gluon candidate (gluon_i16_ws.py, two weight tiles per x slot, 4 stages, one
 program per SM) at B = 64 three ways: its real dots (x's high and low halves), the high half's
 dot only (half the tensor-core work), and no dot at all (the same loads, barriers and stores).
 The two probes give wrong numbers on purpose and are only timed. While each runs in a loop,
 `nvidia-smi` samples the SM clock, the power draw and the clock-event reasons, so a slowdown
 from power or clocks shows beside the time. Then the same for B = 32 (P = 32: half the rows).
 
-    python benchmarks/probe_gluon_mma.py --out OUT.json     (a CUDA GPU with Gluon; ~1 min)
+    python lab/probes/probe_gluon_mma.py --out OUT.json     (a CUDA GPU with Gluon; ~1 min)
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gluon_i16_ws as gw  # noqa: E402
-from bench_lmhead_gemv import bench_ms, g, probe_setup  # noqa: E402
+from _setup import bench_ms, g, probe_setup  # noqa: E402
 
 FIELDS = "clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active"
 

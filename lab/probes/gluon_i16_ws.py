@@ -1,12 +1,12 @@
-"""A warp-specialized candidate for the head kernel's act="i16" form at B = 33-64 (issue 28),
+"""A warp-specialized candidate for the head kernel's act="i16" form at B = 33-64,
 written in Gluon (Triton's explicit-layout dialect, triton 3.6's API). Measured, NOT shipped:
 its best variant (two tiles per unit, 4 stages, persistent) ran at 82-85 % of the H200's read
-ceiling, 2-4 % faster than the shipped Triton form and short of 88 % (docs/kernel.md "A
-warp-specialized kernel in Gluon"). `bench_lmhead_gemv.py --gluon` checks every variant against
+ceiling, 2-4 % faster than the shipped Triton form and short of 88 % (lab/kernel_history.md "A
+warp-specialized kernel in Gluon"). `bench_gluon.py` checks every variant against
 the reference with the i16 bound and times it; `probe_gluon_mma.py` drops its dots to see where
 the time goes. It compiles on the CPU here:
 
-    python benchmarks/gluon_i16_ws.py --compile [--stages 4] [--halves 2]   # triton 3.6 or 3.9, sm_90
+    python lab/probes/gluon_i16_ws.py --compile [--stages 4] [--halves 2]   # triton 3.6 or 3.9, sm_90
 
 The idea: in Triton's software pipeline the next TMA loads are issued only as the previous wgmma
 group retires; here one loader warp owns the loads and runs ahead on a ring of STAGES
