@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,12 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.calibration.fp8_block import BLOCK as FP8_BLOCK
-from hybrid_build.calibration.fp8_block import dequantize_fp8_block
-from hybrid_build.calibration.gptq import dequantize_gptq
-from hybrid_build.calibration.int8_rows import dequantize_int8_rows
-from hybrid_build.core.checkpoint import Checkpoint, TensorInfo
 from hybrid_build.core.errors import ArtifactError, UserError
+from hybrid_build.core.weights import RangeReader, read_stored
 
 from .divergence import BOOTSTRAP_RESAMPLES, DivergenceAccumulator, PositionStats, divergence_report
 from .reference import ReferenceRecorder
@@ -55,11 +52,6 @@ TokenIds = Mapping[str, Sequence[int] | torch.Tensor]
 POSITION_BLOCK = 1024
 VOCAB_CHUNK = 8192  # lm-head rows dequantized at a time: 8192 x 3072 x 4 B = 101 MB (a multiple of 128)
 DELTA_CHUNK = 64  # the delta rule's chunk length, as transformers' torch fallback
-
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16,
-           "I32": torch.int32, "I64": torch.int64}
-
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,152 +73,16 @@ def _float32_math():
 # ----------------------------------------------------------------------------------- reading
 
 
-class _Reader:
-    """Tensors (or row / column ranges of them) of one checkpoint, read by byte range from the
-    headers ``Checkpoint`` already parsed: one descriptor per shard for the whole pass, no memory
-    map (its pages would count as the process's memory) and no per-tensor ``safe_open`` (a real
-    shard's JSON header is ~1 MB, parsed again on every open)."""
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self.ckpt = ckpt
-        self._fds: dict[str, int] = {}
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def info(self, name: str) -> TensorInfo:
-        t = self.ckpt.tensors.get(name)
-        if t is None:
-            raise ArtifactError(f"{self.ckpt.root.name}: tensor {name} is missing")
-        return t
-
-    def _fd(self, t: TensorInfo) -> int:
-        fd = self._fds.get(t.file)
-        if fd is None:
-            fd = self._fds[t.file] = os.open(self.ckpt.path_of(t), os.O_RDONLY)
-        return fd
-
-    def _pread(self, t: TensorInfo, out: torch.Tensor, offset: int) -> None:
-        """Fill the uint8 tensor ``out`` from byte ``offset`` of ``t``'s data."""
-        view, got = memoryview(out.numpy()), 0
-        fd = self._fd(t)
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], t.start + offset + got)
-            if n <= 0:
-                raise ArtifactError(f"{t.file}: the file ends inside tensor {t.name}")
-            got += n
-
-    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor, or rows ``r0:r1`` (dim 0) and/or columns ``c0:c1`` (dim 1) of it."""
-        t = self.info(name)
-        dtype = _DTYPES.get(t.dtype)
-        if dtype is None:
-            raise ArtifactError(f"{name}: unsupported dtype {t.dtype}")
-        item = torch.empty((), dtype=dtype).element_size()
-        shape = list(t.shape) or [1]
-        r0, r1 = rows or (0, shape[0])
-        row_elems = math.prod(shape[1:])
-        if cols is None:
-            out = torch.empty((r1 - r0) * row_elems * item, dtype=torch.uint8)
-            self._pread(t, out, r0 * row_elems * item)
-            return out.view(dtype).view(r1 - r0, *shape[1:]) if t.shape else out.view(dtype).view(())
-        c0, c1 = cols
-        if len(shape) != 2:
-            raise ArtifactError(f"{name}: column ranges need a 2-D tensor, shape is {list(t.shape)}")
-        out = torch.empty(r1 - r0, (c1 - c0) * item, dtype=torch.uint8)
-        for r in range(r0, r1):  # a column range is strided: one read per row
-            self._pread(t, out[r - r0], (r * shape[1] + c0) * item)
-        return out.view(dtype)
-
-    def gather_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of a 2-D tensor (an embedding), one read per distinct row."""
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        rows = torch.stack([self.read(name, rows=(int(i), int(i) + 1))[0] for i in uniq])
-        return rows[inverse]
-
-
-@dataclass
-class _Stored:
-    """A module's stored weight (or output rows of it) in one canonical layout, so that two
-    checkpoints holding the same codes in different layouts compare equal."""
-
-    kind: str  # "gptq" (auto_gptq or pack-quantized, transposed back), "fp8", "int8", "plain"
-    tensors: tuple[torch.Tensor, ...]
-    bits: int = 0
-    group: int = 0
-
-    def same_as(self, other: _Stored) -> bool:
-        return (self.kind, self.bits, self.group) == (other.kind, other.bits, other.group) and all(
-            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-            for a, b in zip(self.tensors, other.tensors))
-
-    def dequantize(self, device: torch.device) -> torch.Tensor:
-        """float32 [rows, K] on ``device``, through the project's own dequantizers. The
-        ``torch.device`` context makes the tensors they create (GPTQ's shift table) land there."""
-        ts = [t.to(device) for t in self.tensors]
-        with torch.device(device):
-            if self.kind == "gptq":
-                return dequantize_gptq(ts[0], ts[1], self.bits, self.group)
-            if self.kind == "fp8":
-                return dequantize_fp8_block(ts[0], ts[1])
-            if self.kind == "int8":
-                return dequantize_int8_rows(ts[0], ts[1])
-            return ts[0].float()
-
-
-def _stored(reader: _Reader, module: str, rows: tuple[int, int] | None = None) -> _Stored:
-    """Read ``module``'s weight, or its output rows ``n0:n1``, without dequantizing it."""
-    ckpt = reader.ckpt
-    parts = ckpt.modules.get(module)
-    if not parts:
-        raise ArtifactError(f"{ckpt.root.name}: no tensors for module {module}")
-    if "qweight" in parts:  # auto_gptq: qweight [K*bits/32, N], scales [K/g, N]: output rows are columns
-        qw = parts["qweight"]
-        bits = ckpt.quant.module_bits(module) or 4
-        k = qw.shape[0] * 32 // bits
-        group = (ckpt.quant.layer_override(module) or {}).get("group_size", ckpt.quant.group_size or 128)
-        group = k if group in (-1, 0, None) else group
-        qweight, scales = reader.read(module + ".qweight", cols=rows), reader.read(module + ".scales", cols=rows)
-        return _Stored("gptq", (qweight, scales), bits, group)
-    if "weight_packed" in parts:  # compressed-tensors pack-quantized: the transpose of the above
-        packed = reader.read(module + ".weight_packed", rows=rows)
-        scale = reader.read(module + ".weight_scale", rows=rows)
-        if "weight_shape" in parts:
-            k = int(reader.read(module + ".weight_shape")[1])
-            bits = 32 * packed.shape[1] // k
-        else:
-            bits = ckpt.quant.module_bits(module) or 4
-            k = packed.shape[1] * 32 // bits
-        return _Stored("gptq", (packed.t(), scale.t()), bits, -(-k // scale.shape[1]))
-    w = parts.get("weight")
-    if w is None:
-        raise ArtifactError(f"{ckpt.root.name}: module {module} has no weight ({', '.join(sorted(parts))})")
-    weight = reader.read(module + ".weight", rows=rows)
-    if weight.dtype == torch.float8_e4m3fn:
-        key = "weight_scale_inv" if "weight_scale_inv" in parts else "weight_scale"
-        srows = None
-        if rows is not None:
-            if rows[0] % FP8_BLOCK:
-                raise ValueError(f"{module}: FP8 row ranges must start on a {FP8_BLOCK}-row block")
-            srows = (rows[0] // FP8_BLOCK, -(-rows[1] // FP8_BLOCK))
-        return _Stored("fp8", (weight, reader.read(f"{module}.{key}", rows=srows)))
-    if weight.dtype == torch.int8:
-        return _Stored("int8", (weight, reader.read(module + ".weight_scale", rows=rows)))
-    return _Stored("plain", (weight,))
-
-
 class _Weights:
     """The same module from each checkpoint, as float32 on the device: dequantized once when the
     stored codes agree (every INT4 module of a hybrid), once per checkpoint when they differ."""
 
-    def __init__(self, readers: list[_Reader], device: torch.device) -> None:
+    def __init__(self, readers: list[RangeReader], device: torch.device) -> None:
         self.readers, self.device = readers, device
         self.shared = self.dequantized = 0
 
     def get(self, module: str, rows: tuple[int, int] | None = None) -> list[torch.Tensor]:
-        stored = [_stored(r, module, rows) for r in self.readers]
+        stored = [read_stored(r, module, rows) for r in self.readers]
         out: list[torch.Tensor] = []
         for i, st in enumerate(stored):
             j = next((j for j in range(i) if stored[j].same_as(st)), None)
@@ -510,7 +366,7 @@ def _check_compatible(cfgs: list[_TextConfig], ckpts: list[Checkpoint]) -> None:
                                     f"({getattr(c, f)} vs {getattr(ref, f)}); they are not the same model")
 
 
-def _run_layers(readers: list[_Reader], cfg: _TextConfig, ids: dict[str, torch.Tensor], device: torch.device,
+def _run_layers(readers: list[RangeReader], cfg: _TextConfig, ids: dict[str, torch.Tensor], device: torch.device,
                 progress: Progress | None, total_steps: int) -> StreamedForward:
     weights = _Weights(readers, device)
     names = list(ids)
@@ -560,7 +416,7 @@ def streamed_hidden_states(checkpoints: Sequence[Checkpoint | str | os.PathLike]
     _check_compatible(cfgs, ckpts)
     ids = _token_tensors(token_ids, cfgs[0].vocab, 1)
     dev = torch.device(device) if device is not None else default_device()
-    readers = [_Reader(c) for c in ckpts]
+    readers = [RangeReader(c) for c in ckpts]
     try:
         with _float32_math():
             return _run_layers(readers, cfgs[0], ids, dev, progress, len(cfgs[0].layer_types))
@@ -591,7 +447,7 @@ def streamed_logits(checkpoint: Checkpoint | str | os.PathLike, token_ids: Token
     cfg = _TextConfig.of(ckpt)
     fwd = streamed_hidden_states([ckpt], token_ids, device=device, progress=progress)
     dev = torch.device(fwd.device)
-    reader = _Reader(ckpt)
+    reader = RangeReader(ckpt)
     try:
         with _float32_math():
             weights = _Weights([reader], dev)
@@ -648,7 +504,7 @@ def compare_streamed(source: Checkpoint | str | os.PathLike, artifact: Checkpoin
     blocks = [(lo, min(n_pos, lo + position_block)) for lo in range(0, n_pos, position_block)]
     chunks = [(v0, min(cfg.vocab, v0 + vocab_chunk)) for v0 in range(0, cfg.vocab, vocab_chunk)]
     total = len(cfg.layer_types) + len(blocks) * len(chunks)
-    readers = [_Reader(c) for c in ckpts]
+    readers = [RangeReader(c) for c in ckpts]
     try:
         with _float32_math():
             fwd = _run_layers(readers, cfg, ids, dev, progress, total)
