@@ -2,8 +2,9 @@
 
 Owns the Triton kernel ``out[B, N] = x[B, K] @ (W_int8[N, K] * s[N]).T``, its launch-config
 tables, the weight layout it reads fastest (:func:`tile_weight`), the torch wrapper
-:func:`int8_linear`, and the pure-torch reference :func:`int8_linear_reference` that the tests and
-the runtime fall back to. Triton is imported lazily, so this module imports on machines without
+:func:`int8_linear`, the pure-torch reference :func:`int8_linear_reference` that the tests and
+the runtime fall back to, and the runtime's quantize-at-load of a float head
+(:func:`quantize_rows`). Triton is imported lazily, so this module imports on machines without
 it. It imports nothing from hybrid_build: the docker runtime patch copies this file into vLLM as
 it is.
 
@@ -264,6 +265,21 @@ def tile_weight(w_int8: torch.Tensor, tile: tuple[int, int] = TILE) -> torch.Ten
     if (tn * bn, tk * bk) != (n, k):
         w = torch.nn.functional.pad(w_int8, (0, tk * bk - k, 0, tn * bn - n))
     return w.reshape(tn, bn, tk, bk).permute(0, 2, 1, 3).contiguous()
+
+
+ROW_QMAX = 127  # symmetric codes: what GPTQ 8-bit (code + 128) and this kernel both hold exactly
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runtime's quantize-at-load of a float head [N, K]: (int8 codes [N, K] in [-127, 127],
+    float32 scales [N]), scale = row absmax / 127, round half to even. The build's quantizer is
+    ``calibration/int8_rows.py``'s ``quantize_int8_rows``; this is the same arithmetic, bit for bit
+    (tests/serve/test_int8_gemv.py compares the two), written here because this file runs inside
+    vLLM on its own (the docker path copies it alone) and imports nothing else of hybrid_build."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / ROW_QMAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.div(w, scale[:, None]).round_().clamp_(-ROW_QMAX, ROW_QMAX).to(torch.int8)
+    return q, scale
 
 
 def prepare_weight(w_int8: torch.Tensor) -> torch.Tensor:

@@ -595,3 +595,28 @@ def test_tma_only_where_the_gpu_and_triton_have_it(monkeypatch):
     assert g._tma_available(torch.device("cuda"))
     monkeypatch.setattr(g.importlib.util, "find_spec", lambda name: None)
     assert not g._tma_available(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_runtime_quantizer_is_the_build_quantizer_bit_for_bit(dtype):
+    """The quantize-at-load head inside vLLM (``quantize_rows``, a copy: this module may import
+    nothing else of hybrid_build) gives the codes and scales of the build's quantizer
+    (``calibration.int8_rows.quantize_int8_rows``) bit for bit: Gaussian rows from 1e-6 to 1e3 in
+    scale, heavy-tailed rows, an all-zero row, a row of fp32 subnormals (the scale's clamp), and
+    ties at half a code (round half to even)."""
+    from hybrid_build.calibration.int8_rows import quantize_int8_rows
+
+    gen = torch.Generator().manual_seed(11)
+    k = 96
+    w = torch.randn(64, k, generator=gen) * torch.logspace(-6, 3, 64)[:, None]
+    heavy = torch.randn(8, k, generator=gen) ** 3
+    zero = torch.zeros(1, k)
+    tiny = torch.full((1, k), 1e-40) * torch.randn(1, k, generator=gen).sign()
+    ties = torch.tensor([127.0, -126.5, 2.5, -3.5, 0.5, -0.5, 1.5, 64.5] * (k // 8)).reshape(1, k)
+    rows = torch.cat([w, heavy, zero, tiny if dtype == torch.float32 else zero, ties]).to(dtype)
+    q_rt, s_rt = g.quantize_rows(rows)
+    q_build, s_build = quantize_int8_rows(rows)
+    assert q_rt.dtype == q_build.dtype == torch.int8 and s_rt.dtype == s_build.dtype == torch.float32
+    assert torch.equal(q_rt, q_build) and torch.equal(s_rt.view(torch.int32), s_build.view(torch.int32))
+    # the ties row: scale exactly 1, so the codes show the rounding rule
+    assert q_rt[-1, :8].tolist() == [127, -126, 2, -4, 0, 0, 2, 64]
