@@ -73,7 +73,7 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe) -> ConversionPlan:
         if recipe.shared_experts.enabled and w.klass == "shared_expert" and target_matches(recipe.shared_experts.targets, module):
             out.append(Conversion(module, "fp8", w.klass, w, fmt.fp8_bytes(n, k)))
         elif recipe.lm_head.enabled and w.klass == "lm_head" and target_matches(recipe.lm_head.targets, module):
-            if recipe.lm_head.storage != "bf16":
+            if fmt.stores_head(recipe.lm_head.storage):
                 _check_head_fits(fmt, module, n, k)
             out.append(Conversion(module, "int8", w.klass, w, fmt.head_bytes(n, k, recipe.lm_head.storage)))
     return ConversionPlan(recipe, out)

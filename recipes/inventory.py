@@ -58,8 +58,10 @@ class InspectReport:
         bpt = bytes_per_token(c)
         saved_per_token = 0
         if self.plan:
+            recipe = self.plan.recipe
+            head_at_load = not recipe.output.fmt.stores_head(recipe.lm_head.storage)
             saved_per_token = sum(x.in_bytes - x.out_bytes for x in self.plan.conversions
-                                  if not (x.kind == "int8" and self.plan.recipe.lm_head.storage == "bf16"))
+                                  if not (x.kind == "int8" and head_at_load))
         return {
             "schema_version": SCHEMA_VERSION,
             "source": c.source_id or str(c.root),

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core import formats
 from hybrid_build.core.formats import inc_hybrid
 from hybrid_build.recipes.conversion import ConversionPlan
 
@@ -256,7 +257,7 @@ def _savings_from_source(plan: ConversionPlan) -> tuple[int, int]:
     head = 0
     for c in plan.of_kind("int8"):
         served = c.out_bytes
-        if plan.recipe.lm_head.storage == "bf16":
+        if not plan.recipe.output.fmt.stores_head(plan.recipe.lm_head.storage):
             served = _served_at_load(*c.shape)
         head += c.in_bytes - served
     return fp8, head
@@ -264,7 +265,7 @@ def _savings_from_source(plan: ConversionPlan) -> tuple[int, int]:
 
 def _served_at_load(n: int, k: int) -> int:
     """Bytes a BF16 head is served in: the serve plugin quantizes it at load to inc-hybrid's GPTQ int8."""
-    return inc_hybrid.FORMAT.head_bytes(n, k, storage="gptq-int8")
+    return inc_hybrid.FORMAT.head_bytes(n, k)
 
 
 def _savings_from_hybrid(ckpt: Checkpoint) -> tuple[int, int, int]:
@@ -282,7 +283,7 @@ def _savings_from_hybrid(ckpt: Checkpoint) -> tuple[int, int, int]:
         elif first.klass == "lm_head" and first.storage == "int8":
             head += 2 * n * k - _module_bytes(ckpt, module)
         elif first.klass == "lm_head" and first.storage == "bf16" and \
-                (ckpt.hybrid_info or {}).get("lm_head") == "quantize-at-load":
+                formats.head_quantized_at_load((ckpt.hybrid_info or {}).get("lm_head")):
             served = _served_at_load(n, k)
             head += 2 * n * k - served
             stored_head_fix += _module_bytes(ckpt, module) - served

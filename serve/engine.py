@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_build.core import formats
 from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_recipe_data
 from hybrid_build.core.errors import UserError
 from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
@@ -288,13 +289,13 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if off:
         env[ENV_DISABLE] = ",".join(sorted(off))
     hybrid = (config or {}).get("hybrid_build") or {}
-    if profile.artifact == "hybrid" and profile.int8_lm_head and hybrid.get("lm_head") == "quantize-at-load":
-        env["HYBRID_BUILD_LM_HEAD"] = "quantize-at-load"
+    if profile.artifact == "hybrid" and profile.int8_lm_head and formats.head_quantized_at_load(hybrid.get("lm_head")):
+        env["HYBRID_BUILD_LM_HEAD"] = formats.AT_LOAD_LABEL  # the plugin's switch: the same word (it cannot import core)
     notes = [fixes_off_note(off, engine)] if off else []
     kv_note = _kv_cache_note(name, profile, model)
     if kv_note:
         notes.append(kv_note)
-    if profile.artifact == "hybrid" and not profile.int8_lm_head and hybrid.get("lm_head") == "gptq-int8":
+    if profile.artifact == "hybrid" and not profile.int8_lm_head and formats.head_stored(hybrid.get("lm_head")):
         notes.append("the artifact stores an int8 lm-head; it is served as stored")
     if profile.artifact == "hybrid" and hybrid and (Path(artifact) / "config.json").is_file():
         gain = _lever_note(Path(artifact), hardware or detect_hardware())

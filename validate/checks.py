@@ -100,7 +100,7 @@ class ValidationInputs:
 
     def head_quantized(self) -> bool:
         """The head is stored int8 (a BF16 head is copied; the serve plugin quantizes it at load)."""
-        return self.head_storage != "bf16"
+        return self.fmt.stores_head(self.head_storage)
 
     def stored_heads(self) -> list[str]:
         return self.converted("int8") if self.head_quantized() else []

@@ -3,7 +3,10 @@
 A format module defines ``FORMAT``, an ``OutputFormat`` (``base.py``) that says what the converted
 tensors look like, the ``quantization_config``, how validate reads them back and what the card
 says. Every module of this package but ``base`` is one; adding a format is adding a module. Code
-outside this package asks ``get(name)`` for the object and never compares format names.
+outside this package asks ``get(name)`` for the object and never compares format names, nor the
+head storage strings (``base.HEAD_STORED`` / ``HEAD_AT_LOAD``, the artifact's ``AT_LOAD_LABEL``):
+the format answers ``stores_head`` and ``head_label_for``, this registry ``head_quantized_at_load``
+and ``head_stored`` for an artifact's label.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pkgutil
 from hybrid_build.core.errors import UserError
 
 from . import inc_hybrid
-from .base import OutputFormat
+from .base import AT_LOAD_LABEL, OutputFormat
 
 DEFAULT: str = inc_hybrid.FORMAT.name
 
@@ -43,3 +46,13 @@ def get(name: str) -> OutputFormat:
 def choices_help() -> str:
     """One line per format for ``--help``: ``name: description``."""
     return "; ".join(f"{f.name}: {f.description}" for f in REGISTRY.values())
+
+
+def head_quantized_at_load(label: str | None) -> bool:
+    """An artifact's ``hybrid_build.lm_head`` says its head was left BF16 for the server to quantize."""
+    return label == AT_LOAD_LABEL
+
+
+def head_stored(label: str | None) -> bool:
+    """An artifact's ``hybrid_build.lm_head`` says it stores an int8 head (in some format's layout)."""
+    return any(label == f.head_label for f in REGISTRY.values())

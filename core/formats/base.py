@@ -17,6 +17,14 @@ from hybrid_build.core.checkpoint import Checkpoint, QuantizationInfo, TensorInf
 from hybrid_build.core.safetensors_io import ByteRange, OutTensor, tensor_nbytes
 
 Parts = dict[str, tuple[str, tuple[int, ...]]]  # part name -> (safetensors dtype, shape)
+
+# How a recipe keeps its int8 head (``lm_head.storage``), and what the artifact's config.json says
+# of it (``hybrid_build.lm_head``). Code outside this package asks the format (``stores_head``,
+# ``head_label_for``) or the registry (``formats.head_quantized_at_load``, ``formats.head_stored``)
+# and never compares these strings.
+HEAD_STORED = "gptq-int8"  # stored int8, in the output format's own layout (the recipe's spelling)
+HEAD_AT_LOAD = "bf16"  # left BF16 on disk; the server quantizes it per row when it loads
+AT_LOAD_LABEL = "quantize-at-load"  # config.json's label of a head left BF16 for the server
 HandOver = Callable[[dict[str, torch.Tensor]], None]  # receives computed head tensors in memory
 
 
@@ -56,9 +64,18 @@ class OutputFormat:
     def fp8_bytes(self, n: int, k: int) -> int:
         return parts_bytes(self.fp8_parts(n, k))
 
-    def head_bytes(self, n: int, k: int, storage: str) -> int:
-        """Bytes of the head on disk; a ``bf16`` head is left as it is (two bytes a weight)."""
-        return n * k * 2 if storage == "bf16" else parts_bytes(self.head_parts(n, k))
+    def stores_head(self, storage: str) -> bool:
+        """A recipe's ``lm_head.storage`` puts the int8 head in the artifact (else it stays BF16 and
+        the server quantizes it at load)."""
+        return storage != HEAD_AT_LOAD
+
+    def head_label_for(self, storage: str) -> str:
+        """``config.json``'s ``hybrid_build.lm_head`` for a head converted with ``storage``."""
+        return self.head_label if self.stores_head(storage) else AT_LOAD_LABEL
+
+    def head_bytes(self, n: int, k: int, storage: str = HEAD_STORED) -> int:
+        """Bytes of the head on disk; a head left BF16 is as it was (two bytes a weight)."""
+        return parts_bytes(self.head_parts(n, k)) if self.stores_head(storage) else n * k * 2
 
     def head_problem(self, n: int, k: int) -> str | None:
         """Why this format cannot store an int8 head of [n, k], or None."""

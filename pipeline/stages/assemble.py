@@ -65,7 +65,7 @@ def plan_output(ctx: BuildContext, up: dict[str, StageOutput]) -> list[ShardPlan
                 scale = _from_intermediate(fp8, module + ".weight_scale_inv")  # calibrate's name for it
                 scale.name = f"{module}.{fmt.fp8_scale_part}"
                 dest.append(scale)
-            elif ctx.recipe.lm_head.storage == "bf16":
+            elif not fmt.stores_head(ctx.recipe.lm_head.storage):
                 dest.append(copied(src, t))
             else:
                 dest += [_from_intermediate(head, f"{module}.{p}") for p in fmt.head_parts(*c.shape)]
@@ -90,9 +90,10 @@ def check(ctx: BuildContext) -> None:
 
 def quantization_config(ctx) -> dict:
     """The output format's ``quantization_config`` for what the plan converts."""
-    return ctx.recipe.output.fmt.quantization_config(
+    fmt = ctx.recipe.output.fmt
+    return fmt.quantization_config(
         ctx.source, [c.module for c in ctx.plan.of_kind("fp8")], [c.module for c in ctx.plan.of_kind("int8")],
-        head_stored=ctx.recipe.lm_head.storage != "bf16")
+        head_stored=fmt.stores_head(ctx.recipe.lm_head.storage))
 
 
 def hybrid_block(ctx) -> dict:
@@ -103,7 +104,7 @@ def hybrid_block(ctx) -> dict:
         "source": {k: v for k, v in ctx.source_record().to_provenance().items() if k != "files"},
         "fp8_modules": [c.module for c in ctx.plan.of_kind("fp8")],
         "fp8_block": [128, 128],
-        "lm_head": ("quantize-at-load" if ctx.recipe.lm_head.storage == "bf16" else ctx.recipe.output.fmt.head_label)
+        "lm_head": ctx.recipe.output.fmt.head_label_for(ctx.recipe.lm_head.storage)
         if ctx.plan.of_kind("int8") else "unchanged",
     }
 

@@ -52,9 +52,9 @@ def head_plan(ctx: BuildContext, handover: Handover | None = None,
     made only for its layout, never written, takes ``null_progress`` and draws none."""
     convs = ctx.plan.of_kind("int8")
     spec = ctx.recipe.lm_head
-    if spec.storage == "bf16" or not convs:
-        return None, {"storage": spec.storage, "note": "lm-head left BF16; quantized at load time by the serve plugin"}
     fmt = ctx.recipe.output.fmt
+    if not fmt.stores_head(spec.storage) or not convs:
+        return None, {"storage": spec.storage, "note": "lm-head left BF16; quantized at load time by the serve plugin"}
     details: dict = {"storage": spec.storage, "metrics": {}}
     tensors: list[OutTensor] = []
     chunk = min(spec.chunk_rows, HEAD_CACHE_ROWS)
@@ -71,7 +71,9 @@ def layout(ctx: BuildContext) -> ShardPlan | None:
 
 
 def writes(ctx: BuildContext) -> int:
-    return 0 if ctx.recipe.lm_head.storage == "bf16" else sum(c.out_bytes for c in ctx.plan.of_kind("int8"))
+    if not ctx.recipe.output.fmt.stores_head(ctx.recipe.lm_head.storage):
+        return 0
+    return sum(c.out_bytes for c in ctx.plan.of_kind("int8"))
 
 
 STAGE = Stage("quantize-head", run, inputs=inputs, background=True, layout=layout, writes=writes)

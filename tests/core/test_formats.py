@@ -121,3 +121,50 @@ def test_no_code_outside_the_registry_names_a_format():
             if isinstance(node, ast.Constant) and node.value in names and (rel, node.value) not in NOT_A_FORMAT:
                 found.append(f"{rel}:{node.lineno}: {node.value!r}")
     assert not found
+
+
+# Code that runs inside vLLM's process cannot import core/ and spells the plugin's switch itself;
+# the recipe schema's Literal is the storage's user-facing spelling (pinned to the registry below).
+HEAD_WORDS_ALLOWED = {"recipes/schema.py", "serve/vllm_plugin.py", "serve/runtime_fixes.py"}
+# a tensor's dtype class (core/tensor_classes.py), not the recipe's head storage
+NOT_HEAD_STORAGE = {("serve/bandwidth.py", "first.storage == 'bf16'")}
+
+
+def test_head_storage_is_asked_of_the_format():
+    """The head storage words ("gptq-int8", "quantize-at-load", and "bf16" compared with the
+    recipe's head) appear only in the registry: elsewhere code asks the format (``stores_head``,
+    ``head_label_for``) or the registry (``head_quantized_at_load``, ``head_stored``)."""
+    from hybrid_build.core.formats import base
+
+    found = []
+    for rel, path in _package_files():
+        if rel.startswith(("core/formats/", "serve/patches/")) or rel in HEAD_WORDS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in (base.HEAD_STORED, base.AT_LOAD_LABEL):
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Constant) and s.value == base.HEAD_AT_LOAD for s in sides) and \
+                        any("lm_head" in ast.unparse(s) or "storage" in ast.unparse(s) for s in sides) and \
+                        (rel, ast.unparse(node)) not in NOT_HEAD_STORAGE:
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found
+
+
+def test_head_storage_answers_agree_with_the_schema_and_labels():
+    from typing import get_args
+
+    from hybrid_build.core.formats import base
+    from hybrid_build.recipes.schema import HeadSpec
+
+    assert set(get_args(HeadSpec.model_fields["storage"].annotation)) == {base.HEAD_STORED, base.HEAD_AT_LOAD}
+    for fmt in formats.REGISTRY.values():
+        assert fmt.stores_head(base.HEAD_STORED) and not fmt.stores_head(base.HEAD_AT_LOAD)
+        assert fmt.head_label_for(base.HEAD_STORED) == fmt.head_label and formats.head_stored(fmt.head_label)
+        assert fmt.head_label_for(base.HEAD_AT_LOAD) == base.AT_LOAD_LABEL
+        assert formats.head_quantized_at_load(base.AT_LOAD_LABEL) and not formats.head_stored(base.AT_LOAD_LABEL)
+        assert not formats.head_quantized_at_load(fmt.head_label)
+        assert fmt.head_bytes(248, 16, base.HEAD_AT_LOAD) == 248 * 16 * 2
+        assert fmt.head_bytes(248, 16) == parts_bytes(fmt.head_parts(248, 16))
+    assert not formats.head_stored("unchanged") and not formats.head_quantized_at_load(None)
