@@ -1,6 +1,8 @@
-"""hybrid-build's ground floor: errors, checkpoint reading, safetensors I/O, tensor classes, the
-source's identity, manifests and the artifact folder's contract. Every other folder may import it;
-it imports only ``calibration`` (pure tensor transforms)."""
+"""hybrid-build's ground floor: errors, checkpoint reading, safetensors I/O, reading tensors back
+and dequantizing them (``weights``), tensor classes, the source's identity, manifests, the
+artifact folder's contract, the output formats (``formats/``) and what every command shares (CLI
+support, progress, signals, secrets). Every other folder may import it; it imports only
+``calibration`` (pure tensor transforms)."""
 from importlib.metadata import PackageNotFoundError, version
 
 try:

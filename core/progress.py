@@ -1,7 +1,9 @@
 """Progress reporting as library code sees it: a factory of bars with ``update`` and ``close``.
 
+A factory is called with tqdm's keywords (``total``, ``desc``, ``unit``, ...) and returns a bar.
 Library code takes a factory and never draws anything; the CLI passes one that makes tqdm bars
-(``hybrid_build.pipeline.cli.progress``), tests and quiet runs use ``null_progress``.
+(``core.cli_support.progress``), tests and quiet runs use ``null_progress``. ``close_bar`` closes
+a bar of either kind (a factory may return any object with ``update``).
 """
 from __future__ import annotations
 

@@ -1,11 +1,16 @@
 """The ``assemble`` stage: write the output checkpoint from the source and the stage results.
 
-Every output tensor is planned first (names, dtypes, shapes, shard offsets). Unchanged tensors
-are byte ranges of the source; converted ones are byte ranges of the intermediate files written
-by ``calibrate`` and ``quantize-head``; the output format (``core/formats``) names and arranges
-them, and a format that repacks the INT4 tensors transposes data one tensor at a time. Shards go
-to temporary names and are renamed when complete; the index is written last, after the
-provenance manifest, so a folder with an index is a complete build.
+Every output tensor is planned first (names, dtypes, shapes, shard offsets; nothing is read but
+headers). Unchanged tensors are byte ranges of the source; converted ones are byte ranges of the
+intermediate files of ``calibrate`` and ``quantize-head`` (the latter may still be running in the
+background: its layout is known, and the head's tensors go last in their shard); the output format
+(``core/formats``) names and arranges them, and a format that repacks the INT4 tensors transposes
+data one tensor at a time. Two shards are written at a time, each hashed while written, under
+temporary names renamed when complete; a try cut short resumes its complete shards. Then the
+source's other files, ``config.json`` (the format's ``quantization_config`` and the
+``hybrid_build`` block) and, last, the index. The index and any earlier provenance are removed
+before the first shard, so a folder with an index holds complete shards; ``record`` writes the
+provenance from the hashes this stage returns.
 """
 from __future__ import annotations
 
