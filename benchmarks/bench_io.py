@@ -59,7 +59,7 @@ def main() -> None:
         # shards are on disk): the like-for-like baseline is cp followed by sync; plain cp and our
         # copy without the sync are measured too
         cps_runs, ns_runs = [], []
-        for i in range(args.repeat):
+        for _ in range(args.repeat):
             for runs, cmd in ((cp_runs, ["cp", "-r", str(src), str(work / "cp")]),
                               (cps_runs, ["sh", "-c", f"cp -r '{src}' '{work / 'cp'}' && sync"]),
                               (our_runs, [sys.executable, "-c", COPY, str(src), str(work / "ours")]),

@@ -333,14 +333,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Read bandwidth: the sum of a 2 GiB bf16 tensor (docs/kernel.md's first ceiling), and of a
     # 4 GiB fp32 tensor (the ceiling docs/kernel.md uses, 4,426 GB/s); one read, a negligible write.
-    big = torch.randn(2**30 if not SMOKE else 2**16, device=dev, dtype=torch.bfloat16, generator=gen)
-    t_sum = bench_ms(lambda: big.sum(dtype=torch.float32))
-    read_gbs = big.numel() * 2 / t_sum / 1e6
-    del big
-    big = torch.randn(2**30 if not SMOKE else 2**16, device=dev, dtype=torch.float32, generator=gen)
-    t_sum32 = bench_ms(lambda: big.sum())
-    ceiling_gbs = big_gbs32 = big.numel() * 4 / t_sum32 / 1e6
-    del big
+    big16 = torch.randn(2**30 if not SMOKE else 2**16, device=dev, dtype=torch.bfloat16, generator=gen)
+    t_sum = bench_ms(lambda: big16.sum(dtype=torch.float32))
+    read_gbs = big16.numel() * 2 / t_sum / 1e6
+    big16 = None  # freed before the next (the lambda that read it is gone)
+    big32 = torch.randn(2**30 if not SMOKE else 2**16, device=dev, dtype=torch.float32, generator=gen)
+    t_sum32 = bench_ms(lambda: big32.sum())
+    ceiling_gbs = big_gbs32 = big32.numel() * 4 / t_sum32 / 1e6
+    big32 = None
     t_sum_w = bench_ms(lambda: w.sum(dtype=torch.int32))
     # The ceiling: the larger of the two sums, measured here.
     ceiling_gbs = max(ceiling_gbs, read_gbs)
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"argmax {'ok' if chk['argmax_equal'] else 'DIFF'}"
                 + (f"  Marlin {t_marlin * 1e3:7.1f} us ({frac_ceiling(t_marlin):5.1%})" if t_marlin else "")
                 + (f"  graph {t_graph * 1e3:7.1f} us ({frac_ceiling(t_graph):5.1%})" if t_graph else ""))
-        del w_lin, marlin_fn
+        w_lin = marlin_fn = None  # freed before the next dtype's copy
     result["table"] = table
     result["not_run_here"] = {
         "seed_v3": "the seed's patch_int8_lmhead_v3 kernel: its source is not available here; ../shared/FACTS.md "

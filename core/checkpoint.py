@@ -17,8 +17,8 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import SourceError
-from .tensor_classes import classify, dtype_storage, module_storage, split_module
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
+from .tensor_classes import classify, dtype_storage, module_storage, split_module
 
 log = logging.getLogger(__name__)
 

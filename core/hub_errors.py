@@ -64,8 +64,15 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def classify(exc: BaseException) -> HubFailure:
     import httpx
     from huggingface_hub.errors import (
-        DisabledRepoError, GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
-        OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+        DisabledRepoError,
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
     if isinstance(exc, LocalEntryNotFoundError):

@@ -274,7 +274,7 @@ def open_recorded_source(artifact: Path, provenance: dict | None, given: str | o
                          progress: ProgressFactory = null_progress):
     """The source checkpoint of ``artifact``: ``given`` if set, else the one it records, checked by
     content against the provenance. A source that differs is one error (exit 2), never a report."""
-    from .checkpoint import Checkpoint, HUB_ID
+    from .checkpoint import HUB_ID, Checkpoint
 
     artifact = Path(artifact).resolve()
     record = read_record(artifact, provenance)

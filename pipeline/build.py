@@ -13,15 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
-
 from hybrid_build.core import formats
+from hybrid_build.core.artifact import WORK_DIR
 from hybrid_build.core.checkpoint import Checkpoint
-from .context import BuildContext
-from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.core.errors import RecipeError, SourceError, UserError
 from hybrid_build.core.progress import ProgressFactory, null_progress
-from hybrid_build.core.artifact import WORK_DIR
+from hybrid_build.recipes.conversion import plan_conversion
+from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
+
+from .context import BuildContext
 
 
 @dataclass

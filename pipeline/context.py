@@ -12,16 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.recipes.schema import Recipe
-
 from hybrid_build.core import __version__
+from hybrid_build.core.artifact import RUN_RECIPE, WORK_DIR
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.recipes.conversion import ConversionPlan
 from hybrid_build.core.manifest import sha256_json
 from hybrid_build.core.progress import ProgressFactory, null_progress
-from hybrid_build.core.source_identity import DIGEST_CACHE, LOCATION_FILE, SourceDigests, SourceRecord, record_for
-from hybrid_build.core.artifact import RUN_RECIPE, WORK_DIR
 from hybrid_build.core.safetensors_io import write_text_atomic
+from hybrid_build.core.source_identity import DIGEST_CACHE, LOCATION_FILE, SourceDigests, SourceRecord, record_for
+from hybrid_build.recipes.conversion import ConversionPlan
+from hybrid_build.recipes.schema import Recipe
 
 _RECORD_LOCK = threading.Lock()  # a background stage may save its manifest while the main thread does
 

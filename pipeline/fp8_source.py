@@ -18,7 +18,6 @@ from pathlib import Path
 
 from hybrid_build.calibration.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from hybrid_build.calibration.metrics import error_metrics
-
 from hybrid_build.core.checkpoint import HUB_ID, Checkpoint
 from hybrid_build.core.errors import SourceError
 from hybrid_build.core.safetensors_io import INDEX_NAME, ByteRange, OutTensor

@@ -20,13 +20,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.artifact import CARD, CONFIG, META_DIR, PROVENANCE, REPORT_FILES, REPORTS, provenance_sha256, \
-    read_provenance, report_state, unexpected_files
+from hybrid_build.core.artifact import (
+    CARD,
+    CONFIG,
+    META_DIR,
+    PROVENANCE,
+    REPORT_FILES,
+    REPORTS,
+    provenance_sha256,
+    read_provenance,
+    report_state,
+    unexpected_files,
+)
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
-from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_bench, \
-    read_evaluation, read_frontmatter, reference_current, render_card
 from hybrid_build.core.progress import null_progress
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
+
+from .modelcard import (
+    CardInputs,
+    LicenseInfo,
+    ValidationStatus,
+    converted_sizes,
+    find_license,
+    read_bench,
+    read_evaluation,
+    read_frontmatter,
+    reference_current,
+    render_card,
+)
 
 log = logging.getLogger(__name__)
 

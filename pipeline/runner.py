@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid_build.core import __version__
-from .context import BuildContext, output_bytes
-from hybrid_build.core.errors import HybridBuildError, StageFailed, StorageError, UserError
 from hybrid_build.core.byte_units import human_bytes
+from hybrid_build.core.errors import HybridBuildError, StageFailed, StorageError, UserError
 from hybrid_build.core.manifest import StageManifest, describe_outputs, sha256_json
+
+from .context import BuildContext, output_bytes
 from .stages import STAGES, load_stage
 from .stages.base import Finished, Handover, Pending, Stage, StageIO, StageOutput
 

@@ -17,14 +17,27 @@ from pathlib import Path
 
 from hybrid_build.core import __version__
 from hybrid_build.core.artifact import (
-    PROVENANCE, RECIPE, REPORTS, RUN_RECIPE, WORK_DIR, provenance_sha256, read_provenance, read_recipe_data,
-    report_state, unexpected_files,
+    PROVENANCE,
+    RECIPE,
+    REPORTS,
+    RUN_RECIPE,
+    WORK_DIR,
+    provenance_sha256,
+    read_provenance,
+    read_recipe_data,
+    report_state,
+    unexpected_files,
 )
 from hybrid_build.core.errors import HybridBuildError, UserError
 from hybrid_build.core.manifest import StageManifest
 from hybrid_build.core.progress import ProgressFactory, null_progress
 from hybrid_build.core.source_identity import (
-    DIGEST_CACHE, LOCATION_FILE, SourceDigests, SourceRecord, mismatch, read_record,
+    DIGEST_CACHE,
+    LOCATION_FILE,
+    SourceDigests,
+    SourceRecord,
+    mismatch,
+    read_record,
 )
 
 from .context import BuildContext

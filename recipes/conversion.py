@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybrid_build.recipes.schema import Recipe, target_matches
-
 from hybrid_build.core import formats
 from hybrid_build.core.checkpoint import Checkpoint, TensorInfo
 from hybrid_build.core.errors import SourceError
 from hybrid_build.core.formats.base import OutputFormat
+from hybrid_build.recipes.schema import Recipe, target_matches
 
 
 @dataclass(frozen=True)

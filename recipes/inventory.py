@@ -8,12 +8,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hybrid_build.core.byte_units import human_bytes
+from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.errors import RecipeError
+from hybrid_build.core.tensor_classes import CLASSES
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
-from hybrid_build.core.checkpoint import Checkpoint
 from .conversion import ConversionPlan, plan_conversion
-from hybrid_build.core.errors import RecipeError, SourceError
-from hybrid_build.core.tensor_classes import CLASSES
 
 SCHEMA_VERSION = 1
 

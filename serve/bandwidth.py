@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core import formats
+from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.formats import inc_hybrid
 from hybrid_build.recipes.conversion import ConversionPlan
 

@@ -11,8 +11,19 @@ from hybrid_build.core.api_key import client_key
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, describe_os_error, emit_json, progress
 from hybrid_build.core.errors import UserError
 
-from .bench import (LOW_ACCEPTANCE_FRACTION, LOW_ACCEPTANCE_MIN_GAP, MAX_CONCURRENCY, MIN_RUNS_FOR_VERDICT,
-                    WORKLOADS, bench, bench_pair, compare, compare_table, load_report, table)
+from .bench import (
+    LOW_ACCEPTANCE_FRACTION,
+    LOW_ACCEPTANCE_MIN_GAP,
+    MAX_CONCURRENCY,
+    MIN_RUNS_FOR_VERDICT,
+    WORKLOADS,
+    bench,
+    bench_pair,
+    compare,
+    compare_table,
+    load_report,
+    table,
+)
 
 
 def register(sub, common) -> None:

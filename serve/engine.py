@@ -15,9 +15,8 @@ from pathlib import Path
 from hybrid_build.core import formats
 from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_recipe_data
 from hybrid_build.core.errors import UserError
-from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
-
 from hybrid_build.recipes.profiles import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER, ServeProfile
+from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
 
 from .runtime_fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
 from .served_key import SERVER_ENV, ApiKey, is_loopback

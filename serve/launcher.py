@@ -22,10 +22,10 @@ from pathlib import Path
 
 from hybrid_build.core.api_key import REFUSED, bearer, raise_if_refused
 from hybrid_build.core.errors import ArtifactError, ExternalToolError
+from hybrid_build.recipes.profiles import SMOKE_EXPECT, SMOKE_PROMPT
 
 from .engine import LaunchPlan
 from .served_key import SERVER_ENV
-from hybrid_build.recipes.profiles import SMOKE_EXPECT, SMOKE_PROMPT
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ from safetensors import safe_open
 
 from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
-from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
 from hybrid_build.core.artifact import PROVENANCE, unexpected_files
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.formats.base import OutputFormat
 from hybrid_build.core.manifest import sha256_file
-from hybrid_build.recipes.conversion import ConversionPlan
-from hybrid_build.core.tensor_classes import layer_index, split_module
+from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
 from hybrid_build.core.safetensors_io import INDEX_NAME
+from hybrid_build.core.tensor_classes import layer_index, split_module
+from hybrid_build.recipes.conversion import ConversionPlan
 from hybrid_build.recipes.schema import Recipe, ValidateSpec
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def check_tensors(inp: ValidationInputs, f: Findings) -> None:
         elif (repacked := inp.fmt.int4_parts(parts)) is not None:
             expected.update({f"{module}.{p}": v for p, v in repacked.items()})
         else:
-            for part, t in parts.items():
+            for t in parts.values():
                 expected[t.name] = (t.dtype, t.shape)
                 copied.append(t.name)
     missing = [n for n in expected if n not in art.tensors]

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.artifact import REPORTS, RECIPE, provenance_sha256, read_provenance, read_recipe_data
+from hybrid_build.core.artifact import RECIPE, REPORTS, provenance_sha256, read_provenance, read_recipe_data
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, HybridBuildError, SourceError, UserError
 from hybrid_build.core.source_identity import open_recorded_source
+from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.recipes.schema import Recipe, parse_recipe, select_recipe
 
 from . import checks

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.calibration.fp8_block import BLOCK as FP8_BLOCK
+from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import ArtifactError, UserError
 from hybrid_build.core.weights import RangeReader, read_stored
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json
 from hybrid_build.core.errors import SourceError
-from ..generators.sources import open_source
 from hybrid_build.recipes.inventory import build_report, render_text
+
+from ..generators.sources import open_source
 
 
 def _handle(args: argparse.Namespace) -> int:

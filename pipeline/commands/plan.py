@@ -11,14 +11,21 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
+from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json
+from hybrid_build.core.errors import UserError
 from hybrid_build.serve import bandwidth as bw
 from hybrid_build.serve import multinode_plan as mnp
 from hybrid_build.serve.speed_plan import (
-    DEFAULT_ACCEPT, KV_DTYPES, STATE_DTYPES, PlanOptions, build_plan, drafter_of, render_text, write_plot,
+    DEFAULT_ACCEPT,
+    KV_DTYPES,
+    STATE_DTYPES,
+    PlanOptions,
+    build_plan,
+    drafter_of,
+    render_text,
+    write_plot,
 )
 
-from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json
-from hybrid_build.core.errors import UserError
 from ..generators.sources import open_source
 
 

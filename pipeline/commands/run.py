@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import shutil
 import tempfile
-import logging
 import time
 from pathlib import Path
 
-from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.artifact import WORK_DIR
+from hybrid_build.core.byte_units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,9 @@ def _split_stages(text: str | None) -> list[str] | None:
 def _demo_source(args) -> Path:
     """No SOURCE: build (once) the tiny demo checkpoint, and its drafter beside it, in the output
     folder's work dir. A demo source built before the drafter existed gets one now."""
-    from ..generators.demo import build_demo_checkpoint, build_demo_drafter, demo_drafter_path
     from hybrid_build.core.artifact import DEMO_SOURCE
+
+    from ..generators.demo import build_demo_checkpoint, build_demo_drafter, demo_drafter_path
 
     path = args.out / DEMO_SOURCE
     if not (path / "model.safetensors.index.json").exists():
@@ -38,12 +39,13 @@ def _demo_source(args) -> Path:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from ..build import RecipeOverrides, check_output_folder, prepare
-    from hybrid_build.core.errors import UserError
-    from ..generators.sources import SYNTHETIC_PREFIX, open_source
-    from hybrid_build.core.cli_support import emit_json, progress
-    from ..runner import run_build, select_stages
     from hybrid_build.core.artifact import DEMO_SOURCE, REPORTS
+    from hybrid_build.core.cli_support import emit_json, progress
+    from hybrid_build.core.errors import UserError
+
+    from ..build import RecipeOverrides, check_output_folder, prepare
+    from ..generators.sources import SYNTHETIC_PREFIX, open_source
+    from ..runner import run_build, select_stages
 
     stages = select_stages(_split_stages(args.only), getattr(args, "from"))
     demo = args.source is None
@@ -143,6 +145,7 @@ def _stage_json(r) -> dict:
 
 def _dry_run(args, ctx, source, stages: list[str]) -> int:
     from hybrid_build.core.cli_support import emit_json
+
     from ..runner import dry_run
 
     data = {"source": ctx.source.source_id or str(ctx.source.root), **dry_run(ctx, stages)}
@@ -166,6 +169,7 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
 def register(sub, common) -> None:
     from hybrid_build.core import formats
     from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
+
     from ..stages import STAGES
 
     other_format = next((n for n in formats.names() if n != formats.DEFAULT), formats.DEFAULT)

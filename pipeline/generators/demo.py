@@ -93,7 +93,7 @@ def _mtp_tensors(config, seed: int) -> dict:
     MTP block, so the layer comes from a real one-layer text model, exported by save_pretrained."""
     import torch
     from safetensors.torch import load_file
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     text = dict(TEXT_CONFIG, num_hidden_layers=1, layer_types=["full_attention"])
     torch.manual_seed(seed + 1)

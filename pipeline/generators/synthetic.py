@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid_build.core.errors import ArtifactError, UserError
-from hybrid_build.core.safetensors_io import OutTensor, ShardPlan, plan_shards, tensor_nbytes, write_index, write_shard, write_text_atomic
+from hybrid_build.core.safetensors_io import (
+    OutTensor,
+    ShardPlan,
+    plan_shards,
+    tensor_nbytes,
+    write_index,
+    write_shard,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
 

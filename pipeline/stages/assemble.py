@@ -24,15 +24,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hybrid_build.core import __version__
-from ..context import BuildContext, output_bytes
+from hybrid_build.core.artifact import CONFIG, PROVENANCE, QUANT_CONFIG, RECIPE, build_outputs
 from hybrid_build.core.errors import ArtifactError
-from hybrid_build.core.tensor_classes import split_module
+from hybrid_build.core.formats.base import copied
 from hybrid_build.core.manifest import sha256_file
 from hybrid_build.core.safetensors_io import (
-    INDEX_NAME, TMP_SUFFIX, ByteRange, OutTensor, ShardHasher, ShardPlan, plan_shards, write_shard, write_text_atomic,
+    INDEX_NAME,
+    TMP_SUFFIX,
+    ByteRange,
+    OutTensor,
+    ShardHasher,
+    ShardPlan,
+    plan_shards,
+    write_shard,
+    write_text_atomic,
 )
-from hybrid_build.core.artifact import CONFIG, PROVENANCE, QUANT_CONFIG, RECIPE, build_outputs
-from hybrid_build.core.formats.base import copied
+from hybrid_build.core.tensor_classes import split_module
+
+from ..context import BuildContext, output_bytes
 from .base import Stage, StageIO, StageOutput
 
 log = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ import torch
 
 from hybrid_build.calibration.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from hybrid_build.calibration.metrics import error_metrics
-
-from ..context import BuildContext
-from hybrid_build.recipes.conversion import Conversion
 from hybrid_build.core.safetensors_io import OutTensor, ShardPlan, write_shard
 from hybrid_build.core.weights import read_tensor
+from hybrid_build.recipes.conversion import Conversion
+
+from ..context import BuildContext
 from .base import Stage, StageIO
 
 FP8_FILE = "shared_experts_fp8.safetensors"

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..context import BuildContext
-from hybrid_build.core.safetensors_io import OutTensor, ShardPlan, write_shard
 from hybrid_build.core.progress import ProgressFactory, null_progress
+from hybrid_build.core.safetensors_io import OutTensor, ShardPlan, write_shard
+
+from ..context import BuildContext
 from .base import Handover, Stage, StageIO
 
 HEAD_FILE = "lm_head_int8.safetensors"

@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybrid_build.core.artifact import REPORTS
-from ..context import BuildContext
 from hybrid_build.core.errors import ArtifactError, StageFailed
+
+from ..context import BuildContext
 from .base import Stage, StageIO
 
 

@@ -158,9 +158,9 @@ def child_correct(artifact: str, ref_path: str, label: str, rows_out: str, ref_l
     default ``label``); the rows are saved to ``rows_out`` so that the artifacts can also be compared
     with vLLM's own run of the source."""
     import torch
-    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
 
     ref = torch.load(ref_path)
     vocab = ref["source"][0].shape[-1]

@@ -178,7 +178,7 @@ def main() -> int:
             variants[label]["launches_per_step"] = [p["launches_per_step"] for p in prof]
     if "base" in variants:
         b = statistics.median(variants["base"]["engine_medians_tok_s"])
-        for label, v in variants.items():
+        for v in variants.values():
             v["over_base"] = round(statistics.median(v["engine_medians_tok_s"]) / b, 4)
     # 3. kernel tables (first 48-layer engine of each variant) by category, top kernels
     kernels = {}

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import ast
 import importlib
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = {"vllm"}

@@ -8,7 +8,11 @@ import torch
 
 from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block, fp8_block_args, quantize_fp8_block
 from hybrid_build.calibration.gptq import (
-    dequantize_gptq, int8_gptq_qzeros, pack_int8_gptq, unpack_codes, zeros_are_symmetric,
+    dequantize_gptq,
+    int8_gptq_qzeros,
+    pack_int8_gptq,
+    unpack_codes,
+    zeros_are_symmetric,
 )
 from hybrid_build.calibration.int8_rows import dequantize_int8_rows, quantize_int8_rows
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics

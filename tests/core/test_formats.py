@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ast
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from hybrid_build.core import formats
 from hybrid_build.core.checkpoint import Checkpoint

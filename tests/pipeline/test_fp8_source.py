@@ -10,10 +10,10 @@ from safetensors.torch import save_file
 
 from hybrid_build.calibration.fp8_block import quantize_fp8_block
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.pipeline.build import prepare
 from hybrid_build.core.errors import SourceError
-from hybrid_build.pipeline.runner import run_build
 from hybrid_build.core.weights import read_tensor
+from hybrid_build.pipeline.build import prepare
+from hybrid_build.pipeline.runner import run_build
 from hybrid_build.pipeline.stages import STAGES
 
 

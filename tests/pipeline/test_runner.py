@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from hybrid_build.calibration.metrics import error_metrics
-from hybrid_build.pipeline import build, runner
-from hybrid_build.pipeline.stages import assemble as asm
-from hybrid_build.pipeline.stages import base as stage_base
-from hybrid_build.pipeline.stages import quantize_head
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.pipeline.cli import main
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.tensor_classes import split_module
 from hybrid_build.core.weights import load_weight, read_tensor
+from hybrid_build.pipeline import build, runner
+from hybrid_build.pipeline.cli import main
+from hybrid_build.pipeline.stages import assemble as asm
+from hybrid_build.pipeline.stages import base as stage_base
+from hybrid_build.pipeline.stages import quantize_head
 
 
 def _bytes(ckpt, t):

@@ -11,7 +11,13 @@ from safetensors.torch import load_file, save_file
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import ArtifactError, SourceError
 from hybrid_build.core.safetensors_io import (
-    INDEX_NAME, ByteRange, OutTensor, plan_shards, read_header, write_index, write_shard,
+    INDEX_NAME,
+    ByteRange,
+    OutTensor,
+    plan_shards,
+    read_header,
+    write_index,
+    write_shard,
 )
 
 

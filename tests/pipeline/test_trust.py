@@ -6,7 +6,6 @@ Each test here failed on the tool before sources were identified by content (see
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,13 +15,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybrid_build.pipeline import build, runner
 from hybrid_build.core import source_identity
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.pipeline.cli import main
+from hybrid_build.pipeline import build, runner
 from hybrid_build.pipeline.build import RecipeOverrides
-from hybrid_build.recipes.schema import load_recipe, select_recipe
+from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.stages import STAGES
+from hybrid_build.recipes.schema import load_recipe, select_recipe
 
 SHARED = "model.language_model.layers.1.mlp.shared_expert.up_proj.weight"
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from hub_standin import StandInHub
 
-
 # ------------------------------------------------------------------------------------ fixtures
 
 

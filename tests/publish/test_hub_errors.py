@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from hub_standin import FAKE_TOKEN
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import hf_raise_for_status
 
-from hub_standin import FAKE_TOKEN
-from hybrid_build.pipeline.commands import publish as publish_command
 from hybrid_build.core.checkpoint import resolve_source
-from hybrid_build.pipeline.cli import main
 from hybrid_build.core.errors import ExternalToolError, UserError
 from hybrid_build.core.hub_errors import classify, hub_message
+from hybrid_build.pipeline.cli import main
+from hybrid_build.pipeline.commands import publish as publish_command
 
 REPO = "some-org/some-model"
 
@@ -173,7 +173,7 @@ def cli(monkeypatch, hub, no_sleep):
 
 
 @pytest.mark.parametrize("exc, code, says", [
-    (hub_answer(403, "GatedRepo", url=f"https://huggingface.co/api/repos/create"), 2, "a gated repository"),
+    (hub_answer(403, "GatedRepo", url="https://huggingface.co/api/repos/create"), 2, "a gated repository"),
     (hub_answer(401, message="Invalid credentials in Authorization header", url="https://huggingface.co/api/repos/create"),
      2, "unauthorized (HTTP 401): the token was refused"),
     (hub_answer(403, message="You don't have the rights to create a model under this namespace",

@@ -247,7 +247,13 @@ def write_eval_report(artifact, pairs=None):
     """An eval report as `hybrid-build eval` writes it, for this build (no lm-eval run: its figures are
     made up, the statistics are the real ones)."""
     from hybrid_build.validate.task_eval import (
-        BUNDLED_DATASET, HF_NOTE, AccuracyReport, EvalSettings, artifact_identity, compare_pairs, default_report_path,
+        BUNDLED_DATASET,
+        HF_NOTE,
+        AccuracyReport,
+        EvalSettings,
+        artifact_identity,
+        compare_pairs,
+        default_report_path,
         write_report,
     )
 

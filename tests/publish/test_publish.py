@@ -13,13 +13,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from hybrid_build.core.byte_units import human_bytes
 from hub_standin import FAKE_TOKEN, StandInHub, http_error
 
-from hybrid_build.pipeline.commands import publish as publish_command
-from hybrid_build.pipeline.cli import main
+from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.errors import ArtifactError, UserError
+from hybrid_build.pipeline.cli import main
+from hybrid_build.pipeline.commands import publish as publish_command
 from hybrid_build.pipeline.publish import Publisher, RetryPolicy, plan_publish, verify_remote
 
 REPO = "my-org/tiny-hybrid"

@@ -47,7 +47,6 @@ def out_rounding(dtype) -> tuple[float, float]:
 
 def bounds(x, x_kernel, head, q, s_kernel, s_quant, kernel_out_dtype):
     """float64 int8-math and float-head references, and the error bound against each."""
-    import torch
 
     x64, xk64, q64 = x.double(), x_kernel.double(), q.double()
     sk, sq = s_kernel.double().reshape(-1), s_quant.double().reshape(-1)

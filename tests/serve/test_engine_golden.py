@@ -7,15 +7,15 @@ after an intended change with ``HYBRID_BUILD_UPDATE_GOLDEN=1`` and review the di
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from hybrid_build.pipeline.cli import main
 from hybrid_build.core.errors import SourceMismatch, UserError
+from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.engine import plan_launch
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.pipeline.cli import main
 from hybrid_build.core.errors import ArtifactError, ExternalToolError
+from hybrid_build.pipeline.cli import main
 from hybrid_build.serve import bench as bench_mod
 from hybrid_build.serve.engine import LaunchPlan
 from hybrid_build.serve.launcher import check_prerequisites, smoke_test, start, wait_ready

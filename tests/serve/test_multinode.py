@@ -20,10 +20,10 @@ import os
 import queue
 import re
 import secrets
-import stat
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.pipeline.cli import main
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.pipeline.cli import main
 from hybrid_build.serve import bandwidth as bw
 from hybrid_build.serve import multinode as mn
 from hybrid_build.serve import multinode_plan as mnp
@@ -826,7 +826,9 @@ def test_sigterm_while_starting_stops_the_nodes_and_removes_the_token_files(tiny
 def synthetic(tmp_path_factory):
     from hybrid_build.core.checkpoint import Checkpoint
     from hybrid_build.pipeline.generators.synthetic import (
-        qwen35_122b_config, qwen35_397b_config, write_synthetic_checkpoint,
+        qwen35_122b_config,
+        qwen35_397b_config,
+        write_synthetic_checkpoint,
     )
 
     root = tmp_path_factory.mktemp("synthetic")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from test_multinode import CliRun
 
+
 def _serve(art: Path, c: dict, flags: str = "", *extra: str) -> CliRun:
     argv = ["serve", str(art), "--profile", "dense", "--port", str(c["port"]), "--ready-timeout", "120",
             "--log", str(c["cwd"] / "serve.log"), *extra]

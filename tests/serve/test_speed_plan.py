@@ -8,15 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from hybrid_build.serve import bandwidth as bw
-from hybrid_build.serve.speed_plan import PlanOptions, build_plan
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.pipeline.cli import main
-from hybrid_build.recipes.inventory import build_report, bytes_per_token
 from hybrid_build.pipeline.generators.synthetic import (
-    SyntheticTensor, qwen35_122b_config, synthetic_tensors, write_synthetic_checkpoint,
+    SyntheticTensor,
+    qwen35_122b_config,
+    synthetic_tensors,
+    write_synthetic_checkpoint,
 )
-
+from hybrid_build.recipes.inventory import build_report, bytes_per_token
+from hybrid_build.serve import bandwidth as bw
+from hybrid_build.serve.speed_plan import PlanOptions, build_plan
 
 # ----------------------------------------------------------------------------- hand formulas
 

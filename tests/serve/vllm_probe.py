@@ -92,13 +92,15 @@ def main() -> int:
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.linear import (
-        MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
     )
     from vllm.model_executor.layers.quantization import get_quantization_config
     from vllm.model_executor.layers.quantization.inc.schemes.factory import resolve_scheme
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.model_executor.models.utils import WeightsMapper
-
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 

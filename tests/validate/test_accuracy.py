@@ -12,8 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.validate import eval_taskset
-from hybrid_build.validate import task_eval
+from hybrid_build.validate import eval_taskset, task_eval
 from hybrid_build.validate.task_eval import EvalSettings, ServerModel, compare_pairs, mcnemar_exact
 
 ROW_KEYS = {"task", "metric", "n", "source", "hybrid", "difference", "ci95", "recovery_pct", "only_source",

@@ -12,7 +12,7 @@ import torch
 
 from hybrid_build.core.artifact import PROVENANCE, REPORTS, report_state
 from hybrid_build.core.errors import ArtifactError, UserError
-from hybrid_build.validate.reference import K, SIDES, read_reference
+from hybrid_build.validate.reference import SIDES, K, read_reference
 from hybrid_build.validate.report import validate_artifact
 
 REFERENCE = REPORTS["reference"]

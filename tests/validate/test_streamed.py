@@ -19,8 +19,13 @@ from safetensors import safe_open
 
 from hybrid_build.core.errors import UserError
 from hybrid_build.pipeline.stages import STAGES
-from hybrid_build.validate.divergence import (PositionStats, bootstrap_mean_ci, divergence_report, position_stats,
-                                              summarize)
+from hybrid_build.validate.divergence import (
+    PositionStats,
+    bootstrap_mean_ci,
+    divergence_report,
+    position_stats,
+    summarize,
+)
 
 MAX_TOKENS = 256  # per text, as the transformers end-to-end check (validate/transformers_forward.py) uses
 SE = "model.language_model.layers.{}.mlp.shared_expert.{}_proj"
@@ -167,9 +172,9 @@ def test_streamed_forward_of_each_format_agrees(tiny_checkpoint, built_artifact,
     head read in vocabulary chunks: GPTQ columns, pack-quantized rows) equal up to the heads'
     scale dtype; the INT4 modules shared with the source must be dequantized once, not per
     checkpoint."""
-    from hybrid_build.recipes.conversion import plan_conversion
     from hybrid_build.pipeline.build import prepare
     from hybrid_build.pipeline.runner import run_build
+    from hybrid_build.recipes.conversion import plan_conversion
     from hybrid_build.validate.streamed import compare_streamed, streamed_hidden_states
 
     ct = tmp_path / "ct"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.validate.report import validate_artifact
 from hybrid_build.pipeline.stages import STAGES
+from hybrid_build.validate.report import validate_artifact
 
 SE = "model.language_model.layers.{}.mlp.shared_expert.{}_proj"
 
