@@ -26,7 +26,8 @@ from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.safetensors_io import ByteRange, OutTensor, plan_shards, write_index, write_shard
 src, dst = Checkpoint.read_folder(Path(sys.argv[1])), Path(sys.argv[2])
 dst.mkdir()
-tensors = [OutTensor(t.name, t.dtype, t.shape, ByteRange(src.path_of(t), t.start, t.nbytes)) for t in src.tensors.values()]
+tensors = [OutTensor(t.name, t.dtype, t.shape, ByteRange(src.path_of(t), t.start, t.nbytes))
+           for t in src.tensors.values()]
 plans = plan_shards(tensors, 5_000_000_000)
 for p in plans:
     write_shard(p, dst)
@@ -72,7 +73,8 @@ def main() -> None:
                   "time_ratio_nosync_vs_plain_cp": round(ns["seconds"] / cp["seconds"], 3),
                   "time_ratio": round(ours["seconds"] / cps["seconds"], 3),
                   "time_ratio_vs_plain_cp": round(ours["seconds"] / cp["seconds"], 3),
-                  "ours_gb_per_s": round(size / ours["seconds"] / 1e9, 3), "runs": {"cp": cp_runs, "cp_sync": cps_runs, "ours": our_runs, "ours_nosync": ns_runs}}
+                  "ours_gb_per_s": round(size / ours["seconds"] / 1e9, 3),
+                  "runs": {"cp": cp_runs, "cp_sync": cps_runs, "ours": our_runs, "ours_nosync": ns_runs}}
         if args.json:
             print(json.dumps(result, indent=2))
         else:

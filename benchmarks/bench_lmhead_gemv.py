@@ -414,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         for cls, rec in best.items():
             if rec["config"].get("act") == "i16":
                 for stage in ("quant_only", "dot_only"):
-                    split.append(dict(run_variant(cls, g.GemvConfig(**rec["config"]), stage=stage, layout=rec["layout"]),
-                                      full_ms=rec["ms"]))
+                    i16_cfg = g.GemvConfig(**rec["config"])
+                    split.append(dict(run_variant(cls, i16_cfg, stage=stage, layout=rec["layout"]), full_ms=rec["ms"]))
                     log(f"i16 B={cls} {stage}: {split[-1].get('ms', split[-1].get('error'))} ms of {rec['ms']}")
         result["i16_split"] = split
         save()
@@ -447,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         ws = torch.randint(-127, 128, (nn, kk), dtype=torch.int8, device=dev, generator=gen)
         ss = torch.rand(nn, device=dev, generator=gen) * 0.01 + 1e-3
         w_tiled = g.tile_weight(ws)
-        for dtype, layout, mode in ((d, lay, m) for d in dtypes for lay in ("rows", "tiled") for m in ("cvt", "bits", "asm", "i16")):
+        modes = ("cvt", "bits", "asm", "i16")
+        for dtype, layout, mode in ((d, lay, m) for d in dtypes for lay in ("rows", "tiled") for m in modes):
             x = torch.randn(b, kk, device=dev, dtype=dtype, generator=gen)
             ref = torch.nn.functional.linear(x.float(), ws.float() * ss[:, None])
             out = torch.full((b, nn), float("nan"), device=dev, dtype=dtype)
@@ -539,8 +540,9 @@ def main(argv: list[str] | None = None) -> int:
             gbs = kernel_bytes(b) / t_int8 / 1e6
             gbs_lin = kernel_bytes(b, 2) / t_lin / 1e6
             dname = str(dtype)[6:]
-            row = {"B": b, "dtype": dname, "layout": "tiled", "config": cfg.as_dict(), "int8_ms": t_int8, "int8_GBps": gbs,
-                   "int8_frac_read_bw": gbs / read_gbs, "int8_frac_ceiling": frac_ceiling(t_int8),
+            row = {"B": b, "dtype": dname, "layout": "tiled", "config": cfg.as_dict(),
+                   "int8_ms": t_int8, "int8_GBps": gbs, "int8_frac_read_bw": gbs / read_gbs,
+                   "int8_frac_ceiling": frac_ceiling(t_int8),
                    "linear_ms": t_lin, "linear_GBps": gbs_lin, "linear_frac_read_bw": gbs_lin / read_gbs,
                    "speedup_vs_linear": t_lin / t_int8, "check": chk,
                    "marlin_ms": t_marlin, "marlin_frac_ceiling": frac_ceiling(t_marlin) if t_marlin else None,

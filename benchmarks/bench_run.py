@@ -43,14 +43,15 @@ def main() -> None:
         for _ in range(args.repeat):
             cp_runs.append(measure(["sh", "-c", f"cp -r '{src}' '{work / 'cp'}' && sync"]))
             shutil.rmtree(work / "cp")
-            run_runs.append(measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b", "--force",
-                                     "--no-validate", "-q"]))
+            run_runs.append(measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b",
+                                     "--force", "--no-validate", "-q"]))
             shutil.rmtree(work / "out")
-        measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b", "--force", "--no-validate", "-q"])
+        measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", "qwen3.5-122b-a10b", "--force",
+                 "--no-validate", "-q"])
         val = measure([exe, "validate", str(work / "out"), "--source", str(src), "-q", "--no-e2e"])
         shards = _shard_stats(work / "out")
-        edit = measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", _threshold_edit(work), "--no-validate",
-                        "-q"])
+        edit = measure([exe, "run", str(src), "-o", str(work / "out"), "--recipe", _threshold_edit(work),
+                        "--no-validate", "-q"])
         cp, run = best_of(cp_runs), best_of(run_runs)
         result = {"input_bytes": size, "layers": layers, "cp_sync": cp, "run": run, "validate": val,
                   "threshold_edit_rerun": edit, "shards_rewritten_by_edit": shards != _shard_stats(work / "out"),
@@ -61,14 +62,16 @@ def main() -> None:
         if args.json:
             print(json.dumps(result, indent=2))
         else:
-            print(f"input: {size / 1e9:.2f} GB ({layers} decoder layers at the real widths, ~{int4 / 1e9:.1f} GB of INT4 shards)")
+            print(f"input: {size / 1e9:.2f} GB ({layers} decoder layers at the real widths, "
+                  f"~{int4 / 1e9:.1f} GB of INT4 shards)")
             print(f"cp -r + sync:           {cp['seconds']:7.2f} s  peak RSS {cp['peak_rss_mb']:7.0f} MB")
             print(f"hybrid-build run:       {run['seconds']:7.2f} s  peak RSS {run['peak_rss_mb']:7.0f} MB"
                   f"   ratio {result['run_time_ratio']:.2f} (target <= 1.5, RSS <= 2048 MB)")
             print(f"hybrid-build validate:  {val['seconds']:7.2f} s  peak RSS {val['peak_rss_mb']:7.0f} MB"
                   f"   run + validate ratio {result['run_plus_validate_ratio']:.2f}")
-            print(f"threshold edit re-run:  {edit['seconds']:7.2f} s  ({result['threshold_edit_ratio']:.3f} of the run; "
-                  f"shards rewritten: {'yes' if result['shards_rewritten_by_edit'] else 'no'})")
+            rewritten = "yes" if result["shards_rewritten_by_edit"] else "no"
+            print(f"threshold edit re-run:  {edit['seconds']:7.2f} s  "
+                  f"({result['threshold_edit_ratio']:.3f} of the run; shards rewritten: {rewritten})")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

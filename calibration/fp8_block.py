@@ -60,7 +60,8 @@ def quantize_fp8_block(weight: torch.Tensor, observer: str = "minmax",
     return quantize_fp8_block_observed(w, observer, block)
 
 
-def quantize_fp8_block_observed(w: torch.Tensor, observer: str, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block_observed(w: torch.Tensor, observer: str,
+                                block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Through llm-compressor's observer registry and compressed-tensors' ``quantize`` (any observer)."""
     from compressed_tensors.quantization.lifecycle.forward import quantize
 

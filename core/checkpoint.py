@@ -209,7 +209,8 @@ class Checkpoint:
     def require_clean(self) -> None:
         errors = self.errors()
         if errors:
-            more = f" (and {len(errors) - 1} more problem(s); `hybrid-build inspect` lists them)" if len(errors) > 1 else ""
+            more = (f" (and {len(errors) - 1} more problem(s); `hybrid-build inspect` lists them)"
+                    if len(errors) > 1 else "")
             raise SourceError(errors[0].message + more)
 
     # ------------------------------------------------------------------ reading
@@ -299,8 +300,9 @@ class Checkpoint:
         ckpt = cls(root, config, quant, index, tensors, files, problems, source_id, revision)
         ckpt.problems.extend(_packing_problems(ckpt))
         if ckpt.hybrid_info or any(t.storage == "fp8" and t.klass == "shared_expert" for t in tensors.values()):
-            ckpt.problems.append(Problem("warning", "already_hybrid",
-                                         "this checkpoint is already a hybrid (FP8 shared experts or a hybrid_build block)"))
+            ckpt.problems.append(Problem(
+                "warning", "already_hybrid",
+                "this checkpoint is already a hybrid (FP8 shared experts or a hybrid_build block)"))
         return ckpt
 
 
@@ -315,7 +317,8 @@ def _packing_problems(ckpt: Checkpoint) -> list[Problem]:
         pack = 32 // bits
         scales = parts.get("scales")
         if qw.dtype != "I32" or len(qw.shape) != 2:
-            out.append(Problem("error", "bad_packing", f"{module}.qweight must be a 2-D int32 tensor, is {qw.dtype} {list(qw.shape)}"))
+            out.append(Problem("error", "bad_packing",
+                               f"{module}.qweight must be a 2-D int32 tensor, is {qw.dtype} {list(qw.shape)}"))
             continue
         k, n = qw.shape[0] * pack, qw.shape[1]
         if scales is None or len(scales.shape) != 2:

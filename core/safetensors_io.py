@@ -90,7 +90,8 @@ def read_header(path: str | os.PathLike) -> FileHeader:
     try:
         header = json.loads(blob)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SourceError(f"{path.name}: not a safetensors file (header is not JSON: {e.msg if hasattr(e, 'msg') else e})")
+        why = e.msg if hasattr(e, "msg") else e
+        raise SourceError(f"{path.name}: not a safetensors file (header is not JSON: {why})")
     if not isinstance(header, dict):
         raise SourceError(f"{path.name}: not a safetensors file (header is not a JSON object)")
     data_start = 8 + hlen
@@ -103,7 +104,8 @@ def read_header(path: str | os.PathLike) -> FileHeader:
             raise SourceError(f"{path.name}: malformed header entry for {name!r}")
         expected = tensor_nbytes(dtype, shape) if dtype in DTYPE_SIZES else hi - lo
         if hi - lo != expected or lo < 0:
-            raise SourceError(f"{path.name}: tensor {name!r} spans {hi - lo} bytes, its dtype and shape need {expected}")
+            raise SourceError(
+                f"{path.name}: tensor {name!r} spans {hi - lo} bytes, its dtype and shape need {expected}")
         if data_start + hi > size:
             raise SourceError(f"{path.name}: truncated: tensor {name!r} ends at byte {data_start + hi}, "
                               f"file has {size}")

@@ -75,8 +75,9 @@ def prepare(source: str | Path | Checkpoint, out: Path, recipe_arg: str | None =
             overrides: RecipeOverrides | None = None, force: bool = False,
             in_artifact: str | None = None, recipe_how: str = "given") -> BuildContext:
     """Open the source, pick the recipe, apply ``overrides`` and plan the conversion; nothing is
-    written. ``source`` is a folder, a Hub id or an opened ``Checkpoint``. ``force`` accepts a recipe whose ``match`` does not fit the source; ``in_artifact``
-    marks a source that lives inside the output folder (the demo's)."""
+    written. ``source`` is a folder, a Hub id or an opened ``Checkpoint``. ``force`` accepts a recipe
+    whose ``match`` does not fit the source; ``in_artifact`` marks a source that lives inside the
+    output folder (the demo's)."""
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint.open(source, revision=revision)
     ckpt.require_clean()
     if ckpt.hybrid_info:
@@ -86,5 +87,6 @@ def prepare(source: str | Path | Checkpoint, out: Path, recipe_arg: str | None =
     check_output_folder(Path(out), ckpt.root)
     plan = plan_conversion(ckpt, recipe)
     if not plan.conversions:
-        raise SourceError(f"{source}: recipe {recipe.name} finds nothing to convert (no BF16 shared experts or lm_head)")
+        raise SourceError(
+            f"{source}: recipe {recipe.name} finds nothing to convert (no BF16 shared experts or lm_head)")
     return BuildContext(ckpt, recipe, note, Path(out), plan, progress, in_artifact)

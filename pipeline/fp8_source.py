@@ -75,13 +75,15 @@ def take_from_fp8_checkpoint(source: Checkpoint, convs, spec) -> tuple[list[OutT
     metrics: dict[str, dict] = {}
     for c in convs:
         n, k = c.shape
-        found = next((name for name in _candidates(c.module, source.lm_prefix) if name + ".weight" in fp8.tensors), None)
+        found = next((name for name in _candidates(c.module, source.lm_prefix) if name + ".weight" in fp8.tensors),
+                     None)
         if found is None:
             raise SourceError(f"FP8 checkpoint {spec.fp8_checkpoint}: no tensor for {c.module}.weight")
         w, s = fp8.tensors[found + ".weight"], fp8.tensors.get(found + ".weight_scale_inv")
         want_s = (math.ceil(n / 128), math.ceil(k / 128))
         if w.dtype != "F8_E4M3" or w.shape != (n, k):
-            raise SourceError(f"FP8 checkpoint: {found}.weight is {w.dtype} {list(w.shape)}, expected F8_E4M3 [{n}, {k}]")
+            raise SourceError(
+                f"FP8 checkpoint: {found}.weight is {w.dtype} {list(w.shape)}, expected F8_E4M3 [{n}, {k}]")
         if s is None or s.dtype != "F32" or s.shape != want_s:
             got = "missing" if s is None else f"{s.dtype} {list(s.shape)}"
             raise SourceError(f"FP8 checkpoint: {found}.weight_scale_inv is {got}, expected F32 {list(want_s)}")
@@ -89,7 +91,8 @@ def take_from_fp8_checkpoint(source: Checkpoint, convs, spec) -> tuple[list[OutT
         tensors.append(OutTensor(c.module + ".weight_scale_inv", s.dtype, s.shape,
                                  ByteRange(fp8.path_of(s), s.start, s.nbytes)))
         ref = read_tensor(source, c.module + ".weight").float()
-        official = dequantize_fp8_block(read_tensor(fp8, found + ".weight"), read_tensor(fp8, found + ".weight_scale_inv"))
+        official = dequantize_fp8_block(read_tensor(fp8, found + ".weight"),
+                                        read_tensor(fp8, found + ".weight_scale_inv"))
         local = dequantize_fp8_block(*quantize_fp8_block(ref, observer=spec.observer))
         metrics[c.module] = {**error_metrics(ref, official),
                              "local_rel_error": error_metrics(ref, local)["rel_error"],

@@ -69,7 +69,8 @@ def plan_conversion(ckpt: Checkpoint, recipe: Recipe) -> ConversionPlan:
         if w is None or w.storage not in ("bf16", "fp16", "fp32") or len(w.shape) != 2:
             continue
         n, k = w.shape
-        if recipe.shared_experts.enabled and w.klass == "shared_expert" and target_matches(recipe.shared_experts.targets, module):
+        if recipe.shared_experts.enabled and w.klass == "shared_expert" and \
+                target_matches(recipe.shared_experts.targets, module):
             out.append(Conversion(module, "fp8", w.klass, w, fmt.fp8_bytes(n, k)))
         elif recipe.lm_head.enabled and w.klass == "lm_head" and target_matches(recipe.lm_head.targets, module):
             if fmt.stores_head(recipe.lm_head.storage):

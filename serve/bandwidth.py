@@ -474,8 +474,8 @@ def published_comparison(reads: ProfileReads, hardware: Hardware, drafter: Draft
 
 # The seed's concurrency table: GB10, the dense profile, DFlash n=12, vLLM, temperature 0, decode-only
 # tok/s per stream (the mean over K streams). Its script (scripts/conc_workloads.py) sends ONE prompt
-# to all K streams (a one-line request, max_tokens 200). Acceptance as the seed's per-workload table gives it: prose ~2.3, code ~5.4. Its
-# third row (agentic, 6k-token context) states no acceptance and is left out.
+# to all K streams (a one-line request, max_tokens 200). Acceptance as the seed's per-workload table
+# gives it: prose ~2.3, code ~5.4. Its third row (agentic, 6k-token context) states no acceptance and is left out.
 PUBLISHED_GB10_CONCURRENCY: tuple[dict, ...] = tuple(
     {"workload": w, "profile": "dense", "accept": a, "concurrency": k, "tok_s": t, "calibrates": (w, k) == ("code", 2)}
     for w, a, speeds in (("prose", 2.3, (48.8, 38.4, 30.8)), ("code", 5.4, (66.9, 55.3, 43.0)))

@@ -204,7 +204,8 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
 
 def apply_patches_command() -> str:
     """The shell command that applies serve/patches (mounted at CONTAINER_SERVE) to the image's vLLM."""
-    site = "$(python3 -c 'import importlib.util,os;print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')"
+    site = ("$(python3 -c 'import importlib.util,os;"
+            "print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')")
     return f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\""
 
 
@@ -289,7 +290,8 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         env[ENV_DISABLE] = ",".join(sorted(off))
     hybrid = (config or {}).get("hybrid_build") or {}
     if profile.artifact == "hybrid" and profile.int8_lm_head and formats.head_quantized_at_load(hybrid.get("lm_head")):
-        env["HYBRID_BUILD_LM_HEAD"] = formats.AT_LOAD_LABEL  # the plugin's switch: the same word (it cannot import core)
+        # the plugin's switch takes the same word (it runs inside vLLM and cannot import core)
+        env["HYBRID_BUILD_LM_HEAD"] = formats.AT_LOAD_LABEL
     notes = [fixes_off_note(off, engine)] if off else []
     kv_note = _kv_cache_note(name, profile, model)
     if kv_note:

@@ -482,7 +482,8 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
                        **ray_auth.auth_env(ray_auth.CONTAINER_TOKEN))
             flags = [f for k, v in sorted(env.items()) for f in ("-e", f"{k}={v}")]
             token_mount = ["-v", f"{token_files[node.index]}:{ray_auth.CONTAINER_TOKEN}:ro"]
-            script = f"{apply_patches_command()} && exec {shlex.join(_ray_argv(node, head, ray_port, gpus_per_node, None))}"
+            ray_argv = _ray_argv(node, head, ray_port, gpus_per_node, None)
+            script = f"{apply_patches_command()} && exec {shlex.join(ray_argv)}"
             argv = (["docker", "run", "--rm", "--name", name, "--network", "host", "--ipc", "host", "--gpus", "all"]
                     + rdma + mounts + token_mount + flags + [image, "bash", "-c", script])
             ray_cmds.append(Command(node, argv, what=f"Ray {node.role} on {node.describe()}, in the image with "

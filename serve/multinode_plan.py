@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from . import bandwidth as bw
 
 LINK_GBPS = 200.0  # ConnectX-7 port of a DGX Spark: 200 Gb/s = 25 GB/s
-# NOT measured yet (the two-GPU harness steps measure it on loopback). A two-node NCCL all-reduce of a few KB over RoCE is
-# two network steps of a few us each (RDMA one-way ~2-5 us through ConnectX-7) plus NCCL's kernel
-# and proxy work (~10 us): ~15-30 us, taken as 25. Over TCP sockets (no RDMA) expect 2-4x that.
+# NOT measured yet (the two-GPU harness steps measure it on loopback). A two-node NCCL all-reduce
+# of a few KB over RoCE is two network steps of a few us each (RDMA one-way ~2-5 us through
+# ConnectX-7) plus NCCL's kernel and proxy work (~10 us): ~15-30 us, taken as 25. Over TCP sockets
+# (no RDMA) expect 2-4x that.
 LINK_LATENCY_US = 25.0
 LINK_SOURCE = ("assumed, not measured: a two-node NCCL all-reduce of a few KB over RoCE, two RDMA steps of a "
                "few us plus ~10 us of NCCL kernel/proxy work (15-30 us); pass --link-latency-us with a "

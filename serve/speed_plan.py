@@ -231,7 +231,8 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
         "speculative": spec,
         "stream_overlap": args.stream_overlap,
         "concurrency": rows,
-        "notes": reads.notes + lever_notes(profiles, hw, floor_ms, reads.total("base")) + _drafter_notes(ckpt, args, drafter),
+        "notes": (reads.notes + lever_notes(profiles, hw, floor_ms, reads.total("base"))
+                  + _drafter_notes(ckpt, args, drafter)),
     }
     if rows:
         data["concurrency_basis"] = concurrency_basis(ckpt, args, hw, spec_floor, drafter)
@@ -423,10 +424,12 @@ def render_text(data: dict) -> str:
     if data.get("concurrency"):
         lines += _render_concurrency(data)
     if data.get("published_gb10"):
-        lines += ["", "against published GB10 figures", f"{'profile':<11}{'accept':>7}{'published':>11}{'predicted':>11}{'gap':>8}  note"]
+        lines += ["", "against published GB10 figures",
+                  f"{'profile':<11}{'accept':>7}{'published':>11}{'predicted':>11}{'gap':>8}  note"]
         for r in data["published_gb10"]:
             acc = "-" if r["accept"] is None else f"{r['accept']:g}"
-            lines.append(f"{r['profile']:<11}{acc:>7}{r['tok_s']:>11.1f}{r['predicted']:>11.1f}{r['gap']:>+8.1%}  {r['note']}")
+            lines.append(f"{r['profile']:<11}{acc:>7}{r['tok_s']:>11.1f}{r['predicted']:>11.1f}{r['gap']:>+8.1%}  "
+                         f"{r['note']}")
     if data.get("published_gb10_concurrency"):
         lines += ["", f"against the seed's concurrency table (GB10, dense, DFlash n=12, one prompt in every stream, "
                       f"context <= {bw.SEED_CONTEXT}); streams in step {bw.SEED_STREAM_OVERLAP:.1%} of steps "
@@ -437,7 +440,8 @@ def render_text(data: dict) -> str:
             lines.append(f"{r['workload']:<9}{r['accept']:>7g}{r['concurrency']:>8}{r['tok_s']:>10.1f}"
                          f"{r['predicted']:>10.1f}{r['gap']:>+8.1%}{r['predicted_independent']:>12.1f}"
                          f"{r['gap_independent']:>+8.1%}   {r['experts_per_layer']:.1f}, "
-                         f"{r['experts_independent']:.1f}, {r['experts_implied']:.1f}" + ("   (calibration)" if r["calibrates"] else ""))
+                         f"{r['experts_independent']:.1f}, {r['experts_implied']:.1f}"
+                         + ("   (calibration)" if r["calibrates"] else ""))
     for n in data["notes"]:
         lines.append(f"note: {n}")
     if data.get("multinode"):

@@ -297,7 +297,8 @@ def check_config(inp: ValidationInputs, f: Findings) -> None:
         f.fail("scheme", "config.json has no hybrid_build block")
     else:
         if info.get("format") != inp.fmt.name:
-            f.fail("scheme", f"config.json hybrid_build.format is {info.get('format')!r}, the recipe says {inp.fmt.name!r}")
+            f.fail("scheme",
+                   f"config.json hybrid_build.format is {info.get('format')!r}, the recipe says {inp.fmt.name!r}")
         listed = set(info.get("fp8_modules") or [])
         if listed and listed != set(inp.converted("fp8")):
             f.fail("scheme", f"config.json hybrid_build.fp8_modules lists {len(listed)} modules, "
@@ -391,7 +392,8 @@ def load_fp8(inp: ValidationInputs, module: str, f: Findings) -> torch.Tensor | 
         ok = False
     n, k = q.shape
     if tuple(s.shape) != (-(-n // BLOCK), -(-k // BLOCK)):
-        f.fail("weights", f"{module}: scale shape {list(s.shape)} does not tile weight {[n, k]} in {BLOCK}x{BLOCK} blocks")
+        f.fail("weights",
+               f"{module}: scale shape {list(s.shape)} does not tile weight {[n, k]} in {BLOCK}x{BLOCK} blocks")
         return None
     w = dequantize_fp8_block(q, s)
     if not ok:
@@ -557,7 +559,8 @@ def check_head(inp: ValidationInputs, f: Findings) -> tuple[list[dict], dict]:
     if below(logits["top1_agreement"], spec.head_min_top1):
         lreasons.append(f"top-1 agreement {logits['top1_agreement']:.4f} < {spec.head_min_top1} (head_min_top1)")
     if below(logits["top5_overlap"], spec.head_min_top5_overlap):
-        lreasons.append(f"top-5 overlap {logits['top5_overlap']:.4f} < {spec.head_min_top5_overlap} (head_min_top5_overlap)")
+        lreasons.append(f"top-5 overlap {logits['top5_overlap']:.4f} < {spec.head_min_top5_overlap} "
+                        "(head_min_top5_overlap)")
     if exceeds(logits["kl"], spec.head_max_kl):
         lreasons.append(f"KL {logits['kl']:.4g} > {spec.head_max_kl} (head_max_kl)")
     for r in lreasons:

@@ -76,10 +76,11 @@ def register(sub, common) -> None:
                     "forward of the whole model, one decoder layer at a time (KL mean, median, p99, p99.9, "
                     "same-top-1, RMS delta-p, perplexity, bootstrap intervals; per text). "
                     "Thresholds come from the recipe's `validate` section. Writes "
-                    f"{', '.join('ARTIFACT/' + f for f in REPORTS['validation'].files)}. Exit 0 when every check passes, 1 when one "
-                    "fails, 3 when a check could not run here (no vLLM, no GPU) and none failed, 2 on a usage "
-                    "error. A run that checks less (--no-e2e, an engine that could not run) does not replace "
-                    "a passing report of the same build that checked more.",
+                    f"{', '.join('ARTIFACT/' + f for f in REPORTS['validation'].files)}. "
+                    "Exit 0 when every check passes, 1 when one fails, 3 when a check could not run here "
+                    "(no vLLM, no GPU) and none failed, 2 on a usage error. A run that checks less (--no-e2e, "
+                    "an engine that could not run) does not replace a passing report of the same build that "
+                    "checked more.",
         epilog="examples:\n"
                f"  hybrid-build validate out/                      # source from out/{PROVENANCE}\n"
                "  hybrid-build validate out/ --source ./int4 --json\n"
@@ -87,7 +88,8 @@ def register(sub, common) -> None:
                "  hybrid-build validate hybrid/ --engine vllm      # the same figures from vLLM (needs a GPU)\n"
                "  hybrid-build validate hybrid/ --no-e2e           # skip the end-to-end forward")
     p.add_argument("artifact", type=Path, help="the artifact folder written by `hybrid-build run`")
-    p.add_argument("--source", help=f"the INT4 source checkpoint (folder or Hub id; default: the one {PROVENANCE} names)")
+    p.add_argument("--source",
+                   help=f"the INT4 source checkpoint (folder or Hub id; default: the one {PROVENANCE} names)")
     p.add_argument("--recipe", help=f"recipe name or YAML file for the thresholds (default: ARTIFACT/{RECIPE})")
     p.add_argument("--activations", type=Path, metavar="FILE",
                    help="safetensors file of calibration inputs: '<...>.mlp.shared_expert' [T, H] per layer, "

@@ -187,7 +187,8 @@ def _toolcall(rng: random.Random, i: int) -> dict:
         label2 = rng.choice([x for x in LABELS if x != label])
         request = f"Set a {minutes} minute timer for the {label}."
         right = _call("set_timer", minutes=minutes, label=label)
-        wrong = [_call("set_timer", minutes=minutes + 5, label=label), _call("set_timer", minutes=minutes, label=label2),
+        wrong = [_call("set_timer", minutes=minutes + 5, label=label),
+                 _call("set_timer", minutes=minutes, label=label2),
                  _call("set_timer", minutes=minutes * 60, label=label)]
     elif kind == 3:
         origin, dest, other = rng.sample(CITIES, 3)

@@ -575,7 +575,8 @@ def _pct(v: float | None) -> str:
 
 def markdown_rows(report: dict) -> list[str]:
     """The table of a report (its JSON form): one row per task, then the pooled row."""
-    lines = ["| task | n | source | hybrid | difference (95% CI) | recovery | only source / only hybrid | p | verdict |",
+    lines = ["| task | n | source | hybrid | difference (95% CI) | recovery | only source / only hybrid | p "
+             "| verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     rows = list(report.get("tasks") or [])
     if report.get("overall") and len(rows) > 1:
@@ -604,7 +605,8 @@ def settings_line(report: dict) -> str:
 def markdown_table(report: dict) -> str:
     models = report.get("models") or {}
     lines = ["# Task accuracy: source vs hybrid", "",
-             f"Source: {models.get('source', {}).get('name', '?')}; hybrid: {models.get('hybrid', {}).get('name', '?')}.",
+             f"Source: {models.get('source', {}).get('name', '?')}; "
+             f"hybrid: {models.get('hybrid', {}).get('name', '?')}.",
              f"Settings: {settings_line(report)}.", "",
              *markdown_rows(report), "",
              "Accuracy in percent. Difference = hybrid - source with a normal 95% interval over the paired "
@@ -629,7 +631,8 @@ def build_report(results: dict[str, dict], settings: EvalSettings, models: dict,
         key = f"{ex['metric']}_stderr,{ex['filter']}"
         row.source_stderr = _num((src.get("results") or {}).get(task, {}).get(key))
         row.hybrid_stderr = _num((hyb.get("results") or {}).get(task, {}).get(key))
-        row.dataset = BUNDLED_DATASET if task in BUNDLED_TASKS else _dataset_of((src.get("configs") or {}).get(task, {}))
+        row.dataset = (BUNDLED_DATASET if task in BUNDLED_TASKS
+                       else _dataset_of((src.get("configs") or {}).get(task, {})))
         shots = (src.get("n-shot") or {}).get(task)
         row.num_fewshot = shots if isinstance(shots, int) else None
         rows.append(row)

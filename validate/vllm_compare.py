@@ -318,7 +318,8 @@ def _describe(model) -> dict:
         qm = getattr(m, "quant_method", None)
         if qm is None:
             continue
-        classes = (type(qm).__name__, type(getattr(qm, "scheme", None)).__name__, type(getattr(m, "scheme", None)).__name__)
+        classes = (type(qm).__name__, type(getattr(qm, "scheme", None)).__name__,
+                   type(getattr(m, "scheme", None)).__name__)
         fp8 += any("Fp8" in c for c in classes)
     if head:
         qm = getattr(head[0], "quant_method", None)

@@ -101,7 +101,8 @@ class OutputFormat:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ reading back (validate)
-    def config_problems(self, quant: QuantizationInfo, fp8_modules: list[str], head_modules: list[str]) -> tuple[list[str], str]:
+    def config_problems(self, quant: QuantizationInfo, fp8_modules: list[str],
+                        head_modules: list[str]) -> tuple[list[str], str]:
         """Failure lines for an artifact's quantization config, and the check's detail when it passes.
         ``head_modules`` are the int8 heads stored in the artifact (none for a BF16 head)."""
         raise NotImplementedError

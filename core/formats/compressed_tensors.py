@@ -54,7 +54,8 @@ class CompressedTensors(OutputFormat):
         for module, parts in source.modules.items():
             if "qzeros" in parts and parts["qweight"].storage == "int4":
                 if not zeros_are_symmetric(read_tensor(source, module + ".qzeros"), 4):
-                    raise ArtifactError(f"{module}: asymmetric INT4 zeros; compressed-tensors repack needs symmetric GPTQ")
+                    raise ArtifactError(
+                        f"{module}: asymmetric INT4 zeros; compressed-tensors repack needs symmetric GPTQ")
 
     def int4_tensors(self, source: Checkpoint, t: TensorInfo) -> list[OutTensor]:
         """``qweight`` becomes the three pack-quantized tensors; ``scales`` go with it, ``qzeros`` are
@@ -96,11 +97,14 @@ class CompressedTensors(OutputFormat):
 
         int4 = sorted({split_module(t.name)[0] for t in source.tensors.values()
                        if t.storage == "int4" and t.name.endswith(".qweight")})
+        group_size = source.quant.group_size or 128
         groups = {
-            "int4": QuantizationScheme(targets=_regex_for(int4, source.lm_prefix), format="pack-quantized", weights=QuantizationArgs(
-                num_bits=4, type="int", symmetric=True, strategy="group", group_size=source.quant.group_size or 128)),
-            "fp8": QuantizationScheme(targets=_regex_for(fp8_modules, source.lm_prefix), format="float-quantized", weights=QuantizationArgs(
-                num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[BLOCK, BLOCK]),
+            "int4": QuantizationScheme(
+                targets=_regex_for(int4, source.lm_prefix), format="pack-quantized", weights=QuantizationArgs(
+                    num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)),
+            "fp8": QuantizationScheme(
+                targets=_regex_for(fp8_modules, source.lm_prefix), format="float-quantized", weights=QuantizationArgs(
+                    num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[BLOCK, BLOCK]),
                 input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
                                                    group_size=BLOCK, dynamic=True)),
         }
@@ -112,7 +116,8 @@ class CompressedTensors(OutputFormat):
                                 ignore=["re:.*mtp\\..*", "re:.*visual\\..*"])
         return qc.model_dump(mode="json", exclude_none=True)
 
-    def config_problems(self, quant: QuantizationInfo, fp8_modules: list[str], head_modules: list[str]) -> tuple[list[str], str]:
+    def config_problems(self, quant: QuantizationInfo, fp8_modules: list[str],
+                        head_modules: list[str]) -> tuple[list[str], str]:
         out = []
         if quant.method != QUANT_METHOD:
             out.append(f"quantization_config.quant_method is {quant.method!r}, expected {QUANT_METHOD!r}")

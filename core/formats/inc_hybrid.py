@@ -23,7 +23,8 @@ from hybrid_build.core.weights import iter_row_chunks
 from .base import HandOver, OutputFormat, Parts, TensorReader, raw
 
 QUANT_METHOD = "auto-round"
-FP8_EXTRA = {"bits": 8, "data_type": "fp", "weight_block_size": [BLOCK, BLOCK], "act_data_type": "fp", "act_dynamic": True}
+FP8_EXTRA = {"bits": 8, "data_type": "fp", "weight_block_size": [BLOCK, BLOCK],
+             "act_data_type": "fp", "act_dynamic": True}
 INT8_HEAD_EXTRA = {"bits": 8, "group_size": -1, "sym": True, "data_type": "int"}
 # what validate requires of an entry (the activation keys and the head's data_type are the plugin's defaults)
 FP8_EXTRA_REQUIRED = {"bits": 8, "data_type": "fp", "weight_block_size": [BLOCK, BLOCK]}
@@ -33,7 +34,8 @@ _REGEX_CHARS = "*+?^$()[]{}|\\"
 
 class IncHybrid(OutputFormat):
     name = "inc-hybrid"
-    description = "auto-round INT4 with per-layer FP8 and GPTQ int8-head entries, served through hybrid-build's vLLM plugin"
+    description = ("auto-round INT4 with per-layer FP8 and GPTQ int8-head entries, served through hybrid-build's "
+                   "vLLM plugin")
     fp8_scale_part = "weight_scale_inv"
     head_label = "gptq-int8"
     head_scale_part = "scales"
@@ -90,7 +92,8 @@ class IncHybrid(OutputFormat):
                 extra[m] = dict(INT8_HEAD_EXTRA)
         return qc
 
-    def config_problems(self, quant: QuantizationInfo, fp8_modules: list[str], head_modules: list[str]) -> tuple[list[str], str]:
+    def config_problems(self, quant: QuantizationInfo, fp8_modules: list[str],
+                        head_modules: list[str]) -> tuple[list[str], str]:
         out = []
         if quant.method != QUANT_METHOD:
             out.append(f"quantization_config.quant_method is {quant.method!r}, expected {QUANT_METHOD!r}")

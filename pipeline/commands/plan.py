@@ -69,9 +69,10 @@ def register(sub, common) -> None:
                "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware gb10 --published\n"
                "  hybrid-build plan ./Qwen3.5-122B-A10B-int4-AutoRound --accept 3 6.5 8.3 --plot plan.png\n"
                "  hybrid-build plan ./ckpt --bandwidth 1000 --calibrate 45 --json > plan.json\n"
-               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --concurrency 1 2 3 --accept 2.3 5.4 --profile dense --published\n"
-               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware h200 --concurrency 1 2 4 --profile base dense "
-               "--context 4096 262144 --kv-dtype fp8\n"
+               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --concurrency 1 2 3 --accept 2.3 5.4 --profile dense "
+               "--published\n"
+               "  hybrid-build plan synthetic:qwen3.5-122b-a10b --hardware h200 --concurrency 1 2 4 "
+               "--profile base dense --context 4096 262144 --kv-dtype fp8\n"
                "  hybrid-build plan synthetic:qwen3.5-397b-a17b --nodes 2 --accept 1   # two DGX Sparks, TP=2 / PP=2")
     p.add_argument("source", metavar="SRC_OR_ARTIFACT",
                    help="checkpoint folder, Hub id, hybrid artifact, or synthetic:qwen3.5-122b-a10b / "
@@ -80,7 +81,8 @@ def register(sub, common) -> None:
     p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from config.json)")
     g = p.add_argument_group("hardware")
     g.add_argument("--hardware", choices=sorted(bw.HARDWARE), default="gb10", help="preset (default: gb10)")
-    g.add_argument("--bandwidth", type=float, metavar="GBPS", help="peak memory bandwidth in GB/s (overrides the preset)")
+    g.add_argument("--bandwidth", type=float, metavar="GBPS",
+                   help="peak memory bandwidth in GB/s (overrides the preset)")
     g.add_argument("--efficiency", type=float, help="fraction of the bandwidth decode achieves (overrides the preset)")
     g.add_argument("--floor-ms", type=float, metavar="MS",
                    help="time per decode step that is not bytes, in ms (overrides the preset's measured floor; "

@@ -25,7 +25,8 @@ def register(sub, common) -> None:
     p.add_argument("artifact", metavar="ARTIFACT", help="the folder `hybrid-build run` wrote")
     p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the Hub model repo (created if needed)")
     p.add_argument("--private", action="store_true", help="create the repo private (no effect if it exists)")
-    p.add_argument("--revision", metavar="BRANCH", default=None, help="branch to push to (created if needed; default main)")
+    p.add_argument("--revision", metavar="BRANCH", default=None,
+                   help="branch to push to (created if needed; default main)")
     p.add_argument("--create-pr", action="store_true",
                    help="open a pull request instead of pushing to the branch (a re-run continues the same PR)")
     p.add_argument("--dry-run", action="store_true",

@@ -54,7 +54,8 @@ def _handle(args: argparse.Namespace) -> int:
         source = _demo_source(args)
     elif args.source.startswith(SYNTHETIC_PREFIX):
         if not args.dry_run:
-            raise UserError(f"{args.source}: a synthetic source is headers over sparse files: only --dry-run can use it")
+            raise UserError(
+                f"{args.source}: a synthetic source is headers over sparse files: only --dry-run can use it")
         workdir = tempfile.mkdtemp(prefix="hybrid-build-run-")
         atexit.register(shutil.rmtree, workdir, True)
         source = open_source(args.source, args.revision, Path(workdir))

@@ -33,7 +33,8 @@ def _render(data: dict) -> str:
         files = ", ".join(r["files"]) if r["files"] else ""
         lines.append(f"  {r['report']:<14} {r['state']:<8} {r['reason']}" + (f"  [{files}]" if files else ""))
     for rel in data["unexpected"]:
-        lines.append(f"unexpected file: {rel} (neither a build output nor a known report: validate and publish refuse it)")
+        lines.append(f"unexpected file: {rel} "
+                     "(neither a build output nor a known report: validate and publish refuse it)")
     return "\n".join(lines)
 
 

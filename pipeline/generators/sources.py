@@ -27,7 +27,8 @@ def open_source(source: str, revision: str | None, workdir: Path, require_clean:
         name = source[len(SYNTHETIC_PREFIX):]
         models = synthetic_models()
         if name not in models:
-            raise UserError(f"{source}: unknown synthetic model (known: {', '.join(SYNTHETIC_PREFIX + m for m in models)})")
+            known = ", ".join(SYNTHETIC_PREFIX + m for m in models)
+            raise UserError(f"{source}: unknown synthetic model (known: {known})")
         folder = write_synthetic_checkpoint(workdir / name, models[name](), sparse=True)
         ckpt = Checkpoint.read_folder(folder, source_id=source)
     else:

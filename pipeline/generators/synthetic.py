@@ -227,7 +227,8 @@ def _decoder_layer(p: str, kind: str, tc: dict, quantized: bool, mtp: bool = Fal
         q_rows = heads * hd * (2 if tc.get("attn_output_gate", True) else 1)
         out += lin(p + "self_attn.q_proj", q_rows, h) + lin(p + "self_attn.k_proj", kv * hd, h)
         out += lin(p + "self_attn.v_proj", kv * hd, h) + lin(p + "self_attn.o_proj", h, heads * hd)
-        out += [_vec(p + "self_attn.q_norm.weight", hd, "zeros", mtp), _vec(p + "self_attn.k_norm.weight", hd, "zeros", mtp)]
+        out += [_vec(p + "self_attn.q_norm.weight", hd, "zeros", mtp),
+                _vec(p + "self_attn.k_norm.weight", hd, "zeros", mtp)]
     elif kind == "linear_attention":
         nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
         dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
@@ -235,7 +236,8 @@ def _decoder_layer(p: str, kind: str, tc: dict, quantized: bool, mtp: bool = Fal
         a = p + "linear_attn."
         out += lin(a + "in_proj_qkv", conv, h) + lin(a + "in_proj_z", nv * dv, h) + lin(a + "out_proj", h, nv * dv)
         out += _bf16(a + "in_proj_a", nv, h, mtp) + _bf16(a + "in_proj_b", nv, h, mtp)
-        out += [SyntheticTensor(a + "conv1d.weight", "BF16", (conv, 1, tc.get("linear_conv_kernel_dim", 4)), "normal", mtp),
+        conv_kernel = tc.get("linear_conv_kernel_dim", 4)
+        out += [SyntheticTensor(a + "conv1d.weight", "BF16", (conv, 1, conv_kernel), "normal", mtp),
                 _vec(a + "A_log", nv, "a_log", mtp), _vec(a + "dt_bias", nv, "ones", mtp),
                 _vec(a + "norm.weight", dv, "ones", mtp)]
     else:
@@ -291,7 +293,8 @@ def synthetic_tensors(config: dict) -> list[SyntheticTensor]:
         out += _decoder_layer(f"mtp.layers.{j}.", "full_attention", tc, quantized=False, mtp=True)
     if tc.get("mtp_num_hidden_layers"):
         out += _bf16("mtp.fc", h, 2 * h, mtp=True)
-        out += [_vec(f"mtp.{n}.weight", h, "zeros", mtp=True) for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")]
+        out += [_vec(f"mtp.{n}.weight", h, "zeros", mtp=True)
+                for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")]
     return out
 
 

@@ -318,7 +318,8 @@ def kernel_table(prof_1, prof_n, steps: int) -> dict:
     per_step = {k: ((c - k1.get(k, (0, 0))[0]) / steps, (us - k1.get(k, (0, 0.0))[1]) / steps)
                 for k, (c, us) in kn.items()}
     rows = sorted(((k, c, us) for k, (c, us) in per_step.items() if c > 0 or us > 0), key=lambda r: -r[2])
-    return {"gpu_us_per_step": round(sum(r[2] for r in rows), 1), "launches_per_step": round(sum(r[1] for r in rows), 1),
+    return {"gpu_us_per_step": round(sum(r[2] for r in rows), 1),
+            "launches_per_step": round(sum(r[1] for r in rows), 1),
             "kernels_per_step": [{"kernel": k[:160], "launches": round(c, 3), "us": round(us, 2)} for k, c, us in rows]}
 
 
@@ -347,7 +348,8 @@ def child_floor(model: str, label: str, mode: str, tokens: str, profile_steps: s
     pairs = [(timed(1), timed(n + 1)) for _ in range(int(timings))]
     decode = [n / (tn - t1) for t1, tn in pairs]
     res.update({"decode_tok_s_runs": [round(x, 2) for x in decode], "decode_tok_s": round(statistics.median(decode), 2),
-                "step_ms_runs": [round(1e3 / x, 4) for x in decode], "step_ms": round(1e3 / statistics.median(decode), 4),
+                "step_ms_runs": [round(1e3 / x, 4) for x in decode],
+                "step_ms": round(1e3 / statistics.median(decode), 4),
                 "prefill_1_token_s": [round(t1, 4) for t1, _ in pairs], "decode_tokens": n})
     if steps:
         import torch
@@ -514,7 +516,8 @@ def build_35b(work: Path, tokenizer_from: Path, layers: int = 4) -> dict:
     if not (src / "model.safetensors.index.json").exists():
         shutil.rmtree(src, ignore_errors=True)
         cfg = qwen35_35b_config(layers)
-        syn.write_synthetic_checkpoint(src, cfg, sparse=False, tensors=[t for t in syn.synthetic_tensors(cfg) if not t.mtp])
+        syn.write_synthetic_checkpoint(src, cfg, sparse=False,
+                                       tensors=[t for t in syn.synthetic_tensors(cfg) if not t.mtp])
         for f in TOKENIZER_FILES:
             if (tokenizer_from / f).exists():
                 shutil.copy(tokenizer_from / f, src / f)
@@ -522,8 +525,8 @@ def build_35b(work: Path, tokenizer_from: Path, layers: int = 4) -> dict:
     res["write_s"] = round(now() - t0, 1)
     t1 = now()
     if not (hyb / "model.safetensors.index.json").exists():
-        proc = subprocess.run(["hybrid-build", "run", str(src), "-o", str(hyb), "--recipe", "qwen3.5-35b-a3b", "--force",
-                               "--no-validate", "-q"], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(["hybrid-build", "run", str(src), "-o", str(hyb), "--recipe", "qwen3.5-35b-a3b",
+                               "--force", "--no-validate", "-q"], capture_output=True, text=True, timeout=900)
         res["run_rc"], res["run_tail"] = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
     res["run_s"] = round(now() - t1, 1)
     res["hybrid_bytes"] = sum(p.stat().st_size for p in hyb.glob("*.safetensors"))
@@ -634,7 +637,8 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
                                                           "usage": r.get("usage")})
             res["spec_metrics"] = spec_lines(port)
         else:
-            res["error"] = "not ready" + (f" (hybrid-build serve exited {proc.returncode})" if proc.poll() is not None else "")
+            exited = f" (hybrid-build serve exited {proc.returncode})" if proc.poll() is not None else ""
+            res["error"] = "not ready" + exited
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -1034,7 +1038,8 @@ def main() -> int:
         b35.join(max(0, left(120)))
         record(a.out, "build_35b", built or {"error": "not finished"})
         if built.get("hybrid_bytes"):
-            vcompare(a.out, "vcompare_35b", Path(built["source"]), Path(built["hybrid"]), texts, a.work, min(600, left()))
+            vcompare(a.out, "vcompare_35b", Path(built["source"]), Path(built["hybrid"]), texts, a.work,
+                     min(600, left()))
 
     mixed: list = []
 
@@ -1045,7 +1050,8 @@ def main() -> int:
                 floor_child(f"mix_{name}_base", f"{name}-base", "base")
 
     def lane_floor() -> None:  # alone on the GPU: the timings
-        variants = (("base", "L48-base", {}), ("dense", "L48-dense", {}), ("dense-triton-head", "L48-dense", triton_head))
+        variants = (("base", "L48-base", {}), ("dense", "L48-dense", {}),
+                    ("dense-triton-head", "L48-dense", triton_head))
         rounds = list(range(a.round0, a.round0 + a.repeat)) if "floor" in steps else []
         for i, r in enumerate(rounds):  # the mix after the first round: the fit needs it more than round 2
             if i == 1 or (a.round0 > 0 and i == 0):
@@ -1099,11 +1105,13 @@ def main() -> int:
         if "ab_eval" in steps:  # source (base profile) against the hybrid (dense profile)
             ab_command(a.out, "eval", ["hybrid-build", "eval", str(a.hb / "inc"), "--source-url", ab_url("base"),
                                        "--hybrid-url", ab_url("dense"), "--tasks", a.eval_tasks,
-                                       "--out", str(a.out / "eval.json"), "--samples", str(a.out / "eval_samples.jsonl")],
+                                       "--out", str(a.out / "eval.json"),
+                                       "--samples", str(a.out / "eval_samples.jsonl")],
                        min(300, left(140)))
         if "ab_bench" in steps:
             for pair in a.bench_pairs.split(","):
-                ab_bench(a.out, tuple(pair.split(":")), a.bench_runs, a.bench_max_tokens, a.bench_workloads, min(150, left(10)))
+                ab_bench(a.out, tuple(pair.split(":")), a.bench_runs, a.bench_max_tokens, a.bench_workloads,
+                         min(150, left(10)))
         if "ab_stop" in steps:
             ab_stop(a.out, a.work)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

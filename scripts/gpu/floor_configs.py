@@ -124,7 +124,8 @@ def check_against_run(work: Path, src: Path, derived: dict) -> dict:
         strip = lambda c: {k: v for k, v in c.items() if k != "hybrid_build"}  # noqa: E731
         same_block = {k: v for k, v in real["hybrid_build"].items() if k != "source"} == \
             {k: v for k, v in derived["hybrid_build"].items() if k != "source"}
-        return {"ok": strip(real) == strip(derived) and same_block, "config_equal_but_hybrid_block": strip(real) == strip(derived),
+        return {"ok": strip(real) == strip(derived) and same_block,
+                "config_equal_but_hybrid_block": strip(real) == strip(derived),
                 "hybrid_block_equal_but_source_identity": same_block}
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -35,7 +35,8 @@ CATEGORIES = (  # first match wins
     ("full attention (FA3, KV write, rope)", r"flash|FlashAttn|reshape_and_cache|mrope|rotary"),
     ("int8 head (Triton)", r"int8_gemv"),
     ("cuBLAS BF16 GEMM/GEMV (shared experts, router, head, gate)", r"nvjet|splitKreduce|gemv|Gemv|dot_kernel|cublas"),
-    ("elementwise / norms / copies (torch ops)", r"at::native|elementwise|reduce_kernel|act_and_mul|memcpy32|Memcpy|Memset"),
+    ("elementwise / norms / copies (torch ops)",
+     r"at::native|elementwise|reduce_kernel|act_and_mul|memcpy32|Memcpy|Memset"),
 )
 
 
@@ -160,7 +161,8 @@ def main() -> int:
     if rows_gpu:
         cg, rg = lstsq(rows_gpu, y_gpu)
         fit["same_model_on_profiled_gpu_kernel_time"] = {
-            "fixed_ms": round(float(cg[0]), 4), "a_linear_ms": round(float(cg[1]), 4), "b_full_ms": round(float(cg[2]), 4),
+            "fixed_ms": round(float(cg[0]), 4), "a_linear_ms": round(float(cg[1]), 4),
+            "b_full_ms": round(float(cg[2]), 4),
             "rms_residual_ms": round(float(np.sqrt(np.mean(rg ** 2))), 4)}
     # 2. the 48-layer variants: median and spread over engines, and over every timing
     variants = {}
@@ -183,7 +185,8 @@ def main() -> int:
     # 3. kernel tables (first 48-layer engine of each variant) by category, top kernels
     kernels = {}
     for label in ("base", "dense", "dense-triton-head"):
-        eng = [v for k, v in sorted(engines.items()) if k.startswith("floor_L48_") and v["label"] == label and v.get("profile")]
+        eng = [v for k, v in sorted(engines.items())
+               if k.startswith("floor_L48_") and v["label"] == label and v.get("profile")]
         if not eng:
             continue
         ks = eng[0]["profile"]["kernels_per_step"]
@@ -217,8 +220,10 @@ def main() -> int:
     a.out.write_text(scrub(json.dumps(doc, indent=1)) + "\n")
     print(json.dumps({"fit": {k: v for k, v in fit.items() if k != "points"},
                       "points": [(p["engine"], p["step_ms"], p["residual_ms"]) for p in points],
-                      "variants_48": {k: {x: v[x] for x in ("engines", "all_timings", "over_base")} for k, v in variants.items()},
-                      "per_layer": {k: {"fixed_us": v["fixed_us"], "busy": v["step_busy_us"], "union": v["step_union_us"],
+                      "variants_48": {k: {x: v[x] for x in ("engines", "all_timings", "over_base")}
+                                      for k, v in variants.items()},
+                      "per_layer": {k: {"fixed_us": v["fixed_us"], "busy": v["step_busy_us"],
+                                        "union": v["step_union_us"],
                                         "kinds": {kk: vv["busy_us_per_layer"] for kk, vv in v["kinds"].items()}}
                                     for k, v in layers.items()}}, indent=1))
     return 0

@@ -44,7 +44,8 @@ def build(target: Path, out: Path, layers: int = 1, seed: int = 0) -> Path:
     config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h,
               "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
               "num_key_value_heads": kv, "head_dim": hd, "vocab_size": tc["vocab_size"], "hidden_act": "silu",
-              "rms_norm_eps": tc.get("rms_norm_eps", 1e-6), "max_position_embeddings": tc.get("max_position_embeddings", 4096),
+              "rms_norm_eps": tc.get("rms_norm_eps", 1e-6),
+              "max_position_embeddings": tc.get("max_position_embeddings", 4096),
               "rope_theta": 1000000, "attention_bias": False, "tie_word_embeddings": False,
               "torch_dtype": "bfloat16", "block_size": 4, "target_hidden_size": h,
               "dflash_config": {"mask_token_id": tc["vocab_size"] - 1, "target_layer_ids": taps}}

@@ -68,7 +68,8 @@ def apply_patch(patch: Patch, site_packages: Path) -> list[str]:
         try:
             compile(new, str(path), "exec")
         except SyntaxError as e:
-            raise AnchorError(f"patch {patch.name}: the edited {patch.path} does not compile ({e.msg}, line {e.lineno})")
+            raise AnchorError(
+                f"patch {patch.name}: the edited {patch.path} does not compile ({e.msg}, line {e.lineno})")
         tmp = path.with_suffix(path.suffix + ".hybrid-build.tmp")
         tmp.write_text(new)
         tmp.replace(path)

@@ -14,7 +14,8 @@ PATCH = Patch(
         anchor="        return max_shared_memory >= Backend.get_shared_memory(arch)\n",
         new=(f"        {S}\n"
              "        if arch == \"none\":\n"
-             "            return max_shared_memory >= int(os.environ.get(\"HYBRID_BUILD_FLA_SMEM_BYTES\", \"101376\"))\n"
+             "            return max_shared_memory >= "
+             "int(os.environ.get(\"HYBRID_BUILD_FLA_SMEM_BYTES\", \"101376\"))\n"
              "        return max_shared_memory >= Backend.get_shared_memory(arch)\n"),
     ),),
 )

@@ -19,8 +19,9 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = {"vllm"}
-# the top-level folders, ground first: each may import itself and the folders before it
-LAYERS = ("calibration", "core", "recipes", "validate", "serve", "pipeline")  # imported by the vLLM plugin inside vLLM's process only
+# the top-level folders, ground first: each may import itself and the folders before it (pipeline
+# is imported by the vLLM plugin inside vLLM's process only)
+LAYERS = ("calibration", "core", "recipes", "validate", "serve", "pipeline")
 
 
 def _modules() -> dict[str, Path]:

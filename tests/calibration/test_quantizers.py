@@ -27,7 +27,8 @@ def dequantize_fp8_block_ct(q: torch.Tensor, scale_inv: torch.Tensor, block: int
     return dequantize(q, scale_inv, torch.zeros_like(scale_inv), fp8_block_args(block)).float()
 
 
-def gptq_to_pack_quantized(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gptq_to_pack_quantized(qweight: torch.Tensor,
+                           scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric INT4 GPTQ -> compressed-tensors pack-quantized as the format defines it:
     ``weight_packed = qweight.T`` [N, K/8], ``weight_scale = scales.T`` [N, K/g], ``weight_shape = [N, K]``."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]

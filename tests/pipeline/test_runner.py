@@ -116,7 +116,8 @@ def test_compressed_tensors_int4_repack_is_bit_exact(tiny_checkpoint, ct_artifac
     assert m + ".qzeros" not in out.tensors
     cfg = json.loads((ct_artifact / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and set(cfg["config_groups"]) == {"int4", "fp8", "int8_head"}
-    assert out.tensors["lm_head.weight_packed"].shape == (1024, 256 // 4) and out.tensors["lm_head.weight_scale"].shape == (1024, 1)
+    assert out.tensors["lm_head.weight_packed"].shape == (1024, 256 // 4)
+    assert out.tensors["lm_head.weight_scale"].shape == (1024, 1)
     assert cfg["config_groups"]["int8_head"]["format"] == "pack-quantized"
     assert cfg["config_groups"]["int8_head"]["weights"]["num_bits"] == 8
     # same codes as the GPTQ head of the inc-hybrid build, only transposed
@@ -137,9 +138,11 @@ def test_compressed_tensors_artifact_loads_in_transformers(tiny_checkpoint, ct_a
     script = tmp_path / "forward.py"
     script.write_text(FORWARD_SCRIPT)
     outs = {}
-    for tag, path, extra in (("ct", ct_artifact, []), ("src", tiny_checkpoint, []), ("ref", tiny_checkpoint, [str(ct_artifact)])):
+    for tag, path, extra in (("ct", ct_artifact, []), ("src", tiny_checkpoint, []),
+                             ("ref", tiny_checkpoint, [str(ct_artifact)])):
         dest = tmp_path / f"{tag}.pt"
-        r = subprocess.run([sys.executable, str(script), tag, str(path), str(dest), *extra], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, str(script), tag, str(path), str(dest), *extra],
+                           capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
         outs[tag] = torch.load(dest)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
@@ -362,7 +365,8 @@ def test_failed_background_head_fails_the_build_and_leaves_it_incomplete(tiny_ch
 def _stat_of_checkpoint(out):
     """(inode, mtime_ns) of every file the checkpoint is made of: a rewrite changes both."""
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(out.iterdir())
-            if p.is_file() and (p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json"))}
+            if p.is_file() and (p.suffix == ".safetensors"
+                                or p.name in ("config.json", "model.safetensors.index.json"))}
 
 
 @pytest.mark.parametrize("edit", ["validate", "serve"])
@@ -386,7 +390,8 @@ def test_a_recipe_edit_outside_the_checkpoint_rewrites_no_shard(tiny_checkpoint,
     assert _stat_of_checkpoint(out) == before
     assert (out / PROVENANCE).read_text() != prov_before
     assert ctx.recipe.to_yaml() == (out / RECIPE).read_text()
-    assert runner.stage_key(ctx, "validate") != runner.stage_key(build.prepare(tiny_checkpoint, out, "tiny"), "validate")
+    fresh = build.prepare(tiny_checkpoint, out, "tiny")
+    assert runner.stage_key(ctx, "validate") != runner.stage_key(fresh, "validate")
 
 
 class _RecordingBar:

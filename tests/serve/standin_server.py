@@ -162,7 +162,8 @@ class PromptLogprobs:
         """One position: the top-k (noisy, re-ranked) plus the actual token with its rank."""
         src = (row + 7) % text.positions if self.corrupt else row
         ids = text.top_ids[self.side][src].tolist()[:k]
-        lps = [lp + rng.gauss(0, self.noise) if self.noise else lp for lp in text.top_logprobs[self.side][src].tolist()[:k]]
+        lps = [lp + rng.gauss(0, self.noise) if self.noise else lp
+               for lp in text.top_logprobs[self.side][src].tolist()[:k]]
         mass = sum(math.exp(v) for v in lps)
         if mass >= 1:  # noise must not give the top-k more than all the mass: vLLM's are a log_softmax
             lps = [v - math.log(mass) - 1e-6 for v in lps]

@@ -194,7 +194,8 @@ def test_interleaved_a_b_and_exact_verdicts(monkeypatch):
     decode_a, decode_b = 20 / (20 * 0.010), 20 / (20 * 0.008)  # medians: the middle step time
     assert rows["decode_tok_s"]["a"]["median"] == pytest.approx(decode_a)
     assert rows["decode_tok_s"]["ratio"] == pytest.approx(decode_b / decode_a)
-    assert rows["decode_tok_s"]["verdict"] == f"B faster by {100 * (decode_b / decode_a - 1):.1f}%" == "B faster by 25.0%"
+    verdict = rows["decode_tok_s"]["verdict"]
+    assert verdict == f"B faster by {100 * (decode_b / decode_a - 1):.1f}%" == "B faster by 25.0%"
     e2e_a, e2e_b = 21 / (0.05 + 0.2), 21 / (0.05 + 0.16)
     assert rows["e2e_tok_s"]["verdict"] == f"B faster by {100 * (e2e_b / e2e_a - 1):.1f}%"
     assert rows["ttft_s"]["verdict"] == "within noise" and not rows["ttft_s"]["significant"]
@@ -240,7 +241,8 @@ def test_ttft_verdict_is_in_speed(monkeypatch):
 
 
 def test_too_few_runs_give_no_verdict(monkeypatch):
-    fake_network(monkeypatch, a=dict(engine=Engine(), tokens=5, steps=0.02), b=dict(engine=Engine(), tokens=5, steps=0.01))
+    fake_network(monkeypatch, a=dict(engine=Engine(), tokens=5, steps=0.02),
+                 b=dict(engine=Engine(), tokens=5, steps=0.01))
     comparison = bench_mod.bench_pair("http://a/v1", "http://b/v1", runs=2, max_tokens=5, workloads=["prose"])
     decode = comparison["workloads"][0]["metrics"][0]
     assert decode["ratio"] == pytest.approx(2.0) and decode["verdict"] == "no verdict: fewer than 3 runs"

@@ -80,7 +80,8 @@ def why_not(cmd: str, cwd: Path) -> str | None:
     if "--engine" in args and args[args.index("--engine") + 1] == "vllm" and verb == "validate":
         return "runs both models in vLLM: needs a GPU"
     if verb == "verify":
-        return "checks a running server against the artifact's reference (hybrid-build serve; tests/validate/test_verify.py)"
+        return ("checks a running server against the artifact's reference "
+                "(hybrid-build serve; tests/validate/test_verify.py)")
     if verb == "eval" and any("://" in a for a in args):
         return "evaluates running OpenAI-compatible servers (hybrid-build serve)"
     remote = next((a for a in args if "://" in a and not a.startswith("http://127.0.0.1:")), None)
@@ -198,7 +199,8 @@ def test_example_runs_on_the_demo_output(demo_cwd, request, command, example):
         pytest.skip("the bench examples' port is taken on this machine")
     proc = subprocess.run(["bash", "-c", as_run(example)], cwd=cwd, capture_output=True, text=True, timeout=600,
                           env=offline_env(cwd))
-    assert proc.returncode == 0, f"`{example}` (from `{command} --help`) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, \
+        f"`{example}` (from `{command} --help`) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
 
 
 @pytest.mark.slow
@@ -224,7 +226,8 @@ def test_examples_that_must_run_are_not_skipped(demo_cwd):
     cwd, _ = demo_cwd
     runnable = {e for _, e in EXAMPLES if why_not(e, cwd) is None}
     assert {"hybrid-build serve out/ --profile dense --dry-run", "hybrid-build run -o out/",
-            "hybrid-build validate out/", "hybrid-build publish out/ --repo-id my-org/Qwen3.5-122B-A10B-hybrid --dry-run",
+            "hybrid-build validate out/",
+            "hybrid-build publish out/ --repo-id my-org/Qwen3.5-122B-A10B-hybrid --dry-run",
             "hybrid-build serve out/ --engine docker --profile dense"} <= runnable
 
 

@@ -425,7 +425,8 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     assert bench.main(["--cpu-smoke", "--n", "96", "--k", "64", "--batches", "1,13,40", "--sweep", "--ab",
                        "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert [(r["dtype"], r["B"]) for r in res["table"]] == [(d, b) for d in ("bfloat16", "float16") for b in (1, 13, 40)]
+    assert [(r["dtype"], r["B"]) for r in res["table"]] == [(d, b) for d in ("bfloat16", "float16")
+                                                            for b in (1, 13, 40)]
     assert all(r["check"]["within_bound"] and r["check"]["argmax_equal"] for r in res["table"])
     assert {o["dtype"] for o in res["odd_shapes"]} == {"bfloat16", "float16"}
     assert all(o["within_bound"] for o in res["odd_shapes"])

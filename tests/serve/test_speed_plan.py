@@ -41,7 +41,8 @@ def expected_source_reads(tc: dict) -> dict[str, int]:
     conv = 2 * nk * dk + nv * dv
     attn = int4(2 * heads * hd, h) + 2 * int4(kv * hd, h) + int4(h, heads * hd)
     linear = (int4(conv, h) + int4(nv * dv, h) + int4(h, nv * dv)  # INT4 projections
-              + 2 * nv * h * 2 + conv * tc["linear_conv_kernel_dim"] * 2 + 2 * nv * 2)  # in_proj_a/b, conv1d, A_log, dt_bias
+              # in_proj_a/b, conv1d, A_log, dt_bias
+              + 2 * nv * h * 2 + conv * tc["linear_conv_kernel_dim"] * 2 + 2 * nv * 2)
     return {
         "routed_expert": n_layers * k * (2 * int4(inter, h) + int4(h, inter)),
         "attention": full * attn,
@@ -67,7 +68,8 @@ def expected_savings(tc: dict) -> tuple[int, int]:
 def expected_context(tc: dict, context: int, state_bytes: int) -> dict[str, int]:
     types = tc["layer_types"]
     full, lin = types.count("full_attention"), types.count("linear_attention")
-    conv = 2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"] + tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
+    conv = (2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"]
+            + tc["linear_num_value_heads"] * tc["linear_value_head_dim"])
     state = (tc["linear_num_value_heads"] * tc["linear_key_head_dim"] * tc["linear_value_head_dim"] * state_bytes
              + conv * (tc["linear_conv_kernel_dim"] - 1) * 2)
     return {"kv_cache": full * 2 * tc["num_key_value_heads"] * tc["head_dim"] * 2 * context,
@@ -84,7 +86,8 @@ def _reads(ckpt: Checkpoint, context: int = bw.DEFAULT_CONTEXT) -> bw.ProfileRea
 @pytest.fixture(scope="module")
 def real_122b(tmp_path_factory) -> Checkpoint:
     """The 122B's real headers over sparse files (no data on disk)."""
-    folder = write_synthetic_checkpoint(tmp_path_factory.mktemp("q122b") / "ckpt", qwen35_122b_config(compact_extra_config=True))
+    folder = write_synthetic_checkpoint(tmp_path_factory.mktemp("q122b") / "ckpt",
+                                        qwen35_122b_config(compact_extra_config=True))
     return Checkpoint.read_folder(folder)
 
 
@@ -287,7 +290,8 @@ def _hybrid_headers(ckpt: Checkpoint) -> list[SyntheticTensor]:
 def test_hybrid_artifact_is_read_as_the_dense_profile(tiny_checkpoint, tmp_path):
     source = Checkpoint.open(tiny_checkpoint)
     cfg = json.loads(json.dumps(source.config))
-    cfg["quantization_config"]["extra_config"]["lm_head"] = {"bits": 8, "group_size": -1, "sym": True, "data_type": "int"}
+    cfg["quantization_config"]["extra_config"]["lm_head"] = {"bits": 8, "group_size": -1, "sym": True,
+                                                             "data_type": "int"}
     cfg["hybrid_build"] = {"format": "inc-hybrid", "lm_head": "gptq-int8"}
     folder = write_synthetic_checkpoint(tmp_path / "hybrid", cfg, tensors=_hybrid_headers(source))
     hybrid = Checkpoint.read_folder(folder)
@@ -307,7 +311,8 @@ def test_synthetic_layer_subset_with_random_data(tiny_checkpoint, tmp_path):
     assert not ckpt.errors()
     tc = ckpt.text_config
     assert tc["num_hidden_layers"] == 2 and tc["layer_types"] == ["linear_attention", "full_attention"]
-    assert {t.name.split(".")[3] for t in ckpt.tensors.values() if ".layers." in t.name and t.klass != "mtp"} == {"0", "1"}
+    layers = {t.name.split(".")[3] for t in ckpt.tensors.values() if ".layers." in t.name and t.klass != "mtp"}
+    assert layers == {"0", "1"}
     from safetensors.torch import load_file
 
     data = {}
@@ -335,7 +340,8 @@ def test_cli_json_table_and_plot(tiny_checkpoint, tmp_path, capsys):
     assert data["bandwidth_gbps"] == 273 and data["efficiency"] == bw.GB10_EFFICIENCY
     for p in bw.PROFILES:
         assert sum(data["bytes_per_token"][p].values()) == data["profiles"][p]["bytes_per_token"]
-        assert data["profiles"][p]["tok_s"] == pytest.approx(273e9 * bw.GB10_EFFICIENCY / data["profiles"][p]["bytes_per_token"])
+        bpt = data["profiles"][p]["bytes_per_token"]
+        assert data["profiles"][p]["tok_s"] == pytest.approx(273e9 * bw.GB10_EFFICIENCY / bpt)
     assert [(r["profile"], r["accept"]) for r in data["speculative"]] == [(p, a) for a in (1, 3.5) for p in bw.PROFILES]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -386,7 +392,8 @@ def _streams_plan(ckpt, **kw) -> dict:
 
 
 def _row(data: dict, profile: str, accept: float, streams: int, context: int | None = None) -> dict:
-    found = [r for r in data["concurrency"] if (r["profile"], r["accept"], r["concurrency"]) == (profile, accept, streams)
+    found = [r for r in data["concurrency"]
+             if (r["profile"], r["accept"], r["concurrency"]) == (profile, accept, streams)
              and (context is None or r["context"] == context)]
     assert len(found) == 1, (profile, accept, streams, context)
     return found[0]

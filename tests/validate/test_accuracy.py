@@ -58,8 +58,10 @@ def test_generative_scorers():
     spec.loader.exec_module(tasks)
     call = '{"name": "set_timer", "arguments": {"minutes": 5, "label": "tea"}}'
     doc = {"answer": call}
-    assert tasks.score_toolcall(doc, [' {"arguments": {"label": "tea", "minutes": 5}, "name": "set_timer"} x'])["exact_match"] == 1
-    assert tasks.score_toolcall(doc, [' {"name": "set_timer", "arguments": {"minutes": 6, "label": "tea"}}'])["exact_match"] == 0
+    reordered = ' {"arguments": {"label": "tea", "minutes": 5}, "name": "set_timer"} x'
+    assert tasks.score_toolcall(doc, [reordered])["exact_match"] == 1
+    wrong = ' {"name": "set_timer", "arguments": {"minutes": 6, "label": "tea"}}'
+    assert tasks.score_toolcall(doc, [wrong])["exact_match"] == 0
     assert tasks.score_toolcall(doc, ["no json"])["exact_match"] == 0
     assert tasks.score_number({"answer": "42"}, [" 42 apples"])["exact_match"] == 1
     assert tasks.score_number({"answer": "42"}, [" 4 2"])["exact_match"] == 0
@@ -319,7 +321,8 @@ def test_one_line_errors(built_artifact, standin, capsys, tmp_path):
     code, line = _error(capsys, ["eval", "--source-url", f"http://127.0.0.1:{port}/v1", "--hybrid-url", url, *out])
     assert code == 1 and line.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1 (")
     code, line = _error(capsys, ["eval", "--url", url, "--source-model", "base", "--hybrid-model", "hybrid", *out])
-    assert code == 2 and line == f"error: {url} serves 'source', 'hybrid', not 'base' (--source-model): is it the source server?"
+    assert code == 2
+    assert line == f"error: {url} serves 'source', 'hybrid', not 'base' (--source-model): is it the source server?"
     code, line = _error(capsys, ["eval", "--url", url, "--source-model", "hybrid", "--hybrid-model", "hybrid", *out])
     assert code == 2 and "the same model" in line
     code, line = _error(capsys, ["eval", "--url", url, "--source-model", "source", "--hybrid-model", "hybrid",

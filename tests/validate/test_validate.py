@@ -67,7 +67,8 @@ def test_fp8_block_scale_times_four_is_caught(artifact_copy, tiny_checkpoint, pl
     rc, rep = _validate(artifact_copy, tiny_checkpoint, capsys, "--no-e2e")
     assert rc == 1 and not rep["passed"]
     weight_lines = [f for f in rep["failures"] if f.startswith("weights:") and module in f]
-    assert any("block [1, 0] relative error" in f and "fp8_max_block_rel_error" in f for f in weight_lines), weight_lines
+    assert any("block [1, 0] relative error" in f and "fp8_max_block_rel_error" in f
+               for f in weight_lines), weight_lines
     # a x4 scale makes that block 4x too large: block error 3, tensor error 3 / sqrt(4 blocks)
     entry = next(w for w in rep["weights"] if w["module"] == module)
     assert entry["max_block_rel_error"] == pytest.approx(3.0, rel=0.01)

@@ -268,7 +268,8 @@ def test_bad_token_ids_are_a_user_error_before_any_engine_starts(tmp_path, fake_
 
 def test_folding_saved_logits_in_blocks_equals_the_whole(tmp_path):
     g = torch.Generator().manual_seed(5)
-    ids = {"a": torch.randint(0, 50, (11,), generator=g).tolist(), "b": torch.randint(0, 50, (4,), generator=g).tolist()}
+    ids = {"a": torch.randint(0, 50, (11,), generator=g).tolist(),
+           "b": torch.randint(0, 50, (4,), generator=g).tolist()}
     (tmp_path / "s").mkdir()
     (tmp_path / "h").mkdir()
     want = {}
