@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import vllm_sources
 
 from hybrid_build.validate.verify import PROTOCOLS, request_body
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+import vllm_sources  # noqa: E402  (tests/serve: where the unpacked vLLM wheels are found)
 
 PROTOCOL_FILE = "vllm/entrypoints/openai/completion/protocol.py"
 
