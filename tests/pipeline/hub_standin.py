@@ -34,7 +34,8 @@ def http_error(status: int, message: str = "server error") -> HfHubHTTPError:
 @dataclass
 class RemoteRepo:
     private: bool
-    branches: dict[str, dict[str, bytes]] = field(default_factory=lambda: {"main": {".gitattributes": b"*.safetensors filter=lfs\n"}})
+    branches: dict[str, dict[str, bytes]] = field(
+        default_factory=lambda: {"main": {".gitattributes": b"*.safetensors filter=lfs\n"}})
     prs: list[Discussion] = field(default_factory=list)
     # path -> RepoFile field overrides, to fake a remote that holds something else
     tampered: dict[str, dict] = field(default_factory=dict)

@@ -80,7 +80,8 @@ def test_offline_mode_raised_by_the_library(online):
 def test_unreachable_hub(online, capsys):
     calls = online(httpx.ConnectError("[Errno -3] Temporary failure in name resolution",
                                       request=httpx.Request("GET", f"https://huggingface.co/api/models/{REPO}")))
-    with pytest.raises(ExternalToolError, match=r"cannot reach the Hub \(.*name resolution.*\).*not in the local Hub cache"):
+    with pytest.raises(ExternalToolError,
+                       match=r"cannot reach the Hub \(.*name resolution.*\).*not in the local Hub cache"):
         resolve_source(REPO)
     assert calls == [(REPO, "main")]
     assert main(["inspect", REPO]) == 1
@@ -89,7 +90,8 @@ def test_unreachable_hub(online, capsys):
 
 def test_not_found_without_a_token_says_to_log_in(online, capsys):
     online(hub_answer(404, "RepoNotFound"))
-    with pytest.raises(UserError, match=f"^{REPO}: not found on the Hub \\(HTTP 404\\).*no token was sent.*hf auth login"):
+    with pytest.raises(UserError,
+                       match=f"^{REPO}: not found on the Hub \\(HTTP 404\\).*no token was sent.*hf auth login"):
         resolve_source(REPO)
     assert main(["inspect", REPO]) == 2
     one_error(capsys)
@@ -121,7 +123,8 @@ def test_forbidden(online):
     # a 403 that is not a gated repo: the library falls back to the cache, finds nothing and
     # chains the refusal; the cause is read from the chain
     online(hub_answer(403, message="forbidden"))
-    with pytest.raises(UserError, match=f"the Hub refused access to {REPO} \\(HTTP 403\\): the token needs read access"):
+    with pytest.raises(UserError,
+                       match=f"the Hub refused access to {REPO} \\(HTTP 403\\): the token needs read access"):
         resolve_source(REPO)
 
 

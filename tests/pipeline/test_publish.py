@@ -164,7 +164,7 @@ def test_publish_uploads_everything_once_and_verifies(validated_artifact, cli, h
     assert cli(validated_artifact, "--repo-id", REPO, "--private") == 0
     remote = hub.files(REPO)
     expected = artifact_files(validated_artifact)
-    for path, size in expected.items():
+    for path in expected:
         if path == "README.md":
             continue
         assert remote[path] == (validated_artifact / path).read_bytes(), path
@@ -348,7 +348,8 @@ def test_verification_catches_a_local_change_the_upload_carried(artifact, hub, n
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match=r"model-00003-of-00003.safetensors: sha256 .* \(from hybrid_build/provenance.json\)"):
+    with pytest.raises(ArtifactError,
+                       match=r"model-00003-of-00003.safetensors: sha256 .* \(from hybrid_build/provenance.json\)"):
         publisher(plan, hub, policy).run()
 
 
