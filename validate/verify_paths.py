@@ -337,8 +337,8 @@ def check_cache(served: Served, ref, opts: PathOptions, res: PathResult) -> None
         res.notes.append("hit not confirmed: no prefix-cache counters on /metrics")
         return
     (q0, h0), (q1, h1), (q2, h2) = before, mid, after
-    res.facts.update(cold_queried_tokens=q1 - q0, cold_hit_tokens=h1 - h0, warm_queried_tokens=q2 - q1,
-                     hit_tokens=h2 - h1)
+    res.facts.update(cold_queried_tokens=_count(q1 - q0), cold_hit_tokens=_count(h1 - h0),
+                     warm_queried_tokens=_count(q2 - q1), hit_tokens=_count(h2 - h1))
     on = q1 > q0 or q2 > q1
     if h1 > h0:
         res.notes.append(f"the cold run hit {h1 - h0:g} tokens too (other traffic, or cache_salt not honoured)")
@@ -354,6 +354,11 @@ def check_cache(served: Served, ref, opts: PathOptions, res: PathResult) -> None
                                 "found nothing cached")
         else:
             res.notes.append(f"caching on, no hit at {len(prompt)} tokens: compared two cold runs")
+
+
+def _count(x: float) -> int | float:
+    """A counter delta: tokens, a whole number (Prometheus writes floats)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def stream_prompts(ref, n: int) -> list[list[int]]:
@@ -418,7 +423,7 @@ def check_decode(served: Served, ref, opts: PathOptions, res: PathResult) -> Non
     gen = generate(served, prompt, n, new_salt(), "decode", res)
     after = _drafts(served)
     if before is not None and after is not None:
-        res.facts["drafts"] = after - before
+        res.facts["drafts"] = _count(after - before)
     if gen is None:
         return
     full = prompt + gen.tokens

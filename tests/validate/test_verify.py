@@ -3,8 +3,9 @@ one answer, then the command against the stand-in server (tests/serve/standin_se
 from a real reference: a correct server with kernel noise passes, a corrupt one fails, every answer
 that is not a log-probability of the shape asked fails naming the text and position, a trickling
 server is dropped at the deadline, and each way it cannot run (dead URL, another model asked for,
-no prompt log-probabilities, no reference) is one line and exit 3 (a JSON object with --json). The
-paths (cache, concurrency, decode) are tested in test_verify_paths.py."""
+no prompt log-probabilities, no reference) is one line and exit 3 (a JSON object with --json). Then
+the paths (cache, concurrency, decode): a correct server passes each, a server broken on one path
+fails that path alone, and a path that cannot be confirmed is "could not run" (exit 3)."""
 from __future__ import annotations
 
 import json
@@ -420,3 +421,95 @@ def test_the_deadline_holds_while_the_headers_trickle():
         stop.set()
         server.join(timeout=30)
         listener.close()
+
+
+# ------------------------------------------------------------------------------------ the paths
+
+
+def _paths(capsys, url: str, artifact: Path, *extra: str) -> tuple[int, dict]:
+    rc, out, _ = _verify(capsys, url, artifact, "--json", *extra)
+    return rc, json.loads(out)
+
+
+@pytest.mark.slow
+def test_a_correct_server_passes_every_path_and_the_report_says_which(controlled, referenced_artifact, capsys):
+    url = controlled()
+    rc, report = _paths(capsys, url, referenced_artifact, "--prefix-caching", "on")
+    assert rc == 0 and report["outcome"] == "passed", report["failures"]
+    paths = report["paths"]
+    assert list(paths) == ["cache", "concurrency", "decode"]
+    assert all(p["outcome"] == "passed" and p["seconds"] > 0 and p["failures"] == [] for p in paths.values())
+    cache = paths["cache"]
+    # a 2048-token model: the prompt leaves room for the continuation; 16-token blocks, all but the
+    # last token can hit
+    assert cache["prompt_tokens"] == 2048 - 16 - 1 and cache["hit_tokens"] == (cache["prompt_tokens"] - 1) // 16 * 16
+    assert cache["cold_hit_tokens"] == 0 and cache["checked"] == f"cache (hit {cache['hit_tokens']} tokens)"
+    assert paths["concurrency"]["streams"] == 4 and paths["concurrency"]["positions"] >= 4
+    assert paths["decode"]["positions"] == 32
+    for p in paths.values():  # kernel noise N(0, 0.01): far inside the tiny recipe's bounds
+        assert p["kl_mean"] < report["thresholds"]["max_mean_kl"] and p["logprob_max_abs_diff"] < 0.25
+    rc, out, _ = _verify(capsys, url, referenced_artifact)
+    lines = out.splitlines()
+    assert rc == 0 and [ln.split()[1] for ln in lines if ln.startswith("path ")] == ["cache", "concurrency", "decode"]
+    assert "paths checked: cache (hit 2016 tokens), concurrency (4 at once), decode;" in lines[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs, failing, says", [
+    ({"cache_fault": "state"}, "cache", "not a near-tie"),  # a hit restores the wrong state
+    ({"cache_fault": "nan"}, "cache", "warm generated token 0: token"),  # NaN after a hit
+    ({"cache_fault": "nohit"}, "cache", "prefix caching on and zero hits"),
+    ({"prefix_caching": False}, "cache", "looked nothing up in its prefix cache"),
+    ({"batch_fault": True}, "concurrency", "KL mean"),  # logits scaled in a batch: same argmax, other log-probs
+    ({"decode_fault": True}, "decode", "where the prefill has"),
+])
+def test_a_server_broken_on_one_path_fails_that_path_alone(controlled, referenced_artifact, capsys, knobs, failing,
+                                                             says):
+    rc, report = _paths(capsys, controlled(**knobs), referenced_artifact, "--prefix-caching", "on")
+    assert rc == 1 and report["outcome"] == "failed"
+    outcomes = {name: p["outcome"] for name, p in report["paths"].items()}
+    assert outcomes == {name: "failed" if name == failing else "passed" for name in outcomes}
+    assert any(says in f for f in report["paths"][failing]["failures"]), report["paths"][failing]["failures"]
+    assert report["overall"]["same_top1"] >= report["thresholds"]["min_same_top1"]  # the prompt path still passes
+
+
+@pytest.mark.slow
+def test_no_hit_fails_only_where_caching_is_claimed(controlled, referenced_artifact, capsys):
+    """The tiny recipe's dense profile (the hybrid side) turns caching off: no claim, no failure,
+    and the report says what ran; --profile base (caching on) claims it."""
+    for knobs, note in (({"cache_fault": "nohit"}, "caching on, no hit at 2031 tokens"),
+                        ({"prefix_caching": False}, "prefix caching off: compared two cold runs")):
+        rc, report = _paths(capsys, controlled(**knobs), referenced_artifact)
+        cache = report["paths"]["cache"]
+        assert rc == 0 and cache["outcome"] == "passed" and cache["claimed"] is False and note in cache["notes"][0]
+        assert cache["checked"] == "cache (no hit confirmed)"
+        rc, report = _paths(capsys, controlled(**knobs), referenced_artifact, "--profile", "base")
+        assert rc == 1 and report["paths"]["cache"]["outcome"] == "failed"
+    rc, _, err = _verify(capsys, controlled(), referenced_artifact, "--profile", "nope")
+    assert rc == 2 and "no such profile" in _one_line(err)
+
+
+@pytest.mark.slow
+def test_a_hit_that_cannot_be_confirmed_is_could_not_run_where_claimed(controlled, referenced_artifact, capsys):
+    url = controlled(metrics=False)
+    rc, report = _paths(capsys, url, referenced_artifact, "--prefix-caching", "on")
+    assert rc == 3 and report["outcome"] == "could not run"
+    cache = report["paths"]["cache"]
+    assert cache["outcome"] == "could not run" and "no prefix-cache counters" in cache["could_not_run"]
+    assert report["paths"]["concurrency"]["outcome"] == report["paths"]["decode"]["outcome"] == "passed"
+    rc, out, _ = _verify(capsys, url, referenced_artifact, "--prefix-caching", "on")
+    assert rc == 3 and out.splitlines()[-1].startswith("verify could not run: ")
+    rc, report = _paths(capsys, url, referenced_artifact)  # no claim: compared, the hit unconfirmed
+    assert rc == 0 and report["paths"]["cache"]["notes"] == ["hit not confirmed: no prefix-cache counters on /metrics"]
+
+
+@pytest.mark.slow
+def test_each_path_has_a_switch(controlled, referenced_artifact, capsys):
+    url = controlled(decode_fault=True, cache_fault="state")
+    rc, report = _paths(capsys, url, referenced_artifact, "--skip", "decode", "--skip", "cache", "--concurrency", "3")
+    assert rc == 0, report["failures"]
+    assert {n: p["outcome"] for n, p in report["paths"].items()} == {
+        "cache": "skipped", "concurrency": "passed", "decode": "skipped"}
+    assert report["paths"]["concurrency"]["streams"] == 3 and report["paths"]["decode"]["seconds"] is None
+    rc, out, _ = _verify(capsys, url, referenced_artifact, "--skip", "decode", "--skip", "cache")
+    assert "path decode       skipped (--skip decode)" in out and "paths checked: concurrency (4 at once);" in out
