@@ -25,7 +25,8 @@ def register(sub, common) -> None:
                     "vocabulary lumped into one bucket: a lower bound of the full-vocabulary KL. Thresholds come "
                     "from the recipe's `verify` section. Works against any server: one `hybrid-build serve` "
                     "started, the DGX Spark docker image, a server on another machine. Speculative decoding does "
-                    "not change the figures (prompt log-probabilities do not go through the drafter). Exit 0 when "
+                    "not change the figures (prompt log-probabilities do not go through the drafter; the decode "
+                    "path does). Exit 0 when "
                     "the server passes, 1 when it fails, 3 when the check could not run (nothing answers, the "
                     "model asked for is not served, no prompt log-probabilities, no reference in the artifact, a "
                     "request past --timeout, a path that could not run), 2 on a usage error (a server that refuses "
@@ -75,7 +76,7 @@ def register(sub, common) -> None:
                         "max_model_len): longer than a few of the server's KV blocks, or no block can hit")
     p.add_argument("--logprob-tol", default=str(LOGPROB_TOL), metavar="NATS",
                    help=f"the paths' near-tie and log-probability tolerance (default {LOGPROB_TOL}: two bf16 steps "
-                        "of a logit in [16, 32); docs/validate.md)")
+                        "of a logit in [16, 32); docs/serve.md)")
     add_json_flag(p)
     p.set_defaults(handler=_handle)
 

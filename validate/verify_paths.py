@@ -30,9 +30,9 @@ entry is an id, ``ignore_eos`` so that every continuation has its full length, t
 Every request outside the cache path has a fresh ``cache_salt``, so none of them hits a cache left
 by another. Every answer is checked for shape first (``verify.check_position``).
 
-**Tolerances** (docs/validate.md, "Paths"). Two answers of one server for one context differ only by
-floating-point nondeterminism: another batch shape or a cached prefix changes the order of bf16/fp32
-reductions, not the math. Per compared position: KL(base || path) with the tail lumped
+**Tolerances** (docs/serve.md, "The paths where runtimes break"). Two answers of one server for one
+context differ only by floating-point nondeterminism: another batch shape or a cached prefix changes
+the order of bf16/fp32 reductions, not the math. Per compared position: KL(base || path) with the tail lumped
 (``verify.kl_lumped``) under the recipe's ``verify`` bounds (mean ``max_mean_kl``, p99 ``max_p99_kl``):
 a path is broken when its answers differ from the server's own plain answers by more than the main
 check lets the server differ from the fp32 reference. The two top-1 tokens must be the same except at
