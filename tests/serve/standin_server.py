@@ -475,6 +475,20 @@ class _Body:
         return iter(self.lines if self.lines is not None else self.data.splitlines(keepends=True))
 
 
+def chat_token_ids(body: dict, vocab: int = 4096) -> list[int]:
+    """The stand-in's tokenizer for chat requests: per message a role token, then one token per
+    whitespace-separated word (its crc32 modulo ``vocab``): deterministic, so a resent prefix is the
+    same tokens, as a chat template and a tokenizer make it."""
+    import zlib
+
+    out: list[int] = []
+    for m in body.get("messages") or []:
+        out.append(zlib.crc32(f"<|{m.get('role')}|>".encode()) % vocab)
+        content = m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
+        out += [zlib.crc32(w.encode()) % vocab for w in content.split()]
+    return out
+
+
 class FakeServer:
     """The stand-in in process, on a fake clock: ``first`` s to the first token, then one engine step
     every ``steps[k % len(steps)]`` s for the k-th chat request, so that runs differ by exactly
@@ -483,8 +497,12 @@ class FakeServer:
 
     def __init__(self, clock: list[float], engine: Engine, tokens: int = 30, first: float | list = 0.3,
                  steps: float | list = 0.02, usage: bool = True, metrics: bool = True,
-                 blank: tuple[int, int] = (0, 0), tool_parser: bool = True):
+                 blank: tuple[int, int] = (0, 0), tool_parser: bool = True, cache: "PrefixCache | None" = None,
+                 prefill: float = 0.0, max_model_len: int | None = None):
         self.clock, self.engine, self.tokens, self.usage, self.metrics = clock, engine, tokens, usage, metrics
+        # with a prefix cache (give the engine the same one, for /metrics), the first token comes
+        # ``prefill`` s per prompt token not found in it after ``first``
+        self.cache, self.prefill, self.max_model_len = cache, prefill, max_model_len
         # without a tool-call parser vLLM refuses a request with tools (400, its words below)
         self.tool_parser = tool_parser
         # tokens lo <= i < hi stream with empty content, as vLLM streams tokens whose text its
@@ -499,6 +517,11 @@ class FakeServer:
         self.requests.append(body)
         n = min(self.tokens, body.get("max_tokens") or self.tokens)
         first, gap = self.first[k % len(self.first)], self.steps[k % len(self.steps)]
+        ids = chat_token_ids(body)
+        if self.cache is not None:
+            hit = self.cache.lookup(ids, None)
+            self.cache.store(ids, None)
+            first += self.prefill * (len(ids) - hit)
 
         def lines():
             yield b": keep-alive\n"
@@ -514,7 +537,8 @@ class FakeServer:
                 yield f"data: {json.dumps(event)}\n".encode()
                 yield b"\n"
             if self.usage:
-                yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n".encode()
+                usage = {"prompt_tokens": len(ids), "completion_tokens": n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n".encode()
             yield b"data: [DONE]\n"
 
         return _Body(lines=lines())
@@ -537,7 +561,10 @@ class FakeNetwork:
         if server is None:
             raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
         if parts.path.endswith("/v1/models"):
-            return _Body(json.dumps({"data": [{"id": server.engine.model}]}).encode())
+            card = {"id": server.engine.model}
+            if server.max_model_len:
+                card["max_model_len"] = server.max_model_len
+            return _Body(json.dumps({"data": [card]}).encode())
         if parts.path == "/metrics":
             if not server.metrics:
                 raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
@@ -720,13 +747,16 @@ def main() -> int:
                 message = {"role": "assistant", "content": a.answer}
                 return self._json(200, {"choices": [{"index": 0, "message": message}],
                                         "usage": {"completion_tokens": 2}})
+            ids = chat_token_ids(req)
+            cache.lookup(ids, None)  # counted as vLLM counts it; the stand-in's time does not depend on it
+            cache.store(ids, None)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             time.sleep(a.first_delay)
             n = min(a.tokens, req.get("max_tokens") or a.tokens)
             sent = 0
-            for i, tokens in enumerate(engine.run(n)):
+            for i, tokens in enumerate(engine.run(n, prompt_tokens=len(ids))):
                 if i:
                     time.sleep(a.token_delay)
                 text = "".join(f"t{sent + j} " for j in range(tokens))
@@ -734,7 +764,7 @@ def main() -> int:
                 ev = {"choices": [{"index": 0, "delta": {"content": text}}]}
                 self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
                 self.wfile.flush()
-            usage = {"choices": [], "usage": {"completion_tokens": n}}
+            usage = {"choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": n}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
             self.wfile.flush()
 
