@@ -185,7 +185,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     goes on. Returns what ``--json`` reports under ``verify``."""
     from hybrid_build.core.errors import CannotVerify, NumericsError
     from hybrid_build.validate.verify import load_reference, render, verify_server
-    from hybrid_build.validate.verify_paths import PathOptions
+    from hybrid_build.validate.verify_paths import PathOptions, checker
 
     from .engine import recipe_for_serving
     from .launcher import plan_key
@@ -208,7 +208,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     try:
         report = verify_server(base_url, artifact, side=side, model=plan.model_name, timeout=300,
                                thresholds=recipe.verify, reference=reference, api_key=plan_key(plan) or "",
-                               paths=PathOptions(prefix_caching=profile.enable_prefix_caching))
+                               paths=checker(PathOptions(prefix_caching=profile.enable_prefix_caching)))
     except CannotVerify as e:
         raise CannotVerify(f"{e} (stopped the server; --no-verify serves without the check)") from None
     say(render(report))

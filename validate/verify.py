@@ -41,6 +41,7 @@ import math
 import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from hybrid_build.core.api_key import client_key, raise_if_refused
 from hybrid_build.core.errors import CannotVerify, HybridBuildError, UserError
@@ -270,6 +271,19 @@ def prompt_answer(base_url: str, model: str, token_ids: list[int], k: int, api_k
         tried.append(f"{protocol}: " + ("only string-keyed top_logprobs (ids that decode alike collapse)" if legacy
                                         else "no id-keyed prompt_logprobs"))
     raise CannotVerify(f"could not verify: {url} returned no prompt log-probabilities ({'; '.join(tried)})")
+
+
+@dataclass(frozen=True)
+class Served:
+    """The server checked, as every request needs it (the paths' checks take it: ``verify_paths``)."""
+
+    base: str
+    model: str
+    api_key: str | None
+    timeout: float
+    k: int
+    vocab: int | None
+    max_model_len: int | None = None
 
 
 def vocab_size_of(artifact: Path) -> int | None:
@@ -550,15 +564,13 @@ def check_model(base_url: str, model: str | None, artifact: Path, side: str, api
 
 def verify_server(url: str, artifact: Path, *, side: str = "hybrid", model: str | None = None,
                   api_key: str | None = None, timeout: float = 120.0, thresholds: VerifySpec | None = None,
-                  reference=None, paths=None) -> VerifyReport:
-    """Compare the server at ``url`` with ``artifact``'s reference, then check the paths where
-    runtimes break (``verify_paths``; ``paths``: its ``PathOptions``, default every path). Every
-    answer is checked for shape before any statistic. ``CannotVerify`` when nothing can be checked,
-    ``KeyRefused`` when the server refuses the key. ``api_key``: sent as a Bearer token; None takes
-    ``$OPENAI_API_KEY``, "" sends none."""
+                  reference=None, paths: Callable | None = None) -> VerifyReport:
+    """Compare the server at ``url`` with ``artifact``'s reference, then, with ``paths`` (``(Served,
+    reference, thresholds) -> results``: ``verify_paths.checker``, which the command and ``serve``
+    give), the paths where runtimes break. Every answer is checked for shape before any statistic.
+    ``CannotVerify`` when nothing can be checked, ``KeyRefused`` when the server refuses the key.
+    ``api_key``: sent as a Bearer token; None takes ``$OPENAI_API_KEY``, "" sends none."""
     from hybrid_build.core.artifact import artifact_identity
-
-    from .verify_paths import PathOptions, Served, run_paths
 
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES}")
@@ -582,6 +594,7 @@ def verify_server(url: str, artifact: Path, *, side: str = "hybrid", model: str 
     if report.violations:  # no statistic on answers that are not log-probabilities
         return report
     report.texts = [compare_text(text, side, answer) for text, answer in answers]
-    served = Served(base, name, api_key, timeout, ref.k, vocab, card.get("max_model_len"))
-    report.paths = run_paths(served, ref, report.thresholds, paths or PathOptions())
+    if paths is not None:
+        served = Served(base, name, api_key, timeout, ref.k, vocab, card.get("max_model_len"))
+        report.paths = paths(served, ref, report.thresholds)
     return report

@@ -100,7 +100,7 @@ def _options(args: argparse.Namespace):
 
     from .verify import claimed_prefix_caching
     from .verify_http import check_url
-    from .verify_paths import PathOptions
+    from .verify_paths import PathOptions, checker
 
     check_url(args.url)
     if not args.artifact.is_dir():
@@ -111,7 +111,7 @@ def _options(args: argparse.Namespace):
     tol = _number("--logprob-tol", args.logprob_tol)
     claim = (args.prefix_caching == "on") if args.prefix_caching else claimed_prefix_caching(
         args.artifact, args.against, args.profile)
-    return PathOptions(frozenset(args.skip), concurrency, claim, cache_tokens, tol)
+    return checker(PathOptions(frozenset(args.skip), concurrency, claim, cache_tokens, tol))
 
 
 def _handle(args: argparse.Namespace) -> int:

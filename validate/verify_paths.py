@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from hybrid_build.core.api_key import raise_if_refused
 from hybrid_build.core.errors import CannotVerify
 
-from .verify import Position, check_position, check_prompt, exceeds, kl_lumped, p99, prompt_answer
+from .verify import Position, Served, check_position, check_prompt, exceeds, kl_lumped, p99, prompt_answer
 from .verify_http import Exchange, counter_sum, fetch, http_detail, metrics_url, parse_json, prefix_cache_counts
 
 PATHS = ("cache", "concurrency", "decode")
@@ -81,19 +81,6 @@ class PathOptions:
     prefix_caching: bool | None = None  # what the serve profile claims; None: not known
     cache_tokens: int = CACHE_TOKENS
     logprob_tol: float = LOGPROB_TOL
-
-
-@dataclass(frozen=True)
-class Served:
-    """What every request of the paths needs."""
-
-    base: str
-    model: str
-    api_key: str | None
-    timeout: float
-    k: int
-    vocab: int | None
-    max_model_len: int | None = None
 
 
 @dataclass
@@ -437,6 +424,11 @@ def check_decode(served: Served, ref, opts: PathOptions, res: PathResult) -> Non
 
 
 CHECKS = {"cache": check_cache, "concurrency": check_concurrency, "decode": check_decode}
+
+
+def checker(opts: PathOptions):
+    """What ``verify.verify_server`` takes as ``paths``: ``run_paths`` with these options."""
+    return lambda served, ref, thresholds: run_paths(served, ref, thresholds, opts)
 
 
 def run_paths(served: Served, ref, thresholds, opts: PathOptions) -> list[PathResult]:

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import vllm_sources
 
-from hybrid_build.validate.verify import PROTOCOLS, request_body
+from hybrid_build.validate.verify import PROTOCOLS, Served, request_body
 from hybrid_build.validate.verify_http import PREFIX_HITS, PREFIX_QUERIES
-from hybrid_build.validate.verify_paths import SPEC_DRAFTS, Served, generation_body
+from hybrid_build.validate.verify_paths import SPEC_DRAFTS, generation_body
 
 PROTOCOL_FILE = "vllm/entrypoints/openai/completion/protocol.py"
 
