@@ -22,11 +22,11 @@ from pathlib import Path
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, is_report, report_state
 from hybrid_build.core import formats
+from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, is_report, report_state
+from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.checkpoint import HUB_ID
 from hybrid_build.core.formats.base import OutputFormat
-from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.safetensors_io import INDEX_NAME, read_header
 
 log = logging.getLogger(__name__)

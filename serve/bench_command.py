@@ -58,7 +58,9 @@ def register(sub, common) -> None:
                "   # A/A: the size of the noise\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out source.json     # serving the source\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out hybrid.json     # later, serving the hybrid\n"
-               "  hybrid-build bench --compare source.json hybrid.json")
+               "  hybrid-build bench --compare source.json hybrid.json\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --runs 3   # agents' TTFT, cold and warm prefix\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 8k,32k --concurrency 4")
     p.add_argument("urls", nargs="*", metavar="URL",
                    help="OpenAI base URL (ending in /v1); two URLs: A and B, measured interleaved")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), type=Path,
@@ -75,6 +77,14 @@ def register(sub, common) -> None:
                    help=f"streams at once, each its own request (default 1; at most {MAX_CONCURRENCY})")
     p.add_argument("--api-key", help="sent as a Bearer token on every request (default: $OPENAI_API_KEY, "
                                      "which keeps it out of `ps`); never printed")
+    p.add_argument("--agent", action="store_true",
+                   help="measure time to first token for agents instead of the bank: per context length a long "
+                        "prefix (a session's history) plus a short new turn, cold (first time sent) and warm (the "
+                        "next turn: the prefix cached where the server caches), with the prefix-cache hit rate "
+                        "from /metrics; with --concurrency N, N sessions at once, TTFT per stream")
+    p.add_argument("--contexts", default="8k,32k,64k", metavar="LIST",
+                   help="--agent's context lengths in tokens (k = 1024; default 8k,32k,64k; at most the served "
+                        "max_model_len)")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file (input of --compare)")
     add_json_flag(p)
     p.set_defaults(handler=run)
@@ -87,6 +97,14 @@ def _url(u: str) -> str:
     return url
 
 
+def _write(args: argparse.Namespace, result: dict) -> None:
+    if args.out:
+        try:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise UserError(describe_os_error(e))
+
+
 def _read(path: Path) -> dict:
     try:
         text = path.read_text()
@@ -97,7 +115,33 @@ def _read(path: Path) -> dict:
     return report
 
 
+def _agent(args: argparse.Namespace) -> dict:
+    from .bench_agent import bench_agent, parse_contexts
+
+    if args.compare or len(args.urls) != 1:
+        raise UserError("--agent measures one server: give one URL (and no --compare)")
+    contexts = parse_contexts(args.contexts)
+    if args.runs < 1:
+        raise UserError("--runs must be at least 1")
+    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        raise UserError(f"--concurrency must be between 1 and {MAX_CONCURRENCY}")
+    url = _url(args.urls[0])
+    with progress(args.quiet, total=len(contexts) * args.runs, unit="run", desc="bench --agent", leave=False) as bar:
+        return bench_agent(url, args.model, contexts, args.runs, args.concurrency, client_key(args.api_key),
+                           on_run=lambda *_: bar.update(1))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.agent:
+        from .bench_agent import agent_table
+
+        result = _agent(args)
+        _write(args, result)
+        if args.json:
+            emit_json(result)
+        else:
+            print(agent_table(result))
+        return 0
     if args.compare:
         if args.urls:
             raise UserError("give either URLs to measure or --compare A.json B.json, not both")
@@ -130,11 +174,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 result = bench_pair(urls[0], urls[1], args.model, args.runs, args.max_tokens, workloads,
                                     args.thinking, on_run, args.concurrency, api_key)
-    if args.out:
-        try:
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            raise UserError(describe_os_error(e))
+    _write(args, result)
     comparison = "flags" in result
     if args.json:
         emit_json(result)

@@ -12,10 +12,10 @@ from pathlib import Path
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_held
+from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
 
 from . import ray_auth, served_key
 from .engine import GPU_PRESETS
-from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
 
 
 def register(sub, common) -> None:
@@ -185,6 +185,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     goes on. Returns what ``--json`` reports under ``verify``."""
     from hybrid_build.core.errors import CannotVerify, NumericsError
     from hybrid_build.validate.verify import load_reference, render, verify_server
+    from hybrid_build.validate.verify_paths import PathOptions, checker
 
     from .engine import recipe_for_serving
     from .launcher import plan_key
@@ -202,13 +203,17 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
         say(f"{e}; serving without the check")
         return {"outcome": "could not run", "reason": str(e)}
     recipe, _ = recipe_for_serving(args.artifact, args.recipe)
-    side = recipe.serve.profiles[plan.profile].artifact  # the dense profile serves the hybrid, the others the source
+    profile = recipe.serve.profiles[plan.profile]
+    side = profile.artifact  # the dense profile serves the hybrid, the others the source
     try:
         report = verify_server(base_url, artifact, side=side, model=plan.model_name, timeout=300,
-                               thresholds=recipe.verify, reference=reference, api_key=plan_key(plan) or "")
+                               thresholds=recipe.verify, reference=reference, api_key=plan_key(plan) or "",
+                               paths=checker(PathOptions(prefix_caching=profile.enable_prefix_caching)))
     except CannotVerify as e:
         raise CannotVerify(f"{e} (stopped the server; --no-verify serves without the check)") from None
     say(render(report))
+    if report.outcome == "could not run":
+        raise CannotVerify(f"{report.verdict_line()} (stopped the server; --no-verify serves without the check)")
     if report.outcome == "failed":
         if args.json:
             emit_json({"verify": report.to_json()})

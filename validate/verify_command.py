@@ -5,12 +5,14 @@ import argparse
 from pathlib import Path
 
 # three outcomes, three exit codes (as `validate`): could not run is neither a pass nor a failure
-OUTCOME_EXIT = {"passed": 0, "failed": 1}
+OUTCOME_EXIT = {"passed": 0, "failed": 1, "could not run": 3}
 
 
 def register(sub, common) -> None:
     from hybrid_build.core.artifact import REPORTS
     from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
+
+    from .verify_paths import CACHE_TOKENS, CONCURRENCY, LOGPROB_TOL, PATHS
 
     p = sub.add_parser(
         "verify", parents=[common], formatter_class=ExampleFormatter,
@@ -23,15 +25,25 @@ def register(sub, common) -> None:
                     "vocabulary lumped into one bucket: a lower bound of the full-vocabulary KL. Thresholds come "
                     "from the recipe's `verify` section. Works against any server: one `hybrid-build serve` "
                     "started, the DGX Spark docker image, a server on another machine. Speculative decoding does "
-                    "not change the figures (prompt log-probabilities do not go through the drafter). Exit 0 when "
-                    "the server passes, 1 when it fails, 3 when the check could not run (nothing answers, another "
-                    "model is served, no prompt log-probabilities, no reference in the artifact), 2 on a usage "
-                    "error (a server that refuses the API key, or wants one and got none, is one).",
+                    "not change the figures (prompt log-probabilities do not go through the drafter; the decode "
+                    "path does). Exit 0 when "
+                    "the server passes, 1 when it fails, 3 when the check could not run (nothing answers, the "
+                    "model asked for is not served, no prompt log-probabilities, no reference in the artifact, a "
+                    "request past --timeout, a path that could not run), 2 on a usage error (a server that refuses "
+                    "the API key, or wants one and got none, is one). Every answer is checked for shape before "
+                    "any figure: finite log-probabilities <= 0, every position answered, the top-k asked for, "
+                    "token ids inside the artifact's vocabulary, the model the artifact's recipe names; one "
+                    "violation fails, named by text and position. Then, by default, the paths where runtimes "
+                    "break, each compared on generated tokens' log-probabilities: cache (the same prompt cold and "
+                    "with its prefix cached, the hit read from /metrics), concurrency (N requests at once), decode "
+                    "(a greedy continuation against a prefill of it); --skip leaves one out. The report says which "
+                    "ran and the time each took.",
         epilog="examples:\n"
                "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/\n"
                "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --json\n"
-               "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --against source"
-               "   # serving the source\n"
+               "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --profile base   # caching as profiled\n"
+               "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --skip cache --skip decode\n"
+               "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --against source   # serving the source\n"
                "  hybrid-build verify http://spark:8000/v1 --artifact out/ --model qwen   # key: $OPENAI_API_KEY")
     p.add_argument("url", help="the server's OpenAI base URL (http://HOST:PORT/v1, or without /v1)")
     p.add_argument("--artifact", type=Path, required=True,
@@ -43,27 +55,83 @@ def register(sub, common) -> None:
     p.add_argument("--model", help="the served model name (default: the name the artifact's recipe serves it under)")
     p.add_argument("--api-key", metavar="KEY", help="sent as a Bearer token (default: $OPENAI_API_KEY, which keeps "
                                                    "the key off the command line; `serve` says where its key is)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request (default 120)")
+    p.add_argument("--timeout", default="120", metavar="S",
+                   help="seconds each request may take, start to last byte (a deadline, not a per-read wait; "
+                        "default 120)")
+    p.add_argument("--skip", action="append", default=[], choices=PATHS, metavar="PATH",
+                   help="leave out one of the paths checked after the prompt log-probabilities (repeatable): "
+                        "cache (a prefix-cache hit, warm against cold), concurrency (N requests at once against "
+                        "each alone), decode (a greedy continuation, through the drafter where one is served, "
+                        "against a prefill of the same tokens)")
+    p.add_argument("--concurrency", default=str(CONCURRENCY), metavar="N",
+                   help=f"requests at once in the concurrency path (default {CONCURRENCY})")
+    p.add_argument("--profile", help="the serve profile the server runs (its prefix-caching setting is what the "
+                                     "cache path holds it to; default: the one setting every profile serving "
+                                     "--against agrees on, else none)")
+    p.add_argument("--prefix-caching", choices=("on", "off"),
+                   help="whether the server should cache prefixes (overrides --profile): with on, caching off "
+                        "or a warm prompt with zero cache hits fails the cache path")
+    p.add_argument("--cache-tokens", default=str(CACHE_TOKENS), metavar="N",
+                   help=f"the cache path's prompt length in tokens (default {CACHE_TOKENS}, cut to the served "
+                        "max_model_len): longer than a few of the server's KV blocks, or no block can hit")
+    p.add_argument("--logprob-tol", default=str(LOGPROB_TOL), metavar="NATS",
+                   help=f"the paths' near-tie and log-probability tolerance (default {LOGPROB_TOL}: two bf16 steps "
+                        "of a logit in [16, 32); docs/serve.md)")
     add_json_flag(p)
     p.set_defaults(handler=_handle)
 
 
-def _handle(args: argparse.Namespace) -> int:
-    from hybrid_build.core.cli_support import emit_json
+def _number(flag: str, text: str, kind=float, least: float = 0.0, strict: bool = True):
+    """A flag's number, read here rather than by argparse so that a bad one is a one-line usage error
+    and, with --json, a JSON object."""
     from hybrid_build.core.errors import UserError
 
-    from .verify import render, verify_server
+    try:
+        value = kind(text)
+    except ValueError:
+        raise UserError(f"{flag} {text}: not a {'whole ' if kind is int else ''}number") from None
+    if value != value or value in (float("inf"), float("-inf")) or (value <= least if strict else value < least):
+        raise UserError(f"{flag} {text}: must be {'above' if strict else 'at least'} {least:g}")
+    return value
 
-    if not args.url.startswith(("http://", "https://")):
-        raise UserError(f"{args.url}: not an http(s) URL")
+
+def _options(args: argparse.Namespace):
+    from hybrid_build.core.errors import UserError
+
+    from .verify import claimed_prefix_caching
+    from .verify_http import check_url
+    from .verify_paths import PathOptions, checker
+
+    check_url(args.url)
     if not args.artifact.is_dir():
         raise UserError(f"{args.artifact}: no such artifact folder")
-    report = verify_server(args.url, args.artifact, side=args.against, model=args.model, api_key=args.api_key,
-                           timeout=args.timeout)
+    args.timeout = _number("--timeout", args.timeout)
+    concurrency = _number("--concurrency", args.concurrency, int, 2, strict=False)
+    cache_tokens = _number("--cache-tokens", args.cache_tokens, int, 2, strict=False)
+    tol = _number("--logprob-tol", args.logprob_tol)
+    claim = (args.prefix_caching == "on") if args.prefix_caching else claimed_prefix_caching(
+        args.artifact, args.against, args.profile)
+    return checker(PathOptions(frozenset(args.skip), concurrency, claim, cache_tokens, tol))
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from hybrid_build.core.cli_support import emit_json
+    from hybrid_build.core.errors import HybridBuildError
+
+    from .verify import could_not_run_json, render, verify_server
+
+    try:
+        paths = _options(args)
+        report = verify_server(args.url, args.artifact, side=args.against, model=args.model, api_key=args.api_key,
+                               timeout=args.timeout, paths=paths)
+    except HybridBuildError as e:  # main prints the one line and returns its code; a script gets JSON too
+        if args.json:
+            emit_json(could_not_run_json(str(e), e.exit_code, args.url))
+        raise
     if args.json:
         emit_json(report.to_json())
     elif args.quiet:
-        if report.outcome == "failed":
+        if report.outcome != "passed":
             print(report.verdict_line())
     else:
         print(render(report))

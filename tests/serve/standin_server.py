@@ -2,9 +2,10 @@
 
 ``python standin_server.py --port P [--ready-after S] [--ready-file PATH] [--answer TEXT]
 [--exit-after S] [--tokens N] [--token-delay S] [--first-delay S] [--spec-tokens K]
-[--accepted A,B,...] [--no-metrics]``: ``/v1/models`` answers 503 until ``--ready-after`` seconds
-have passed and, with ``--ready-file``, until that file exists (a test decides when the server is
-ready, instead of guessing a time); chat completions answer ``--answer`` (non-streaming) or stream
+[--accepted A,B,...] [--no-metrics] [--reference ARTIFACT ...]``: ``/v1/models`` answers 503 until
+``--ready-after`` seconds have passed and, with ``--ready-file``, until that file exists (a test
+decides when the server is ready, instead of guessing a time); chat completions answer ``--answer``
+(non-streaming) or stream
 ``--tokens`` tokens after ``--first-delay``, one engine step every ``--token-delay``, with a usage
 chunk.
 
@@ -16,16 +17,28 @@ then every step drafts K tokens, accepts the next number of ``--accepted`` (cycl
 accepted tokens plus the bonus token in one chunk, advancing ``vllm:spec_decode_*`` as it goes.
 Without it there are no spec counters, as on a vLLM serving without a speculative config.
 
-``/v1/completions`` with ``--reference ARTIFACT`` answers a prompt of token ids that is one of the
-artifact's reference texts (``validate/reference.py``) with ``prompt_logprobs`` as vLLM 0.23-0.33 do:
-entry 0 null, then per position a dict keyed by token id (a string) holding the top-k and the actual
-token, each ``{"logprob", "rank", "decoded_token"}``, taken from the reference's ``--side`` (hybrid).
-``echo`` + ``logprobs: k`` gives the same plus the legacy string-keyed ``top_logprobs``. To simulate
-servers: ``--logprob-noise X`` (a correct server whose kernels move every log-probability by N(0, X)),
-``--corrupt`` (each position answers another position's distribution: what a loader that ignores
-``weight_scale_inv`` gives), ``--no-prompt-logprobs`` (null, and only the legacy echo form),
-``--legacy-echo`` (``prompt_logprobs`` ignored; only ``echo`` + ``logprobs`` answers). Reading the
-reference needs torch and safetensors (the project's venv); the rest is stdlib.
+``/v1/completions`` with ``--reference ARTIFACT`` answers prompts of token ids as vLLM 0.23-0.33 do,
+computed from one ``TokenModel`` (the artifact's reference on its texts' prefixes, ``--side``
+hybrid; a fixed pseudo-random distribution seeded by the context elsewhere): ``prompt_logprobs``
+(entry 0 null, then per position a dict keyed by token id holding the top-k and the actual token,
+each ``{"logprob", "rank", "decoded_token"}``), ``echo`` + ``logprobs: k`` (the same plus the legacy
+string-keyed ``top_logprobs``), and greedy continuations with ``logprobs`` (``return_tokens_as_token_ids``,
+``ignore_eos``) through a ``PrefixCache`` keyed by ``cache_salt`` whose counts ``/metrics`` shows
+(``vllm:prefix_cache_queries``/``_hits``). ``/v1/models`` says ``max_model_len``.
+
+To simulate servers (each knob breaks one thing; all off is a correct server): ``--logprob-noise X``
+(kernels that move every log-probability by N(0, X), drawn again for every request), ``--corrupt``
+(each position answers another position's distribution: a loader that ignores ``weight_scale_inv``),
+``--no-prompt-logprobs`` (null, and only the legacy echo form), ``--legacy-echo`` (``prompt_logprobs``
+ignored), ``--fault KIND`` (prompt log-probabilities with a shape fault: nan, inf, positive, missing,
+truncated, short-topk, out-of-vocab), ``--cache-fault`` (state: a hit restores the wrong state;
+nan: a hit gives NaN; nohit: caching on, nothing ever hits), ``--no-prefix-caching``,
+``--batch-fault`` (a request that arrives with company: logits scaled x1.5), ``--decode-fault``
+(decode steps after the first read the context one token short), ``--trickle S`` (completion
+bodies one byte every S seconds), ``--model NAME``. With ``--control`` the same knobs are set at
+run time by ``POST /standin/config`` (a JSON object of ``Knobs.FIELDS``), so that one process serves
+many tests. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
+the reference needs torch and safetensors (the project's venv); the rest is stdlib.
 
 With ``VLLM_API_KEY`` in its environment the stand-in wants that key, as vLLM's OpenAI server does
 (``AuthenticationMiddleware``): every request under ``/v1`` without ``Authorization: Bearer KEY``
@@ -76,7 +89,7 @@ def go_float(d: float) -> str:
 class Engine:
     """What one vLLM engine's Prometheus counters do while it generates, speculating or not."""
 
-    def __init__(self, model: str = "qwen", spec_tokens: int = 0, accepted: tuple[int, ...] = (1,)):
+    def __init__(self, model: str = "qwen", spec_tokens: int = 0, accepted: tuple[int, ...] = (1,), cache=None):
         if spec_tokens and any(a < 0 or a > spec_tokens for a in accepted):
             raise ValueError(f"accepted tokens per draft must lie in 0..{spec_tokens}: {accepted}")
         self.model, self.k, self.pattern = model, spec_tokens, tuple(accepted) or (0,)
@@ -85,6 +98,7 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.per_pos = [0] * spec_tokens
         self.prompt_tokens = self.generation_tokens = 0
+        self.cache = cache  # a PrefixCache whose counts /metrics shows (vLLM shows them, zero, without one)
         self.created = time.time()
 
     def steps(self, n: int) -> list[tuple[int, int | None]]:
@@ -142,60 +156,304 @@ class Engine:
                 counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", [(labels, self.accepted)])
                 counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
                         [(f'{labels},position="{i}"', v) for i, v in enumerate(self.per_pos)])
+            queries, hits = (self.cache.queries, self.cache.hits) if self.cache is not None else (0, 0)
+            counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                    [(labels, queries)])
+            counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                    [(labels, hits)])
             counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(labels, self.prompt_tokens)])
             counter("vllm:generation_tokens", "Number of generation tokens processed.",
                     [(labels, self.generation_tokens)])
         return "\n".join(lines) + "\n"
 
 
-class PromptLogprobs:
-    """What vLLM's ``/v1/completions`` returns as prompt log-probabilities for the reference texts."""
+FAULT_AT = 3  # the prompt position a one-position shape fault hits (or the last, in a shorter prompt)
+FAULTS = ("nan", "inf", "positive", "missing", "truncated", "short-topk", "out-of-vocab")
+CACHE_FAULTS = ("state", "nan", "nohit")
 
-    def __init__(self, artifact: str, side: str = "hybrid", noise: float = 0.0, corrupt: bool = False,
-                 enabled: bool = True, legacy_echo: bool = False):
+
+class Dist:
+    """One next-token distribution over the whole vocabulary: ``listed`` ids with their
+    log-probabilities, every other id ``rest`` each (no higher than the lowest listed one)."""
+
+    def __init__(self, listed: dict[int, float], rest: float):
+        self.listed, self.rest = listed, rest
+
+    def lp(self, tid: int) -> float:
+        return self.listed.get(tid, self.rest)
+
+    def top(self, k: int) -> list[int]:
+        return sorted(self.listed, key=lambda i: -self.listed[i])[:k]
+
+    def noisy(self, rng, x: float, vocab: int) -> "Dist":
+        """Every listed logit moved by N(0, x), then the whole vocabulary renormalized: a server's
+        kernels (vLLM's log-probabilities are a log_softmax of its logits)."""
+        if not x:
+            return self
+        z = {i: v + rng.gauss(0, x) for i, v in self.listed.items()}
+        rest_mass = max(vocab - len(z), 0) * math.exp(self.rest)
+        before = sum(math.exp(v) for v in self.listed.values()) + rest_mass  # 1, or a little less (Dist)
+        lse = math.log((sum(math.exp(v) for v in z.values()) + rest_mass) / before)
+        lps = {i: v - lse for i, v in z.items()}
+        return Dist(lps, min(self.rest - lse, min(lps.values())))
+
+    def scaled(self, f: float, vocab: int) -> "Dist":
+        """The distribution with every logit times ``f`` (a kernel that applies a wrong scale),
+        renormalized over the whole vocabulary."""
+        z = {i: f * v for i, v in self.listed.items()}
+        rest = f * self.rest
+        others = max(vocab - len(z), 0)
+        m = max([*z.values(), rest])
+        lse = m + math.log(sum(math.exp(v - m) for v in z.values()) + others * math.exp(rest - m))
+        return Dist({i: v - lse for i, v in z.items()}, rest - lse)
+
+
+class TokenModel:
+    """The stand-in's language model over token ids: the next-token distribution of any context.
+
+    On a prefix of one of the artifact's reference texts it is the reference's row (``side``: its
+    top-k and the token that came next; the rest of the mass spread evenly over the rest of the
+    vocabulary); ``corrupt`` answers each reference position with another's row (what a loader that
+    ignores ``weight_scale_inv`` gives). On any other context it is a fixed pseudo-random
+    distribution seeded by the whole context. Every path that computes one context (a prefill, a
+    decode step, a cache hit, a batch) gets one answer from it; a path that computes another
+    context (a cache that restores the wrong state, a decode step off by one) gets another."""
+
+    def __init__(self, artifact: str, side: str = "hybrid", corrupt: bool = False, k: int = 20):
         from hybrid_build.validate.reference import read_reference
 
         self.ref = read_reference(artifact)
-        self.side, self.noise, self.corrupt, self.enabled, self.legacy_echo = side, noise, corrupt, enabled, legacy_echo
+        self.side, self.corrupt, self.k = side, corrupt, max(k, self.ref.k)
+        self.vocab = self._vocab(artifact)
+        self.prefixes: dict[tuple, tuple] = {}
+        for text in self.ref.texts.values():
+            for t in range(1, len(text.token_ids)):
+                self.prefixes.setdefault(tuple(text.token_ids[:t]), (text, t - 1))
 
-    def _row(self, text, row: int, k: int, rng) -> dict:
-        """One position: the top-k (noisy, re-ranked) plus the actual token with its rank."""
-        src = (row + 7) % text.positions if self.corrupt else row
-        ids = text.top_ids[self.side][src].tolist()[:k]
-        lps = [lp + rng.gauss(0, self.noise) if self.noise else lp
-               for lp in text.top_logprobs[self.side][src].tolist()[:k]]
-        mass = sum(math.exp(v) for v in lps)
-        if mass >= 1:  # noise must not give the top-k more than all the mass: vLLM's are a log_softmax
-            lps = [v - math.log(mass) - 1e-6 for v in lps]
-        order = sorted(range(len(ids)), key=lambda i: -lps[i])
-        out = {str(ids[i]): {"logprob": lps[i], "rank": r + 1, "decoded_token": f"t{ids[i]}"}
-               for r, i in enumerate(order)}
-        actual = text.token_ids[row + 1]
-        if str(actual) not in out:
-            lp = float(text.target_logprob[self.side][row]) + (rng.gauss(0, self.noise) if self.noise else 0.0)
-            out[str(actual)] = {"logprob": min(lp, min(lps) - 1e-3), "rank": k + 1, "decoded_token": f"t{actual}"}
-        return out
+    def _vocab(self, artifact: str) -> int:
+        try:
+            cfg = json.loads(open(os.path.join(artifact, "config.json")).read())
+            return int((cfg.get("text_config") or cfg)["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 1 + max(int(t.top_ids[self.side].max()) for t in self.ref.texts.values())
 
-    def answer(self, req: dict) -> dict | None:
-        """The completion choice for ``req``, or None when its prompt is no reference text."""
+    def dist(self, context) -> Dist:
+        hit = self.prefixes.get(tuple(context))
+        if hit is not None:
+            text, row = hit
+            src = (row + 7) % text.positions if self.corrupt else row
+            ids = text.top_ids[self.side][src].tolist()
+            lps = text.top_logprobs[self.side][src].tolist()
+            listed = dict(zip(ids, lps))
+            actual = text.token_ids[row + 1]
+            if actual not in listed:
+                listed[actual] = min(float(text.target_logprob[self.side][row]), min(lps) - 1e-3)
+            mass = sum(math.exp(v) for v in listed.values())
+            spread = math.log(max(1.0 - mass, 1e-12) / max(self.vocab - len(listed), 1))
+            return Dist(listed, min(spread, min(listed.values())))
         import random
-        import zlib
 
+        rng = random.Random(context_key(context))
+        n = min(self.k, self.vocab)
+        ids = rng.sample(range(self.vocab), n)
+        logits = [rng.gauss(0, 2.5) for _ in ids]
+        rest = min(logits) - 1.0
+        m = max(logits)
+        lse = m + math.log(sum(math.exp(v - m) for v in logits) + (self.vocab - n) * math.exp(rest - m))
+        return Dist({i: v - lse for i, v in zip(ids, logits)}, rest - lse)
+
+
+def context_key(context) -> int:
+    import zlib
+    from array import array
+
+    return zlib.crc32(array("q", context).tobytes())
+
+
+class PrefixCache:
+    """vLLM's prefix cache as the scheduler counts it: full blocks of ``block`` tokens, each keyed by
+    its tokens and the previous block's key, the first also by the request's ``cache_salt``
+    (``generate_block_hash_extra_keys``); at most ``len - 1`` tokens can hit (the last is recomputed
+    for its logits). A request asking for prompt log-probabilities skips it (``SamplingParams``);
+    ``queries``/``hits`` count tokens looked up and found (``vllm:prefix_cache_queries``/``_hits``)."""
+
+    def __init__(self, block: int = 16):
+        self.block, self.enabled, self.stores = block, True, True
+        self.keys: set = set()
+        self.lock = threading.Lock()
+        self.queries = self.hits = 0
+
+    def _chain(self, prompt: list[int], salt):
+        key = ("salt", salt)
+        for lo in range(0, len(prompt) - len(prompt) % self.block, self.block):
+            key = hash((key, tuple(prompt[lo:lo + self.block])))
+            yield lo + self.block, key
+
+    def lookup(self, prompt: list[int], salt) -> int:
+        """The tokens of ``prompt`` found cached (counted, as the scheduler counts them)."""
+        if not self.enabled:
+            return 0
+        limit, hit = len(prompt) - 1, 0
+        with self.lock:
+            for end, key in self._chain(prompt, salt):
+                if end > limit or key not in self.keys:
+                    break
+                hit = end
+            self.queries += len(prompt)
+            self.hits += hit
+        return hit
+
+    def store(self, prompt: list[int], salt) -> None:
+        if self.enabled and self.stores:
+            with self.lock:
+                self.keys.update(key for _, key in self._chain(prompt, salt))
+
+
+class Knobs:
+    """How the stand-in misbehaves (all off: a correct server); set by flags, or at run time through
+    ``POST /standin/config`` when started with ``--control``."""
+
+    FIELDS = ("model", "noise", "fault", "cache_fault", "prefix_caching", "batch_fault", "decode_fault", "trickle",
+              "legacy_echo", "prompt_logprobs", "metrics")
+
+    def __init__(self, **kw):
+        self.model, self.noise, self.fault, self.cache_fault = "qwen", 0.0, None, None
+        self.prefix_caching, self.batch_fault, self.decode_fault, self.trickle = True, False, False, 0.0
+        self.legacy_echo, self.prompt_logprobs, self.metrics = False, True, True
+        self.update(kw)
+
+    def update(self, kw: dict) -> None:
+        for name, value in kw.items():
+            if name not in self.FIELDS:
+                raise ValueError(f"unknown knob {name!r} (known: {', '.join(self.FIELDS)})")
+            setattr(self, name, value)
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"fault {self.fault!r}: one of {FAULTS}")
+        if self.cache_fault is not None and self.cache_fault not in CACHE_FAULTS:
+            raise ValueError(f"cache_fault {self.cache_fault!r}: one of {CACHE_FAULTS}")
+
+    def to_json(self) -> dict:
+        return {n: getattr(self, n) for n in self.FIELDS}
+
+
+def _shape_fault(rows: list, kind: str, vocab: int, k: int) -> list:
+    """The prompt log-probabilities with one shape fault (``nan``: every position sharpened, with one
+    NaN among its top-k, the fault that once passed; the others at position ``FAULT_AT``)."""
+    rows = [dict(r) if r else r for r in rows]
+    at = min(FAULT_AT, len(rows) - 1)
+    if kind == "truncated":
+        return rows[:-1]
+    if kind == "missing":
+        rows[at] = None
+        return rows
+    for t in range(1, len(rows)) if kind == "nan" else (at,):
+        row = {i: dict(v) for i, v in rows[t].items()}
+        ranked = sorted(row, key=lambda i: row[i]["rank"])
+        if kind == "nan":
+            for v in row.values():
+                v["logprob"] *= 1.2
+            row[ranked[1]]["logprob"] = float("nan")
+        elif kind == "inf":
+            row[ranked[0]]["logprob"] = float("inf")
+        elif kind == "positive":
+            row[ranked[0]]["logprob"] = 0.5
+        elif kind == "short-topk":
+            drop = next(i for i in reversed(ranked) if row[i]["rank"] <= k)
+            del row[drop]
+        elif kind == "out-of-vocab":
+            last = next(i for i in reversed(ranked) if row[i]["rank"] <= k)
+            row[str(vocab + 5)] = row.pop(last)
+        rows[t] = row
+    return rows
+
+
+class Completions:
+    """What vLLM's ``/v1/completions`` returns for a prompt of token ids, computed from ``TokenModel``:
+    greedy continuations with ``logprobs`` (``return_tokens_as_token_ids``: ids as ``token_id:N``,
+    the sampled token first, as vLLM orders them), ``prompt_logprobs`` (entry 0 null, then per
+    position the top-k plus the actual token, ``{"logprob", "rank", "decoded_token"}``), ``echo``
+    + ``logprobs`` (the same, plus the legacy string-keyed ``top_logprobs``), through a
+    ``PrefixCache``. ``batched`` says the request ran while others were in flight."""
+
+    def __init__(self, model: TokenModel, knobs: Knobs, cache: PrefixCache):
+        self.model, self.knobs, self.cache = model, knobs, cache
+        self.serial = 0
+        self.lock = threading.Lock()
+
+    def _dist(self, context, rng, batched: bool, drop: int = 0, off_by_one: bool = False) -> Dist:
+        kn = self.knobs
+        ctx = context[drop:] if drop else context  # a cache that restored the wrong state: the hit part lost
+        if off_by_one and len(ctx) > 1:
+            ctx = ctx[:-1]
+        d = self.model.dist(ctx).noisy(rng, kn.noise, self.model.vocab)
+        return d.scaled(1.5, self.model.vocab) if batched and kn.batch_fault else d
+
+    def _rng(self, context, serial: int):
+        import random
+
+        return random.Random(context_key(context) ^ (serial * 2654435761))
+
+    def _prompt_rows(self, prompt: list[int], k: int, serial: int, batched: bool) -> list:
+        rows: list = [None]
+        for t in range(1, len(prompt)):
+            d = self._dist(prompt[:t], self._rng(prompt[:t], serial), batched)
+            top = d.top(k)
+            row = {str(i): {"logprob": d.lp(i), "rank": r + 1, "decoded_token": f"t{i}"} for r, i in enumerate(top)}
+            actual = prompt[t]
+            if str(actual) not in row:
+                rank = 1 + sum(1 for v in d.listed.values() if v > d.lp(actual))
+                row[str(actual)] = {"logprob": d.lp(actual), "rank": max(rank, k + 1), "decoded_token": f"t{actual}"}
+            rows.append(row)
+        return rows
+
+    def answer(self, req: dict, batched: bool) -> tuple[int, dict]:
+        """(HTTP status, body) for one completion request."""
+        kn, vocab = self.knobs, self.model.vocab
         prompt = req.get("prompt")
-        text = next((t for t in self.ref.texts.values() if t.token_ids == prompt), None)
-        if text is None:
-            return None
-        k = None if self.legacy_echo else req.get("prompt_logprobs")
-        if k is None and req.get("echo"):
-            k = req.get("logprobs")  # what vLLM's CompletionRequest.to_sampling_params does
-        rng = random.Random(zlib.crc32(text.name.encode()))  # the same noise in every run
-        rows = [None] + [self._row(text, r, k, rng) for r in range(text.positions)] if k else None
-        legacy = None
+        if not (isinstance(prompt, list) and prompt and all(isinstance(i, int) and 0 <= i < vocab for i in prompt)):
+            return 400, {"error": {"message": f"the stand-in takes prompts of token ids below {vocab}", "code": 400}}
+        with self.lock:
+            self.serial += 1
+            serial = self.serial
+        k_prompt = None if kn.legacy_echo else req.get("prompt_logprobs")
+        if k_prompt is None and req.get("echo"):
+            k_prompt = req.get("logprobs")  # what vLLM's CompletionRequest.to_sampling_params does
+        salt = req.get("cache_salt")
+        hit = 0 if k_prompt is not None else self.cache.lookup(prompt, salt)
+        nan_state = hit > 0 and kn.cache_fault == "nan"
+        drop = hit if kn.cache_fault == "state" else 0
+        n = int(req.get("max_tokens") or 16)
+        k_gen = None if req.get("echo") else req.get("logprobs")
+        as_ids = bool(req.get("return_tokens_as_token_ids"))
+        key = (lambda i: f"token_id:{i}") if as_ids else (lambda i: f"t{i}")
+        gen, tokens, token_lps, tops = [], [], [], []
+        for i in range(n):
+            ctx = prompt + gen
+            d = self._dist(ctx, self._rng(ctx, serial), batched, drop, off_by_one=kn.decode_fault and i > 0)
+            tok = d.top(1)[0]
+            gen.append(tok)
+            if k_gen is not None:
+                lp = (lambda v: float("nan")) if nan_state else (lambda v: v)
+                top = {key(tok): lp(d.lp(tok))}
+                top.update({key(j): lp(d.lp(j)) for j in d.top(k_gen) if j != tok})
+                tokens.append(key(tok))
+                token_lps.append(lp(d.lp(tok)))
+                tops.append(top)
+        self.cache.store(prompt, salt)
+        rows = self._prompt_rows(prompt, k_prompt, serial, batched) if k_prompt else None
+        if rows and kn.fault:
+            rows = _shape_fault(rows, kn.fault, vocab, k_prompt)
+        logprobs = None
+        if k_gen is not None:
+            logprobs = {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                        "text_offset": list(range(len(tokens)))}
         if req.get("echo") and req.get("logprobs"):
-            legacy = {"tokens": [f"t{i}" for i in prompt], "top_logprobs": [None] + [
+            logprobs = {"tokens": [f"t{i}" for i in prompt], "top_logprobs": [None] + [
                 {v["decoded_token"]: v["logprob"] for v in row.values()} for row in (rows or [None])[1:] if row]}
-        return {"index": 0, "text": "t0", "logprobs": legacy, "finish_reason": "length",
-                "prompt_logprobs": rows if self.enabled else None, "prompt_token_ids": prompt}
+        choice = {"index": 0, "text": "".join(f"t{i} " for i in gen), "logprobs": logprobs, "finish_reason": "length",
+                  "prompt_logprobs": rows if kn.prompt_logprobs else None, "prompt_token_ids": prompt}
+        return 200, {"id": "cmpl-standin", "object": "text_completion", "model": kn.model, "choices": [choice],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}}
 
 
 class _Body:
@@ -217,6 +475,20 @@ class _Body:
         return iter(self.lines if self.lines is not None else self.data.splitlines(keepends=True))
 
 
+def chat_token_ids(body: dict, vocab: int = 4096) -> list[int]:
+    """The stand-in's tokenizer for chat requests: per message a role token, then one token per
+    whitespace-separated word (its crc32 modulo ``vocab``): deterministic, so a resent prefix is the
+    same tokens, as a chat template and a tokenizer make it."""
+    import zlib
+
+    out: list[int] = []
+    for m in body.get("messages") or []:
+        out.append(zlib.crc32(f"<|{m.get('role')}|>".encode()) % vocab)
+        content = m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
+        out += [zlib.crc32(w.encode()) % vocab for w in content.split()]
+    return out
+
+
 class FakeServer:
     """The stand-in in process, on a fake clock: ``first`` s to the first token, then one engine step
     every ``steps[k % len(steps)]`` s for the k-th chat request, so that runs differ by exactly
@@ -225,8 +497,12 @@ class FakeServer:
 
     def __init__(self, clock: list[float], engine: Engine, tokens: int = 30, first: float | list = 0.3,
                  steps: float | list = 0.02, usage: bool = True, metrics: bool = True,
-                 blank: tuple[int, int] = (0, 0), tool_parser: bool = True):
+                 blank: tuple[int, int] = (0, 0), tool_parser: bool = True, cache: "PrefixCache | None" = None,
+                 prefill: float = 0.0, max_model_len: int | None = None):
         self.clock, self.engine, self.tokens, self.usage, self.metrics = clock, engine, tokens, usage, metrics
+        # with a prefix cache (give the engine the same one, for /metrics), the first token comes
+        # ``prefill`` s per prompt token not found in it after ``first``
+        self.cache, self.prefill, self.max_model_len = cache, prefill, max_model_len
         # without a tool-call parser vLLM refuses a request with tools (400, its words below)
         self.tool_parser = tool_parser
         # tokens lo <= i < hi stream with empty content, as vLLM streams tokens whose text its
@@ -241,6 +517,11 @@ class FakeServer:
         self.requests.append(body)
         n = min(self.tokens, body.get("max_tokens") or self.tokens)
         first, gap = self.first[k % len(self.first)], self.steps[k % len(self.steps)]
+        ids = chat_token_ids(body)
+        if self.cache is not None:
+            hit = self.cache.lookup(ids, None)
+            self.cache.store(ids, None)
+            first += self.prefill * (len(ids) - hit)
 
         def lines():
             yield b": keep-alive\n"
@@ -256,7 +537,8 @@ class FakeServer:
                 yield f"data: {json.dumps(event)}\n".encode()
                 yield b"\n"
             if self.usage:
-                yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': n}})}\n".encode()
+                usage = {"prompt_tokens": len(ids), "completion_tokens": n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n".encode()
             yield b"data: [DONE]\n"
 
         return _Body(lines=lines())
@@ -279,7 +561,10 @@ class FakeNetwork:
         if server is None:
             raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
         if parts.path.endswith("/v1/models"):
-            return _Body(json.dumps({"data": [{"id": server.engine.model}]}).encode())
+            card = {"id": server.engine.model}
+            if server.max_model_len:
+                card["max_model_len"] = server.max_model_len
+            return _Body(json.dumps({"data": [card]}).encode())
         if parts.path == "/metrics":
             if not server.metrics:
                 raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
@@ -296,6 +581,38 @@ class FakeNetwork:
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
 
+class StandinHTTPServer(ThreadingHTTPServer):
+    """Knows whether a request has company: a connection counts from its accept until its handler
+    ``release``s it (before the answer's first byte, so that a client's next request, sent after
+    the answer, never overlaps its last). A request has company when another is counted or waits
+    to be accepted: a client that opens N connections before sending on any gets every one of its
+    N requests seen together, whatever the threads' timing."""
+
+    daemon_threads = True
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.flight = threading.Lock()
+        self.in_flight = 0
+
+    def get_request(self):
+        with self.flight:
+            got = super().get_request()
+            self.in_flight += 1
+        return got
+
+    def release(self) -> None:
+        with self.flight:
+            self.in_flight -= 1
+
+    def has_company(self) -> bool:
+        import select
+
+        with self.flight:
+            waiting = bool(select.select([self.socket], [], [], 0)[0])
+            return self.in_flight > 1 or waiting
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
@@ -310,31 +627,75 @@ def main() -> int:
     ap.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step (0: no speculation)")
     ap.add_argument("--accepted", default="1", help="accepted tokens per draft, a comma list used in turn")
     ap.add_argument("--no-metrics", action="store_true", help="/metrics answers 404 (not vLLM)")
-    ap.add_argument("--reference", metavar="ARTIFACT", help="answer /v1/completions prompt log-probabilities "
-                    "from this artifact's reference")
+    ap.add_argument("--reference", metavar="ARTIFACT", help="answer /v1/completions (prompt log-probabilities, "
+                    "greedy continuations) from this artifact's reference (TokenModel)")
     ap.add_argument("--side", default="hybrid", help="the reference's side to answer with")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="what /v1/models says of the model")
+    ap.add_argument("--block-size", type=int, default=16, help="the prefix cache's block, in tokens")
     ap.add_argument("--logprob-noise", type=float, default=0.0, help="N(0, X) on every log-probability")
     ap.add_argument("--corrupt", action="store_true", help="answer each position with another's distribution")
     ap.add_argument("--no-prompt-logprobs", action="store_true", help="prompt_logprobs null")
     ap.add_argument("--legacy-echo", action="store_true", help="only echo + logprobs gives prompt log-probabilities")
+    ap.add_argument("--fault", choices=FAULTS, help="prompt log-probabilities with this shape fault")
+    ap.add_argument("--cache-fault", choices=CACHE_FAULTS, help="a cache hit restores the wrong state (state), NaN "
+                    "(nan), or the cache never hits (nohit)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="no prefix cache (no lookups counted)")
+    ap.add_argument("--batch-fault", action="store_true", help="a request with company gets its logits scaled x1.5")
+    ap.add_argument("--decode-fault", action="store_true", help="decode steps after the first read the context "
+                    "without its last token")
+    ap.add_argument("--trickle", type=float, default=0.0, metavar="S", help="send completions' bodies one byte "
+                    "every S seconds")
+    ap.add_argument("--control", action="store_true", help="POST /standin/config sets the knobs at run time")
     a = ap.parse_args()
-    scores = (PromptLogprobs(a.reference, a.side, a.logprob_noise, a.corrupt, not a.no_prompt_logprobs,
-                             a.legacy_echo) if a.reference else None)
-    engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()))
+    knobs = Knobs(model=a.model, noise=a.logprob_noise, fault=a.fault, cache_fault=a.cache_fault,
+                  prefix_caching=not a.no_prefix_caching, batch_fault=a.batch_fault, decode_fault=a.decode_fault,
+                  trickle=a.trickle, legacy_echo=a.legacy_echo, prompt_logprobs=not a.no_prompt_logprobs)
+    cache = PrefixCache(a.block_size)
+    completions = Completions(TokenModel(a.reference, a.side, a.corrupt), knobs, cache) if a.reference else None
+    engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()), cache)
     api_key = os.environ.get("VLLM_API_KEY") or None
     print("stand-in: loading weights", flush=True)
 
+    def apply_cache_knobs() -> None:
+        cache.enabled, cache.stores = knobs.prefix_caching, knobs.cache_fault != "nohit"
+
+    apply_cache_knobs()
+
     class Handler(BaseHTTPRequestHandler):
+        released = False
+
         def log_message(self, *args):
             pass
 
-        def _json(self, code: int, obj: dict) -> None:
+        def release(self) -> None:
+            if not self.released:
+                self.released = True
+                self.server.release()
+
+        def handle(self):
+            try:
+                super().handle()
+            finally:
+                self.release()
+
+        def _json(self, code: int, obj: dict, trickle: float = 0.0) -> None:
             body = json.dumps(obj).encode()
+            self.release()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not trickle:
+                self.wfile.write(body)
+                return
+            self.wfile.flush()
+            for i in range(len(body)):  # a server that holds a client by sending a byte now and then
+                time.sleep(trickle)
+                try:
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                except OSError:
+                    return
 
         def _refused(self) -> bool:
             """Answer 401 as vLLM does when the request lacks the key; True if it did."""
@@ -346,8 +707,9 @@ def main() -> int:
         def do_GET(self):
             if self._refused():
                 return
-            if self.path == "/metrics" and not a.no_metrics:
+            if self.path == "/metrics" and not a.no_metrics and knobs.metrics:
                 body = engine.render().encode()
+                self.release()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
@@ -358,33 +720,43 @@ def main() -> int:
                 return self._json(404, {"error": "not found"})
             if time.monotonic() - START < a.ready_after or (a.ready_file and not os.path.exists(a.ready_file)):
                 return self._json(503, {"error": "loading"})
-            self._json(200, {"object": "list", "data": [{"id": a.model, "object": "model"}]})
+            self._json(200, {"object": "list", "data": [{"id": knobs.model, "object": "model",
+                                                         "max_model_len": a.max_model_len}]})
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if self._refused():
                 return
+            if self.path == "/standin/config" and a.control:
+                try:
+                    knobs.update(req)
+                except ValueError as e:
+                    return self._json(400, {"error": str(e)})
+                apply_cache_knobs()
+                return self._json(200, knobs.to_json())
             if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 return self._json(404, {"error": "not found"})
-            if req.get("model") != a.model:
+            if req.get("model") != knobs.model:
                 return self._json(404, {"error": f"model {req.get('model')!r} does not exist"})
             if self.path == "/v1/completions":
-                choice = scores.answer(req) if scores else None
-                if choice is None:
-                    return self._json(400, {"error": "the stand-in answers only the reference texts (--reference)"})
-                return self._json(200, {"id": "cmpl-standin", "object": "text_completion", "model": a.model,
-                                        "choices": [choice], "usage": {"prompt_tokens": len(req["prompt"])}})
+                if completions is None:
+                    return self._json(400, {"error": "the stand-in answers completions only with --reference"})
+                code, body = completions.answer(req, self.server.has_company())
+                return self._json(code, body, knobs.trickle)
             if not req.get("stream"):
                 message = {"role": "assistant", "content": a.answer}
                 return self._json(200, {"choices": [{"index": 0, "message": message}],
                                         "usage": {"completion_tokens": 2}})
+            ids = chat_token_ids(req)
+            cache.lookup(ids, None)  # counted as vLLM counts it; the stand-in's time does not depend on it
+            cache.store(ids, None)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             time.sleep(a.first_delay)
             n = min(a.tokens, req.get("max_tokens") or a.tokens)
             sent = 0
-            for i, tokens in enumerate(engine.run(n)):
+            for i, tokens in enumerate(engine.run(n, prompt_tokens=len(ids))):
                 if i:
                     time.sleep(a.token_delay)
                 text = "".join(f"t{sent + j} " for j in range(tokens))
@@ -392,11 +764,11 @@ def main() -> int:
                 ev = {"choices": [{"index": 0, "delta": {"content": text}}]}
                 self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
                 self.wfile.flush()
-            usage = {"choices": [], "usage": {"completion_tokens": n}}
+            usage = {"choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": n}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
             self.wfile.flush()
 
-    server = ThreadingHTTPServer(("127.0.0.1", a.port), Handler)
+    server = StandinHTTPServer(("127.0.0.1", a.port), Handler)
     if a.exit_after is not None:
         def _die():
             time.sleep(a.exit_after)

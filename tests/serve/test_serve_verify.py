@@ -1,6 +1,8 @@
 """`hybrid-build serve` checks the server against the artifact's reference before it says READY:
-a correct server passes and is served, a corrupt one is stopped (exit 1), ``--no-verify`` skips the
-check, an artifact without a reference is served with one line saying why it was not checked. vLLM
+a correct server passes (the prompt log-probabilities, then the cache, concurrency and decode
+paths) and is served, a corrupt one or one broken on a path is stopped (exit 1), ``--no-verify``
+skips the check, an artifact without a reference is served with one line saying why it was not
+checked. vLLM
 is a stand-in on PATH serving the OpenAI stand-in, which answers prompt log-probabilities from the
 reference of the artifact it is asked to serve (flags from ``HB_STANDIN_FLAGS``)."""
 from __future__ import annotations
@@ -36,6 +38,9 @@ def test_a_correct_server_is_verified_before_ready(referenced_artifact, serve_en
         verdict = run.wait_for("verify ", 120)
         assert verdict.startswith("verify passed: KL mean") and "lower bound" in verdict
         assert any(line.startswith("all ") for line in run.seen), run.seen  # the per-text table came first
+        paths = [line.split()[1:3] for line in run.seen if line.startswith("path ")]
+        assert paths == [["cache", "passed:"], ["concurrency", "passed:"], ["decode", "passed:"]], run.seen
+        assert "paths checked: cache (hit " in verdict  # the stand-in caches, though the tiny dense profile claims not
         run.wait_for("READY", 60)
     finally:
         assert _stop(run) == 130
@@ -54,6 +59,18 @@ def test_a_corrupt_server_is_stopped_and_serve_exits_1(referenced_artifact, serv
     finally:
         _stop(run)
     # the fixture asserts that the stand-in server is gone
+
+
+@pytest.mark.slow
+def test_a_server_broken_on_the_decode_path_is_stopped(referenced_artifact, serve_env):
+    run = _serve(referenced_artifact, serve_env, "--decode-fault")
+    try:
+        verdict = run.wait_for("verify ", 120)
+        assert verdict.startswith("verify FAILED: decode: decode token 1: top-1")
+        assert run.proc.wait(timeout=60) == 1
+        assert not any(line.startswith("READY") for line in run.seen)
+    finally:
+        _stop(run)
 
 
 @pytest.mark.slow
