@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .errors import ArtifactError, UserError
 from .manifest import sha256_json
-from .safetensors_io import INDEX_NAME, TMP_SUFFIX
+from .safetensors_io import INDEX_NAME, TMP_SUFFIX, open_regular
 
 META_DIR = "hybrid_build"  # the build's own records, inside the artifact (published)
 WORK_DIR = ".hybrid-build"  # stage manifests and intermediates (never published)
@@ -173,7 +173,8 @@ def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
         raise UserError(f"{artifact}: no such artifact folder")
     path = artifact / PROVENANCE
     try:
-        data = json.loads(path.read_text())
+        with open_regular(path, ArtifactError) as f:  # a FIFO in its place is refused, never waited on
+            data = json.loads(f.read())
     except FileNotFoundError:
         if missing_ok:
             return None
@@ -286,8 +287,9 @@ def utc_now() -> str:
 
 def _record(artifact: Path, rel: str) -> dict | None:
     try:
-        data = json.loads((Path(artifact) / rel).read_text())
-    except (OSError, ValueError):
+        with open_regular(Path(artifact) / rel, ArtifactError) as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError, ArtifactError):
         return None
     return data if isinstance(data, dict) else None
 

@@ -10,7 +10,9 @@ Hashing a 62 GB artifact at every ``serve`` would take a minute, so digests are 
 by the file's name in the artifact and ``source_identity.stat_key``: size, mtime, ctime, inode and
 device. A file cannot be written without its ctime moving (the kernel sets it; no user call sets it
 back), so a byte changed in place with size and mtime restored is hashed again; an unchanged file
-costs one ``stat``. The cache is a record of this folder's own reads: whoever can write the
+costs one ``stat``. A file written to within ``RACY_NS`` of its hashing is not cached: the kernel's
+timestamps advance by clock ticks (a few ms; seconds on some filesystems), and a second write in
+the same tick as the first would leave its stat unchanged (git's "racily clean" files). The cache is a record of this folder's own reads: whoever can write the
 artifact can write it too, so it guards against accidents and stale copies, not against the
 folder's owner; removing it makes the next check hash everything.
 
@@ -32,10 +34,15 @@ from .byte_units import human_bytes
 from .errors import ArtifactError
 from .manifest import HASH_CHUNK
 from .progress import ProgressFactory, close_bar, null_progress
+from .safetensors_io import special_kind
 from .source_identity import HASH_THREADS, DigestCache, stat_key
 
-_KINDS = ((stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"), (stat_mod.S_ISCHR, "a character device"),
-          (stat_mod.S_ISBLK, "a block device"), (stat_mod.S_ISDIR, "a folder"))
+RACY_NS = 2_000_000_000  # a file whose ctime is this recent when hashed is not cached (see above)
+
+
+def now_ns() -> int:
+    """The clock a file's ctime is compared with (tests move it)."""
+    return time.time_ns()
 
 
 class ChangedWhileReading(Exception):
@@ -104,13 +111,6 @@ def hash_file(path: Path, expect: os.stat_result) -> str:
         os.close(fd)
 
 
-def kind_of(st: os.stat_result) -> str | None:
-    """What a non-regular file is ("a FIFO", ...), None for a regular file."""
-    if stat_mod.S_ISREG(st.st_mode):
-        return None
-    return next((what for test, what in _KINDS if test(st.st_mode)), "not a regular file")
-
-
 def check_artifact(artifact: Path, provenance: dict | None = None, progress: ProgressFactory = null_progress,
                    names: list[str] | None = None) -> Integrity:
     """Check ``artifact`` against ``provenance`` (default: its own, which must exist). ``names``
@@ -138,7 +138,7 @@ def check_artifact(artifact: Path, provenance: dict | None = None, progress: Pro
         except OSError as e:
             found[name] = f"{name} cannot be read ({e.strerror or type(e).__name__})"
             continue
-        kind = kind_of(st)
+        kind = special_kind(st)
         if kind:  # never opened: reading a FIFO would wait for a writer
             found[name] = f"{name} is {kind}, not a regular file"
         elif st.st_size != want.get("bytes"):
@@ -174,13 +174,15 @@ def _hash(artifact: Path, todo: list[tuple[str, os.stat_result]], listed: dict[s
 
     def one(item: tuple[str, os.stat_result]) -> tuple[str, str | None, str | None]:
         name, st = item
+        settled = st.st_ctime_ns <= now_ns() - RACY_NS  # else a write in the same clock tick could hide
         try:
             sha = hash_file(artifact / name, st)
         except ChangedWhileReading as e:
             return name, None, f"{name}: {e}; check again once it is stable"
         except OSError as e:
             return name, None, f"{name} cannot be read ({e.strerror or type(e).__name__})"
-        cache.put(Path(name), stat_key(st), sha)
+        if settled:
+            cache.put(Path(name), stat_key(st), sha)
         bar.update(st.st_size)
         return name, sha, None
 

@@ -32,6 +32,8 @@ def _handle(args: argparse.Namespace) -> int:
     elif args.quiet:
         if report.outcome == "failed":  # -q keeps the one line a script or a person needs: the first failure
             print(f"validation FAILED: {_first_failure(report, where)}", file=sys.stderr)
+            if report.kept:  # beside the build's passing report, which stays: say where this one is
+                print(f"this run's report: {where} ({report.kept.split(';')[0]})", file=sys.stderr)
         elif report.outcome == "could not run":
             print(f"validation could not run: {_could_not_run(report)}", file=sys.stderr)
     else:
