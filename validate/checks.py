@@ -97,7 +97,7 @@ class RateTest:
 
     @property
     def fails(self) -> bool:
-        return not math.isfinite(self.rate) or self.p_value < self.alpha
+        return not math.isfinite(self.rate) or self.p_value < self.alpha * (1 - 1e-9)  # rounding is not evidence
 
     def reason(self, label: str, name: str) -> str:
         """The failure line: the rate, the sample and the test that rejected it."""
@@ -123,7 +123,7 @@ def rate_test(rate: float, n: int, threshold: float, alpha: float = ALPHA) -> Ra
     """``RateTest`` of an observed ``rate`` over ``n`` positions (a NaN rate fails)."""
     agree = int(round(rate * n)) if math.isfinite(rate) else 0
     cdfs = binomial_cdfs(n, threshold)
-    fail_at = max((k for k, c in enumerate(cdfs) if c < alpha), default=-1)
+    fail_at = max((k for k, c in enumerate(cdfs) if c < alpha * (1 - 1e-9)), default=-1)
     p = cdfs[min(max(agree, 0), n)] if math.isfinite(rate) else 0.0
     return RateTest(rate, agree, n, threshold, alpha, p, fail_at)
 
