@@ -90,12 +90,18 @@ def demo_figures(art: Path, repeat: int) -> dict:
 
 
 def planned_122b(work: Path) -> dict:
-    """The 122B artifact as `run --dry-run` plans it: its shards (name, bytes) and total bytes."""
+    """The 122B artifact as `run --dry-run` plans it: its bytes, and its shards at the recipe's
+    ``output.max_shard_bytes`` (a fresh dry run cannot list them: they need the stages' results)."""
+    import math
+
+    from hybrid_build.recipes.schema import load_recipe
+
     exe = shutil.which("hybrid-build")
     r = subprocess.run([exe, "run", "synthetic:qwen3.5-122b-a10b", "-o", str(work / "plan-122b"), "--dry-run",
                         "--json"], capture_output=True, text=True, check=True)
-    plan = json.loads(r.stdout)
-    return {"bytes": plan["output_bytes_estimate"], "shards": {s["file"]: s["bytes"] for s in plan.get("shards", [])}}
+    total = json.loads(r.stdout)["output_bytes_estimate"]
+    n = math.ceil(total / load_recipe("qwen3.5-122b-a10b").output.max_shard_bytes)
+    return {"bytes": total, "shards": {f"model-{i:05d}-of-{n:05d}.safetensors": total // n for i in range(1, n + 1)}}
 
 
 def _fake_artifact(folder: Path, files: dict[str, int], sha: dict[str, str]) -> None:
