@@ -185,9 +185,10 @@ def _check_artifact(args: argparse.Namespace) -> None:
     """Refuse (one line naming the file or the report) an artifact whose files differ from its
     provenance, or whose validation is missing, failed, could not run or is stale; with ``--force``
     the line is a warning and serving goes on (verify still runs). A Hub id, or a folder that is no
-    build of hybrid-build (a plain checkpoint: no provenance, no ``hybrid_build/`` or work folder),
-    has nothing to check here."""
-    from hybrid_build.core.artifact import META_DIR, PROVENANCE, WORK_DIR, read_provenance, validation_outcome
+    build of hybrid-build (a plain checkpoint: no provenance, no ``hybrid_build/``; a work folder
+    alone is no build: a source served across nodes keeps its digest cache there), has nothing to
+    check here."""
+    from hybrid_build.core.artifact import META_DIR, PROVENANCE, read_provenance, validation_outcome
     from hybrid_build.core.errors import ArtifactError
     from hybrid_build.core.integrity import check_artifact
 
@@ -197,7 +198,7 @@ def _check_artifact(args: argparse.Namespace) -> None:
     prov = read_provenance(artifact, missing_ok=True)
     problem = None
     if prov is None:
-        if (artifact / META_DIR).is_dir() or (artifact / WORK_DIR).is_dir():
+        if (artifact / META_DIR).is_dir():
             problem = f"no {PROVENANCE}: the build did not finish (`hybrid-build status {artifact}` says where it stopped)"
     else:
         found = check_artifact(artifact, prov, lambda **kw: progress(args.quiet or args.json, leave=False, **kw))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, HybridBuildError, SourceError, UserError
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.manifest import sha256_json
-from hybrid_build.core.safetensors_io import TMP_SUFFIX
+from hybrid_build.core.safetensors_io import TMP_SUFFIX, open_regular
 from hybrid_build.core.source_identity import open_recorded_source
 from hybrid_build.recipes.schema import Recipe, parse_recipe, select_recipe
 
@@ -282,8 +283,6 @@ def _promote_passing(report: ValidationReport, artifact: Path, provenance: dict,
             if c.name == "provenance":
                 c.passed, c.state, c.detail = False, "fail", f"{len(still.problems)} file(s) changed while validate ran"
         return
-    import os
-
     for tmp in staged:  # the validation JSON, which status and publish read, last
         os.replace(tmp, tmp.with_name(tmp.name[:-len(TMP_SUFFIX)]))
     report.written = [str(tmp.with_name(tmp.name[:-len(TMP_SUFFIX)])) for tmp in staged]
@@ -291,12 +290,18 @@ def _promote_passing(report: ValidationReport, artifact: Path, provenance: dict,
         (artifact / rel).unlink(missing_ok=True)
 
 
+def _build_report(artifact: Path) -> dict | None:
+    """The build's report in ``artifact`` as JSON (None: absent, unreadable, not a regular file)."""
+    try:
+        with open_regular(artifact / VALIDATION.main, ArtifactError) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError, ArtifactError):
+        return None
+
+
 def _passing_report_of(artifact: Path, built: str | None) -> bool:
     """Whether the build's report in ``artifact`` passed for the build ``built``."""
-    try:
-        old = json.loads((artifact / VALIDATION.main).read_text())
-    except (OSError, ValueError):
-        return False
+    old = _build_report(artifact)
     return isinstance(old, dict) and old.get("passed") is True and bool(built) and old.get("provenance_sha256") == built
 
 
@@ -307,10 +312,7 @@ def stronger_report(artifact: Path, report: ValidationReport) -> str | None:
     report of the same build at all (``_write``)."""
     if report.outcome != "passed":
         return None
-    try:
-        old = json.loads((artifact / VALIDATION.main).read_text())
-    except (OSError, ValueError):
-        return None
+    old = _build_report(artifact)
     if not isinstance(old, dict) or old.get("provenance_sha256") != report.provenance_sha256 or not old.get("passed"):
         return None
     ran = {c.name for c in report.checks if c.state in RAN}

@@ -183,6 +183,12 @@ def test_a_deleted_shard_stops_every_link(chain, hub, capsys):
     assert status(capsys, chain)["validation"]["state"] == "failed"
 
 
+def test_a_build_without_its_provenance_is_not_served(chain, capsys):
+    (chain / PROVENANCE).unlink()
+    rc, _, err = run(capsys, "serve", chain, "--profile", "base", "--dry-run")
+    assert rc == 1 and f"no {PROVENANCE}" in the_line(err)
+
+
 def test_a_fifo_in_place_of_a_shard_is_refused_without_hanging(chain, hub, capsys):
     name = shards(chain)[0]
     (chain / name).unlink()
