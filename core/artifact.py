@@ -8,7 +8,10 @@ An artifact (the folder ``hybrid-build run`` writes) holds four kinds of file:
 - **the provenance** (``META_DIR/provenance.json``) itself, written after the outputs it hashes.
 - **reports** (``REPORTS``), written after the build by a named command (validate, eval, bench).
   They cannot be in the provenance, so they tie themselves to the build by its sha256
-  (``artifact_identity``); a new report is one entry in ``REPORTS``.
+  (``artifact_identity``); a new report is one entry in ``REPORTS``. Two kinds of validate record
+  sit beside them and are never uploaded: ``validation-last.*`` (a run that did not pass, kept
+  apart so that it never replaces the build's passing report) and ``validation-texts-<hash>.*``
+  (``validate --texts``: the user's experiment, named by the texts' hash).
 - **the work folder** (``WORK_DIR``: stage manifests, intermediates, where the source is) and any
   other dot folder (``hf download`` leaves ``.cache``), plus half-written temporaries: never part
   of the artifact.
@@ -22,12 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ArtifactError, UserError
 from .manifest import sha256_json
-from .safetensors_io import INDEX_NAME, TMP_SUFFIX
+from .safetensors_io import INDEX_NAME, TMP_SUFFIX, open_regular
 
 META_DIR = "hybrid_build"  # the build's own records, inside the artifact (published)
 WORK_DIR = ".hybrid-build"  # stage manifests and intermediates (never published)
@@ -88,6 +92,25 @@ REPORTS: dict[str, Report] = {r.kind: r for r in (
     Report("card", ("card.md",), "hybrid-build run", None),
 )}
 REPORT_FILES = tuple(f for r in REPORTS.values() for f in r.files)
+# a validate run that did not pass while the build's passing report stands: kept beside it, never
+# in its place (status, serve and publish read it as the latest outcome)
+VALIDATION_LAST = Report("validation-last", ("validation-last.json", "validation-last.md", "validation-last.png"),
+                         "hybrid-build validate", ("provenance_sha256",))
+TEXTS_REPORT_PREFIX = "validation-texts-"  # + the first 16 hex digits of the texts' sha256
+_TEXTS_REPORT = re.compile(rf"^{META_DIR}/{TEXTS_REPORT_PREFIX}[0-9a-f]{{16}}\.(json|md|png)$")
+
+
+def texts_report(texts_sha256: str) -> Report:
+    """The report of ``validate --texts`` on texts whose sha256 is ``texts_sha256``."""
+    stem = TEXTS_REPORT_PREFIX + texts_sha256[:16]
+    return Report("validation-texts", (f"{stem}.json", f"{stem}.md", f"{stem}.png"), "hybrid-build validate --texts",
+                  ("provenance_sha256",))
+
+
+def is_validate_record(rel: str) -> bool:
+    """A validate record that is not the build's report: a run that did not pass, or a run on the
+    user's texts. Part of the folder, never uploaded."""
+    return rel in VALIDATION_LAST.files or bool(_TEXTS_REPORT.match(rel))
 
 
 # ------------------------------------------------------------------------------------ what a file is
@@ -104,7 +127,7 @@ def is_ignored(rel: str) -> bool:
 
 
 def is_report(rel: str) -> bool:
-    return rel in REPORT_FILES
+    return rel in REPORT_FILES or is_validate_record(rel)
 
 
 def is_build_output(rel: str) -> bool:
@@ -150,7 +173,8 @@ def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
         raise UserError(f"{artifact}: no such artifact folder")
     path = artifact / PROVENANCE
     try:
-        data = json.loads(path.read_text())
+        with open_regular(path, ArtifactError) as f:  # a FIFO in its place is refused, never waited on
+            data = json.loads(f.read())
     except FileNotFoundError:
         if missing_ok:
             return None
@@ -230,3 +254,90 @@ def report_state(artifact: Path, report: Report) -> tuple[str, str]:
     if prov.is_file() and path.stat().st_mtime < prov.stat().st_mtime:
         return "stale", f"it is older than {PROVENANCE}"
     return "unknown", "it names no build"
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+@dataclass(frozen=True)
+class ValidationOutcome:
+    """The build's validation as status, serve and publish read it: ``passed``, ``failed``, ``could
+    not run``, ``missing`` or ``stale`` (made for another build), why, when the run ended (ISO 8601
+    UTC) and the record it comes from (relative to the artifact)."""
+
+    state: str
+    reason: str
+    finished_at: str | None = None
+    report: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.state == "passed"
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "reason": self.reason, "finished_at": self.finished_at, "report": self.report}
+
+
+def utc_now() -> str:
+    """Now, as reports record it: ISO 8601 UTC to the second."""
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _record(artifact: Path, rel: str) -> dict | None:
+    try:
+        with open_regular(Path(artifact) / rel, ArtifactError) as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError, ArtifactError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _finished_at(artifact: Path, rel: str, data: dict) -> str | None:
+    when = data.get("finished_at")
+    if isinstance(when, str):
+        return when
+    try:  # a report from before reports recorded the time: its file's
+        import time
+
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((Path(artifact) / rel).stat().st_mtime))
+    except OSError:
+        return None
+
+
+def _first_failure(data: dict) -> str:
+    failures = [f for f in data.get("failures") or [] if isinstance(f, str)]
+    if not failures:
+        return "the report says passed: false"
+    return failures[0] + (f" (+{len(failures) - 1} more)" if len(failures) > 1 else "")
+
+
+def validation_outcome(artifact: Path) -> ValidationOutcome:
+    """The latest validation of the build in ``artifact``: a failed run kept beside a passing report
+    (``VALIDATION_LAST``) of the same build counts first; then the build's report."""
+    artifact = Path(artifact)
+    built = provenance_sha256(artifact)
+    last = _record(artifact, VALIDATION_LAST.main)
+    if last and built and last.get("provenance_sha256") == built and last.get("outcome") == "failed":
+        return ValidationOutcome("failed", _first_failure(last), _finished_at(artifact, VALIDATION_LAST.main, last),
+                                 VALIDATION_LAST.main)
+    report = REPORTS["validation"]
+    state, why = report_state(artifact, report)
+    if state == "missing":
+        return ValidationOutcome("missing", f"no {report.main}: run `hybrid-build validate`")
+    data = _record(artifact, report.main)
+    if data is None:
+        return ValidationOutcome("stale", f"{report.main} is unreadable: run `hybrid-build validate` again",
+                                 None, report.main)
+    when = _finished_at(artifact, report.main, data)
+    if state == "stale":
+        return ValidationOutcome("stale", f"{report.main}: {why}", when, report.main)
+    outcome = data.get("outcome") or ("passed" if data.get("passed") is True else "failed")
+    if outcome == "passed" and data.get("passed") is True:
+        return ValidationOutcome("passed", "every check passed", when, report.main)
+    if outcome == "could not run":
+        undone = [f"{c.get('name')}: {c.get('detail')}" for c in data.get("checks") or []
+                  if isinstance(c, dict) and c.get("state") == "could not run"]
+        return ValidationOutcome("could not run", "; ".join(undone) or "a check could not run here", when, report.main)
+    return ValidationOutcome("failed", _first_failure(data), when, report.main)

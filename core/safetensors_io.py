@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import queue
+import stat as stat_mod
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -72,11 +73,38 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
     return int(math.ceil(math.prod(shape) * DTYPE_SIZES[dtype]))
 
 
+_SPECIAL = ((stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"), (stat_mod.S_ISCHR, "a character device"),
+            (stat_mod.S_ISBLK, "a block device"), (stat_mod.S_ISDIR, "a folder"))
+
+
+def special_kind(st: os.stat_result) -> str | None:
+    """What a file that is not a regular one is ("a FIFO", ...); None for a regular file. Such a
+    file is never opened for reading: a FIFO would wait for a writer."""
+    if stat_mod.S_ISREG(st.st_mode):
+        return None
+    return next((what for test, what in _SPECIAL if test(st.st_mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike, error: type[Exception] = SourceError):
+    """``path`` opened for reading in binary, refused (``error`` naming the file) unless it is a
+    regular file; opened non-blocking, so a FIFO put in its place meanwhile cannot hang the read."""
+    path = Path(path)
+    kind = special_kind(os.stat(path))
+    if kind is None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        if stat_mod.S_ISREG(os.fstat(fd).st_mode):
+            return os.fdopen(fd, "rb")
+        kind = special_kind(os.fstat(fd))
+        os.close(fd)
+    raise error(f"{path.name} is {kind}, not a regular file")
+
+
 def read_header(path: str | os.PathLike) -> FileHeader:
-    """Parse one file's header; raise ``SourceError`` naming the file for anything malformed."""
+    """Parse one file's header; raise ``SourceError`` naming the file for anything malformed (a
+    FIFO or device in a file's place included, never read)."""
     path = Path(path)
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise SourceError(f"{path.name}: not a safetensors file (only {size} bytes)")

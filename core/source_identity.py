@@ -3,8 +3,10 @@
 A source is identified by content: the sha256 of every file the build reads (config, every
 safetensors file, and the files copied into the artifact such as the tokenizer). Hashing 62 GB
 costs about a minute of CPU, so digests are cached in ``OUT/.hybrid-build/source-sha256.json``
-keyed by absolute path, size, mtime and inode: a resumed run, a later ``validate`` or ``serve``
-re-hashes nothing, and a file that was rewritten (new mtime or inode) is hashed again. Files of
+keyed by absolute path and what a file cannot change without (``stat_key``: size, mtime, ctime,
+inode, device): a resumed run, a later ``validate`` or ``serve`` re-hashes nothing, and a file
+that was written to (even with its size and mtime put back: the kernel sets ctime) is hashed
+again. The artifact's own files use the same cache format (``core.integrity``). Files of
 a Hub snapshot need no hashing at all: huggingface_hub stores each LFS file under its sha256.
 
 On a fresh build the digests are computed on a background thread while the stages run: the
@@ -53,9 +55,16 @@ def source_files(root: Path) -> list[str]:
     return sorted(out)
 
 
+def stat_key(st: os.stat_result) -> dict:
+    """What a file cannot change without, as the digest caches key it: size, mtime, ctime (set by
+    the kernel on every write and never settable by a user, so a change with size and mtime put
+    back still shows), inode and device (another file in its place)."""
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino,
+            "device": st.st_dev}
+
+
 def _stat_key(path: Path) -> dict:
-    st = path.stat()  # follows a Hub snapshot's symlink to its blob
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    return stat_key(path.stat())  # follows a Hub snapshot's symlink to its blob
 
 
 def hub_blob_sha256(path: Path) -> str | None:
@@ -69,11 +78,14 @@ def hub_blob_sha256(path: Path) -> str | None:
 
 
 class DigestCache:
-    """``source-sha256.json``: absolute path -> size, mtime, inode and sha256 of a file."""
+    """A JSON file of name -> ``stat_key`` fields and sha256 (``source-sha256.json``: absolute paths;
+    ``artifact-sha256.json``: names inside the artifact). An entry counts only when every field
+    matches the file's stat now; an entry written by an older version (fewer fields) never does."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._unsaved: str | None = None  # why the file could not be written (a read-only folder)
         self.entries: dict[str, dict] = {}
         if path is not None and path.exists():
             try:
@@ -90,9 +102,15 @@ class DigestCache:
     def put(self, path: Path, stat: dict, sha: str) -> None:
         with self._lock:
             self.entries[str(path)] = {**stat, "sha256": sha}
-            if self.path is not None:  # saved per file, so an interrupted run keeps what it hashed
+            if self.path is None or self._unsaved:
+                return
+            try:  # saved per file, so an interrupted run keeps what it hashed
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 write_text_atomic(self.path, json.dumps({"files": self.entries}, indent=1, sort_keys=True) + "\n")
+            except OSError as e:  # a read-only folder: the check still holds, the next one hashes again
+                self._unsaved = e.strerror or type(e).__name__
+                log.warning("%s: cannot save the digest cache (%s); files will be hashed again next time",
+                            self.path, self._unsaved)
 
 
 class SourceDigests:
@@ -115,7 +133,7 @@ class SourceDigests:
             self._done.set()
 
     def stat(self, name: str) -> dict:
-        """Size, mtime and inode of a file as read when this object was made."""
+        """The file's ``stat_key`` as read when this object was made."""
         return dict(self._stats[name])
 
     @property

@@ -37,7 +37,8 @@ UNKNOWN_LICENSE = "other"
 
 @dataclass
 class ValidationStatus:
-    """What the artifact's validation report says: ``passed``, ``failed``, ``missing`` or ``stale``."""
+    """What the artifact's validation says: ``passed``, ``failed``, ``could not run``, ``missing`` or
+    ``stale`` (``core.artifact.validation_outcome``), with the report it comes from."""
 
     state: str
     report: dict = field(default_factory=dict)
@@ -378,7 +379,8 @@ def _banner(inp: CardInputs) -> list[str]:
         return []
     what = {"missing": "there is no validation report",
             "stale": "the validation report is older than the build",
-            "failed": "the validation report says FAILED"}.get(v.state, v.state)
+            "failed": "the validation report says FAILED",
+            "could not run": "validation could not run where it was tried"}.get(v.state, v.state)
     lines = [f"> **Warning:** published with `--force`: {what}."]
     if v.reason:
         lines.append(f"> {v.reason}")

@@ -1,8 +1,9 @@
 """Publishing an artifact to the Hugging Face Hub: plan, upload, verify.
 
-``plan_publish`` reads the artifact (nothing leaves the machine): it refuses one whose validation
-report is missing, stale or failed unless forced, checks every file against the provenance manifest
-by size, and renders the model card. ``publish`` sends the plan through an ``HfApi``-like object
+``plan_publish`` reads the artifact (nothing leaves the machine): it checks every file against the
+provenance manifest by size and sha256 (``core.integrity``, through its hash cache; never skipped),
+refuses one whose validation is missing, stale, failed or could not run unless forced, and renders
+the model card. Before each part is sent its files are checked again (a ``stat`` each when unchanged). ``publish`` sends the plan through an ``HfApi``-like object
 (the boundary: the real ``HfApi`` by default, a recording stand-in in tests): it creates the repo,
 uploads in batches with ``upload_folder`` and, before each batch, asks the Hub which files it
 already holds with the expected sha256, so a run that stopped part-way resumes without re-sending
@@ -29,10 +30,10 @@ from hybrid_build.core.artifact import (
     REPORTS,
     provenance_sha256,
     read_provenance,
-    report_state,
-    unexpected_files,
+    validation_outcome,
 )
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.integrity import check_artifact, require_intact
 from hybrid_build.core.progress import null_progress
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
 
@@ -102,6 +103,8 @@ class PublishPlan:
     artifact_id: str  # short hash of provenance.json: names the upload's commits and PR
     license: LicenseInfo
     notes: list[str] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+    checked: dict | None = None  # core.integrity's count of what was checked (None: not checked)
 
     @property
     def total_bytes(self) -> int:
@@ -111,7 +114,7 @@ class PublishPlan:
         return {"artifact": str(self.artifact), "repo_id": self.repo_id, "artifact_id": self.artifact_id,
                 "validation": self.validation.state, "forced": self.forced, "license": self.license.license,
                 "files": [{"path": f.path, "bytes": f.bytes, "sha256": f.sha256} for f in self.files],
-                "total_bytes": self.total_bytes, "notes": self.notes}
+                "total_bytes": self.total_bytes, "notes": self.notes, "checked": self.checked}
 
 
 def _sha256_file(path: Path) -> str:
@@ -135,21 +138,20 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def read_validation(artifact: Path) -> ValidationStatus:
+    """The build's validation (``core.artifact.validation_outcome``) and the report it comes from:
+    a failed run kept beside a passing report counts as failed."""
     validation = REPORTS["validation"]
-    try:
-        report = _read_json(validation.path(artifact), validation.main)
-    except FileNotFoundError:
+    outcome = validation_outcome(artifact)
+    if outcome.state == "missing":
         return ValidationStatus("missing", reason=f"{validation.main} does not exist")
-    except ArtifactError as e:
+    try:
+        report = _read_json(artifact / outcome.report, outcome.report) if outcome.report else {}
+    except (FileNotFoundError, ArtifactError) as e:
         return ValidationStatus("missing", reason=str(e))
-    state, why = report_state(artifact, validation)  # made for the build there now?
-    if state == "stale":
-        return ValidationStatus("stale", report, f"{validation.main}: {why}")
-    if report.get("passed") is True:
+    if outcome.state == "passed":
         return ValidationStatus("passed", report)
-    failures = report.get("failures") or []
-    reason = (f"{len(failures)} failure(s), first: {failures[0]}" if failures else "the report says passed: false")
-    return ValidationStatus("failed", report, reason)
+    where = f" ({outcome.report}" + (f", {outcome.finished_at})" if outcome.finished_at else ")")
+    return ValidationStatus(outcome.state, report, outcome.reason + where)
 
 
 def _pipeline_tag(artifact: Path, config: dict) -> str | None:
@@ -171,8 +173,10 @@ def _upload_order(path: str) -> tuple:
     return (1, path)
 
 
-def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> PublishPlan:
-    """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing."""
+def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False, check_files: bool = True,
+                 progress=null_progress) -> PublishPlan:
+    """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing.
+    ``check_files=False`` skips hashing the files (for the card alone: ``write_card``)."""
     artifact = Path(artifact)
     if not artifact.is_dir():
         raise UserError(f"{artifact}: no such artifact folder")
@@ -183,30 +187,23 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
     if not (artifact / INDEX_NAME).exists():
         raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
     prov = read_provenance(artifact)
+    # every file, its size and its sha256, before anything else: --force never skips this
+    checked = require_intact(artifact, prov, progress) if check_files else None
 
     validation = read_validation(artifact)
     if not validation.passed and not force:
         hint = "fix the artifact, or pass --force to publish it anyway (the card will say so)"
         if validation.state == "failed":
-            raise ArtifactError(f"validation FAILED ({validation.reason}): {hint}")
+            raise ArtifactError(f"validation FAILED: {validation.reason}: {hint}")
+        if validation.state == "could not run":
+            raise UserError(f"validation could not run here: {validation.reason}: run `hybrid-build validate "
+                            f"{artifact}` where it can, or pass --force to publish unvalidated (the card will say so)")
         raise UserError(f"{validation.reason}: run `hybrid-build validate {artifact}` first, or pass --force "
                         "to publish unvalidated (the card will say so)")
     if not validation.passed:
         log.warning("publishing with --force although validation is %s", validation.state)
 
     recorded = prov.get("files") or {}
-    extra = unexpected_files(artifact, prov)  # reports written after the build are expected
-    if extra:
-        raise ArtifactError(f"{extra[0]} is in the artifact but not in {PROVENANCE} (added after the build?)"
-                            + (f"; {len(extra) - 1} more" if len(extra) > 1 else "") + ": remove it or rebuild")
-    for path, info in sorted(recorded.items()):
-        local = artifact / path
-        if not local.is_file():
-            raise ArtifactError(f"{path} is listed in {PROVENANCE} but missing from the artifact")
-        if local.stat().st_size != info.get("bytes"):
-            raise ArtifactError(f"{path} has {local.stat().st_size} bytes, {PROVENANCE} recorded {info.get('bytes')}: "
-                                "the artifact changed after the build")
-
     notes = []
     files = []
     for path in sorted(recorded, key=_upload_order):
@@ -237,7 +234,7 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
     artifact_id = provenance_sha256(artifact)[:12]
     return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
-                       artifact_id, lic, notes)
+                       artifact_id, lic, notes, prov, checked.to_json() if checked else None)
 
 
 def write_card(artifact: str | Path) -> Path:
@@ -247,7 +244,8 @@ def write_card(artifact: str | Path) -> Path:
     from hybrid_build.core.checkpoint import HUB_ID
 
     repo_id = f"local/{artifact.resolve().name}"
-    plan = plan_publish(artifact, repo_id if HUB_ID.match(repo_id) else "local/artifact", force=True)
+    plan = plan_publish(artifact, repo_id if HUB_ID.match(repo_id) else "local/artifact", force=True,
+                        check_files=False)  # the card says nothing of the files' bytes
     path = REPORTS["card"].path(artifact)
     path.parent.mkdir(exist_ok=True)
     return write_text_atomic(path, plan.card_text)
@@ -517,6 +515,7 @@ class Publisher:
                 done = [f for f in group if f not in todo]
                 result.skipped += [f.path for f in done]
                 bar.update(sum(f.bytes for f in done))
+                self._check_unchanged(todo)
                 if self.on_part:
                     self.on_part(i, len(groups), todo, len(done))
                 attempt = 0
@@ -562,6 +561,16 @@ class Publisher:
         if revision.startswith("refs/pr/") and not result.pr_url:
             result.pr_url = f"https://huggingface.co/{self.repo_id}/discussions/{revision.rsplit('/', 1)[-1]}"
         return revision
+
+    def _check_unchanged(self, files: list[PublishFile]) -> None:
+        """The part's build outputs are still the provenance's bytes (checked when the plan was made;
+        a ``stat`` each now through the hash cache, a hash only for a file written to since)."""
+        names = [f.path for f in files if f.origin == "provenance"]
+        if names and self.plan.provenance:
+            found = check_artifact(self.plan.artifact, self.plan.provenance, names=names)
+            if not found.intact:
+                raise ArtifactError(f"{self.plan.artifact}: the artifact changed after it was checked: "
+                                    f"{found.problem}; nothing of this part was sent")
 
     def run(self) -> PublishResult:
         url = self.ensure_repo()

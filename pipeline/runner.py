@@ -11,6 +11,11 @@ over in memory as they are computed) and the background stage reports before its
 Each stage writes its manifest to ``OUT/.hybrid-build/<stage>.json`` when it finishes. On a
 fresh build the source's digests are still being computed then (``source_identity``): the
 manifest is saved as soon as they are known, at the latest when the build ends.
+
+A folder that holds a provenance is checked against it before a finished stage is reused
+(``artifact_changes``: ``core.integrity``, with its hash cache): a stage whose files in the
+artifact differ, and every stage that reads its result, is not current. Such a stage re-runs and
+says why; a selected stage that would read it without it being selected stops, naming the file.
 """
 from __future__ import annotations
 
@@ -25,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid_build.core import __version__
+from hybrid_build.core.artifact import read_provenance
 from hybrid_build.core.byte_units import human_bytes
-from hybrid_build.core.errors import HybridBuildError, StageFailed, StorageError, UserError
+from hybrid_build.core.errors import ArtifactError, HybridBuildError, StageFailed, StorageError, UserError
+from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.manifest import StageManifest, describe_outputs, sha256_json
+from hybrid_build.core.progress import ProgressFactory, null_progress
 
 from .context import BuildContext, output_bytes
 from .stages import STAGES, load_stage
@@ -43,6 +51,7 @@ class StageResult:
     seconds: float
     details: dict
     background: bool = False  # ran on a thread alongside the stage that read it (its seconds overlap)
+    reason: str = ""  # why a finished stage ran again, when the artifact's files were the cause
 
 
 def select_stages(only: list[str] | None, start: str | None) -> list[str]:
@@ -69,10 +78,44 @@ def stage_key(ctx: BuildContext, name: str) -> str:
     return sha256_json(stage_inputs(ctx, name))
 
 
-def _current_manifest(ctx: BuildContext, name: str) -> StageManifest | None:
-    """The stage's manifest if it still matches its inputs and its outputs are intact."""
+def _current_manifest(ctx: BuildContext, name: str, changed: dict[str, str] | None = None) -> StageManifest | None:
+    """The stage's manifest if it still matches its inputs, its outputs are intact, what it
+    states still holds (``Stage.current``) and its files in the artifact are not ``changed``."""
+    if name in (changed or {}):
+        return None
     m = StageManifest.load(ctx.work / f"{name}.json")
-    return m if m and m.still_valid(ctx.out, stage_key(ctx, name)) else None
+    if not (m and m.still_valid(ctx.out, stage_key(ctx, name))):
+        return None
+    stage = load_stage(name)
+    return None if stage.current and stage.current(ctx.out) else m
+
+
+def artifact_changes(out: Path, manifests: dict[str, StageManifest | None],
+                     progress: ProgressFactory = null_progress) -> dict[str, str]:
+    """Stage -> why its finished result no longer holds because the artifact's files differ from
+    the provenance (``core.integrity``, through its hash cache): the stage whose manifest lists the
+    first such file (``assemble`` when none does), and every stage that reads it, directly or not.
+    {} when the folder holds no provenance or its files match. A file the provenance does not list
+    is no stage's result (validate and publish refuse it; ``record`` would list it)."""
+    prov = read_provenance(out, missing_ok=True)
+    if prov is None:
+        return {}
+    return stage_changes(check_artifact(out, prov, progress).by_file, prov, manifests)
+
+
+def stage_changes(problems: dict[str, str], provenance: dict, manifests: dict[str, StageManifest | None]) -> dict[str, str]:
+    """``artifact_changes`` from the problems ``core.integrity`` found (file -> line)."""
+    listed = provenance.get("files") or {}
+    changed: dict[str, str] = {}
+    for rel, line in problems.items():
+        if rel in listed:
+            owner = next((s for s in STAGES if manifests.get(s) and rel in manifests[s].outputs), "assemble")
+            changed.setdefault(owner, f"the artifact differs from its provenance: {line}")
+    for name in STAGES:  # a reader comes after what it reads
+        up = next((u for u in load_stage(name).reads if u in changed), None)
+        if up and name not in changed:
+            changed[name] = changed[up]
+    return changed
 
 
 def _finished(ctx: BuildContext, m: StageManifest) -> Finished:
@@ -170,6 +213,7 @@ class _Run:
         self.done: dict[str, StageOutput] = {}  # ran or current in this run
         self.pending: dict[str, _Background] = {}
         self.deferred: list[Callable[[], None]] = []  # manifest saves waiting for the source's digests
+        self._changed: dict[str, str] | None = None  # artifact_changes, once a finished stage is looked at
 
     def report(self, res: StageResult) -> None:
         self.results.append(res)
@@ -209,6 +253,7 @@ class _Run:
                     continue
                 io = StageIO(up=self._upstream(stage))
                 res = self._run_stage(stage, io)
+                res.reason = (self._changed or {}).get(name, "")
                 for up in stage.reads:  # a background stage reports before the stage that read it
                     if up in self.pending:
                         name = up
@@ -227,10 +272,22 @@ class _Run:
             self._save_deferred(wait=False)  # after a failure: what finished is kept if it can be keyed
         return self.results
 
+    @property
+    def changed(self) -> dict[str, str]:
+        """``artifact_changes`` of the folder as this run found it (checked once, when first needed;
+        nothing to check when assemble is forced to rewrite the checkpoint)."""
+        if self._changed is None:
+            ctx = self.ctx
+            self._changed = {} if "assemble" in self.forced else artifact_changes(
+                ctx.out, {s: StageManifest.load(ctx.work / f"{s}.json") for s in STAGES}, ctx.progress)
+            for name, why in self._changed.items():
+                log.info("%s: not reused: %s", name, why)
+        return self._changed
+
     def _manifest_if_current(self, name: str) -> StageManifest | None:
         if not (self.ctx.work / f"{name}.json").exists():
             return None  # nothing to reuse: no need to wait for the source's digests
-        return _current_manifest(self.ctx, name)
+        return _current_manifest(self.ctx, name, self.changed)
 
     def _why_not_current(self, name: str) -> str:
         """For -vv: why a stage runs (the first cause found)."""
@@ -273,7 +330,11 @@ class _Run:
             elif name in self.done:
                 up[name] = self.done[name]
             else:
-                m = _current_manifest(self.ctx, name)
+                m = _current_manifest(self.ctx, name, self.changed)
+                if m is None and name in self.changed:
+                    first = next(s for s in STAGES if s in self.changed)
+                    raise ArtifactError(f"stage {stage.name} needs the {name} result, but {self.changed[name]}; "
+                                        f"run --from {first} to rebuild it")
                 if m is None:
                     raise UserError(f"stage {stage.name} needs a current {name} result; run without "
                                     f"--only/--from, or --from {name}")

@@ -6,8 +6,11 @@ the stage would have now (tool version, source fingerprint, its recipe section, 
 stages it reads) and its outputs are intact. The source and the recipe that key hashes are found
 where the build recorded them (``core.source_identity``'s location file, ``core.artifact.RUN_RECIPE``);
 a source that is not reachable here leaves the keys unchecked (``unknown``), never guessed.
-Reports say whether they were made for the build there now (``core.artifact.report_state``).
-Nothing is written but the source's digest cache in the work folder.
+Reports say whether they were made for the build there now (``core.artifact.report_state``), and
+the build's validation its outcome (``core.artifact.validation_outcome``: passed, failed, could not
+run, missing or stale, with the reason and the time). The artifact's files are checked against the
+provenance (``core.integrity``); a file that differs makes the stage that wrote it, and those that
+read its result, stale, naming the file. Nothing is written but the digest caches in the work folder.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ from hybrid_build.core.artifact import (
     read_recipe_data,
     report_state,
     unexpected_files,
+    validation_outcome,
 )
 from hybrid_build.core.errors import HybridBuildError, UserError
+from hybrid_build.core.integrity import Integrity, check_artifact
 from hybrid_build.core.manifest import StageManifest
 from hybrid_build.core.progress import ProgressFactory, null_progress
 from hybrid_build.core.source_identity import (
@@ -78,6 +83,10 @@ class OutputStatus:
     stages: list[StageStatus]
     reports: list[ReportStatus]
     unexpected: list[str] = field(default_factory=list)  # files validate and publish would refuse
+    # the files against the provenance (core.integrity.Integrity.to_json; None: not built)
+    artifact: dict | None = None
+    # the build's validation: state (passed, failed, could not run, missing, stale), reason, finished_at, report
+    validation: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -96,10 +105,26 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     recipe_data, recipe_file = _recipe(out)
     ctx, why_unchecked = _context(out, record, source, digests, recipe_file)
     manifests = {name: StageManifest.load(out / WORK_DIR / f"{name}.json") for name in STAGES}
-    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked) for name in STAGES]
+    found = check_artifact(out, prov, progress) if prov is not None else None
+    from .runner import stage_changes
+
+    changed = stage_changes(found.by_file, prov, manifests) if found else {}
+    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed) for name in STAGES]
     reports = [_report_state(out, r, prov is not None) for r in REPORTS.values()]
     return OutputStatus(str(out), prov is not None, provenance_sha256(out), (recipe_data or {}).get("name"),
-                        source, stages, reports, unexpected_files(out, prov) if prov else [])
+                        source, stages, reports, unexpected_files(out, prov) if prov else [],
+                        found.to_json() if found else None, _validation(out, prov is not None, found))
+
+
+def _validation(out: Path, built: bool, found: Integrity | None) -> dict:
+    """The build's validation outcome; a report of files that differ from the provenance now says
+    nothing about them, whatever it says."""
+    if not built:
+        return {"state": "missing", "reason": "nothing is built here yet", "finished_at": None, "report": None}
+    data = validation_outcome(out).to_json()
+    if found is not None and not found.intact and data["state"] == "passed":
+        data.update(state="stale", reason=f"it passed on files that have changed since: {found.problem}")
+    return data
 
 
 # ------------------------------------------------------------------------------------ the source
@@ -172,11 +197,12 @@ def _context(out: Path, record: SourceRecord | None, source: SourceStatus, diges
 
 
 def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None], source: SourceStatus,
-                 record: SourceRecord | None, ctx: BuildContext | None, why_unchecked: str) -> StageStatus:
+                 record: SourceRecord | None, ctx: BuildContext | None, why_unchecked: str,
+                 changed: dict[str, str]) -> StageStatus:
     m = manifests[name]
     if m is None:
         return StageStatus(name, "missing", "it has not finished in this folder")
-    why = _why_stale(out, m, manifests, source, record, ctx)
+    why = _why_stale(out, m, manifests, source, record, ctx, changed)
     if why:
         return StageStatus(name, "stale", why, m.finished_at)
     if ctx is None:
@@ -185,7 +211,8 @@ def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None
 
 
 def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest | None],
-               source: SourceStatus, record: SourceRecord | None, ctx: BuildContext | None) -> str | None:
+               source: SourceStatus, record: SourceRecord | None, ctx: BuildContext | None,
+               changed: dict[str, str]) -> str | None:
     """Why the stage's result no longer holds, the most basic cause first; None if none is seen."""
     tool = m.inputs.get("tool")
     if tool != __version__:
@@ -200,9 +227,12 @@ def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest |
             return f"the {up} result it read is gone"
         if got.key != key:
             return f"{up} ran again since, with other inputs"
-    problem = m.output_problem(out)
+    problem = m.output_problem(out) or changed.get(m.stage)
     if problem:
         return problem
+    current = load_stage(m.stage).current
+    if current and current(out):  # a report judged by its state (validate), never by its bytes
+        return current(out)
     if ctx is not None:
         from .runner import stage_key
 

@@ -102,8 +102,10 @@ def register(sub, common) -> None:
     g.add_argument("--join-timeout", type=float, default=600,
                    help="seconds to wait for the head and for every node to join (default 600)")
     g.add_argument("--force", action="store_true",
-                   help="serve across nodes whose addresses are not private or link-local anyway (refused "
-                        "otherwise: NCCL and Gloo traffic is not authenticated; docs/multinode.md, Security)")
+                   help="serve anyway an artifact whose files differ from its provenance or whose validation is "
+                        "missing, failed or stale (refused otherwise, --dry-run included; verify still runs), and "
+                        "across nodes whose addresses are not private or link-local (refused otherwise: NCCL and "
+                        "Gloo traffic is not authenticated; docs/multinode.md, Security)")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -119,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
     from .launcher import check_prerequisites, plan_key, smoke_test, start, wait_ready, warn_if_untested
 
+    _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
                        host=args.host,
@@ -176,6 +179,42 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+
+
+def _check_artifact(args: argparse.Namespace) -> None:
+    """Refuse (one line naming the file or the report) an artifact whose files differ from its
+    provenance, or whose validation is missing, failed, could not run or is stale; with ``--force``
+    the line is a warning and serving goes on (verify still runs). A Hub id, or a folder that is no
+    build of hybrid-build (a plain checkpoint: no provenance, no ``hybrid_build/``; a work folder
+    alone is no build: a source served across nodes keeps its digest cache there), has nothing to
+    check here."""
+    from hybrid_build.core.artifact import META_DIR, PROVENANCE, read_provenance, validation_outcome
+    from hybrid_build.core.errors import ArtifactError
+    from hybrid_build.core.integrity import check_artifact
+
+    artifact = Path(args.artifact).expanduser()
+    if not artifact.is_dir():
+        return
+    prov = read_provenance(artifact, missing_ok=True)
+    problem = None
+    if prov is None:
+        if (artifact / META_DIR).is_dir():
+            problem = f"no {PROVENANCE}: the build did not finish (`hybrid-build status {artifact}` says where it stopped)"
+    else:
+        found = check_artifact(artifact, prov, lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
+        if not found.intact:
+            problem = f"the artifact differs from its provenance: {found.problem}"
+        else:
+            v = validation_outcome(artifact)
+            if not v.passed:
+                where = f" ({v.report})" if v.report else ""
+                problem = f"validation {v.state}{where}: {v.reason}"
+    if problem is None:
+        return
+    if not args.force:
+        raise ArtifactError(f"{artifact}: {problem}; not served (fix it, or --force to serve it anyway: verify "
+                            "still runs)")
+    print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
 
 
 def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:

@@ -553,9 +553,9 @@ def node_identity(artifact: Path) -> dict:
     artifact, ``core.artifact.build_fingerprint`` of its provenance (the same on every node that
     holds the same bytes), each file checked against it (sha256 cached in the work folder); for a
     source folder served directly, its content fingerprint."""
-    from hybrid_build.core.artifact import ARTIFACT_DIGESTS, CONFIG, WORK_DIR, build_fingerprint, read_provenance
-    from hybrid_build.core.manifest import sha256_file
-    from hybrid_build.core.source_identity import DIGEST_CACHE, DigestCache, SourceDigests
+    from hybrid_build.core.artifact import CONFIG, WORK_DIR, build_fingerprint, read_provenance
+    from hybrid_build.core.integrity import check_artifact
+    from hybrid_build.core.source_identity import DIGEST_CACHE, SourceDigests
 
     prov = read_provenance(artifact, missing_ok=True)
     if prov is None:  # a source folder served directly: its content is its identity
@@ -563,27 +563,8 @@ def node_identity(artifact: Path) -> dict:
             return {"fingerprint": None, "problem": f"{artifact} is not here"}
         return {"fingerprint": SourceDigests(artifact, artifact / WORK_DIR / DIGEST_CACHE).fingerprint(),
                 "problem": None}
-    files = prov.get("files") or {}
-    ident = build_fingerprint(prov)
-    cache = DigestCache(artifact / ARTIFACT_DIGESTS)
-
-    def problem_of(name: str) -> str | None:
-        path = artifact / name
-        if not path.is_file():
-            return f"{name} is missing"
-        st = path.stat()
-        stat = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}  # as DigestCache keys it
-        if stat["bytes"] != files[name].get("bytes"):
-            return f"{name} has {stat['bytes']} bytes, the provenance {files[name].get('bytes')}"
-        sha = cache.lookup(path, stat)
-        if sha is None:
-            sha = sha256_file(path)
-            cache.put(path, stat, sha)
-        return None if sha == files[name].get("sha256") else f"{name} has other bytes than the provenance records"
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        problems = [p for p in pool.map(problem_of, sorted(files)) if p]
-    return {"fingerprint": ident, "problem": problems[0] if problems else None}
+    found = check_artifact(artifact, prov)  # every file by size and sha256, cached by stat (core.integrity)
+    return {"fingerprint": build_fingerprint(prov), "problem": found.problem}
 
 
 def _version_of(argv: list[str]) -> str | None:

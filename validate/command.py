@@ -26,12 +26,14 @@ def _handle(args: argparse.Namespace) -> int:
     report = validate_artifact(args.artifact, args.source, recipe=recipe, progress=bar,
                                activations=args.activations, e2e=e2e, engine=args.engine, texts=args.texts,
                                announce=announce)
-    where = Path(args.artifact) / REPORTS["validation"].named(".md")
+    where = report.where or Path(args.artifact) / REPORTS["validation"].named(".md")
     if args.json:
-        emit_json({**report.to_json(), "kept": report.kept})
+        emit_json({**report.to_json(), "kept": report.kept, "report_file": str(where)})
     elif args.quiet:
         if report.outcome == "failed":  # -q keeps the one line a script or a person needs: the first failure
             print(f"validation FAILED: {_first_failure(report, where)}", file=sys.stderr)
+            if report.kept:  # beside the build's passing report, which stays: say where this one is
+                print(f"this run's report: {where} ({report.kept.split(';')[0]})", file=sys.stderr)
         elif report.outcome == "could not run":
             print(f"validation could not run: {_could_not_run(report)}", file=sys.stderr)
     else:
@@ -40,6 +42,8 @@ def _handle(args: argparse.Namespace) -> int:
         for line in report.failures:
             print(f"FAIL {line}")
         saved = f"kept: {report.kept}" if report.kept else f"report in {where}"
+        if report.texts is not None:  # the user's experiment: the build's report is not touched
+            saved += f" (your texts; the build's report {REPORTS['validation'].main} is unchanged)"
         print(f"validation {OUTCOME_LABELS[report.outcome]} ({report.seconds:.1f} s); {saved}")
     return OUTCOME_EXIT[report.outcome]
 
@@ -62,7 +66,7 @@ def _first_failure(report, where: Path) -> str:
 
 
 def register(sub, common) -> None:
-    from hybrid_build.core.artifact import PROVENANCE, RECIPE, REPORTS
+    from hybrid_build.core.artifact import META_DIR, PROVENANCE, RECIPE, REPORTS, TEXTS_REPORT_PREFIX, VALIDATION_LAST
     from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
 
     p = sub.add_parser(
@@ -76,11 +80,13 @@ def register(sub, common) -> None:
                     "forward of the whole model, one decoder layer at a time (KL mean, median, p99, p99.9, "
                     "same-top-1, RMS delta-p, perplexity, bootstrap intervals; per text). "
                     "Thresholds come from the recipe's `validate` section. Writes "
-                    f"{', '.join('ARTIFACT/' + f for f in REPORTS['validation'].files)}. "
-                    "Exit 0 when every check passes, 1 when one fails, 3 when a check could not run here "
-                    "(no vLLM, no GPU) and none failed, 2 on a usage error. A run that checks less (--no-e2e, "
-                    "an engine that could not run) does not replace a passing report of the same build that "
-                    "checked more.",
+                    f"{', '.join('ARTIFACT/' + f for f in REPORTS['validation'].files)} (with the reference, only "
+                    "when every check passed and the files still match the provenance). Exit 0 when every check "
+                    "passes, 1 when one fails, 3 when a check could not run here (no vLLM, no GPU) and none failed, "
+                    "2 on a usage error. A run that does not pass never replaces a passing report of the same "
+                    f"build (it goes to ARTIFACT/{VALIDATION_LAST.main}), and a run that checks less (--no-e2e) "
+                    "does not replace one that checked more. Top-1 agreement is judged by a one-sided binomial "
+                    "bound on the positions compared (docs/validate.md).",
         epilog="examples:\n"
                f"  hybrid-build validate out/                      # source from out/{PROVENANCE}\n"
                "  hybrid-build validate out/ --source ./int4 --json\n"
@@ -88,8 +94,7 @@ def register(sub, common) -> None:
                "  hybrid-build validate hybrid/ --engine vllm      # the same figures from vLLM (needs a GPU)\n"
                "  hybrid-build validate hybrid/ --no-e2e           # skip the end-to-end forward")
     p.add_argument("artifact", type=Path, help="the artifact folder written by `hybrid-build run`")
-    p.add_argument("--source",
-                   help=f"the INT4 source checkpoint (folder or Hub id; default: the one {PROVENANCE} names)")
+    p.add_argument("--source", help=f"the INT4 source checkpoint (folder or Hub id; default: the one {PROVENANCE} names)")
     p.add_argument("--recipe", help=f"recipe name or YAML file for the thresholds (default: ARTIFACT/{RECIPE})")
     p.add_argument("--activations", type=Path, metavar="FILE",
                    help="safetensors file of calibration inputs: '<...>.mlp.shared_expert' [T, H] per layer, "
@@ -103,6 +108,8 @@ def register(sub, common) -> None:
                         "transformers (the reference implementation; the model must fit in RAM)")
     p.add_argument("--texts", type=Path, action="append", metavar="FILE",
                    help="texts for the end-to-end forward instead of the bundled ones: a .txt file is one text, a "
-                        ".jsonl file one {\"name\", \"text\"} object per line (repeatable)")
+                        ".jsonl file one {\"name\", \"text\"} object per line (repeatable). Your experiment: its "
+                        f"report is ARTIFACT/{META_DIR}/{TEXTS_REPORT_PREFIX}HASH.{{json,md,png}} (HASH: the texts' "
+                        "sha256), and the build's report and reference are never touched")
     add_json_flag(p)
     p.set_defaults(handler=_handle)

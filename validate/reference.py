@@ -165,9 +165,10 @@ class ReferenceRecorder:
 # ------------------------------------------------------------------------------------ files
 
 
-def write_reference(artifact: Path, reference: Reference) -> list[Path]:
+def write_reference(artifact: Path, reference: Reference, stage: bool = False) -> list[Path]:
     """Write the reference's two files into ``artifact`` (safetensors first, each atomically; the
-    JSON, which ``report_state`` reads, last)."""
+    JSON, which ``report_state`` reads, last). ``stage``: leave both under their temporary names
+    (``TMP_SUFFIX`` added) for the caller to rename, in the order returned."""
     from safetensors.torch import save_file
 
     artifact = Path(artifact)
@@ -178,13 +179,20 @@ def write_reference(artifact: Path, reference: Reference) -> list[Path]:
     tmp = tensors_path.with_name(tensors_path.name + TMP_SUFFIX)
     save_file(tensors, str(tmp), metadata={"provenance_sha256": reference.provenance_sha256,
                                            "schema_version": str(SCHEMA_VERSION), "k": str(reference.k)})
+    if stage:
+        staged_main = main.with_name(main.name + TMP_SUFFIX)
+        write_text_atomic(staged_main, json.dumps(_reference_json(reference)) + "\n")
+        return [tmp, staged_main]
     os.replace(tmp, tensors_path)
-    data = {"schema_version": SCHEMA_VERSION, "provenance_sha256": reference.provenance_sha256, "k": reference.k,
+    write_text_atomic(main, json.dumps(_reference_json(reference)) + "\n")
+    return [tensors_path, main]
+
+
+def _reference_json(reference: Reference) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "provenance_sha256": reference.provenance_sha256, "k": reference.k,
             "engine": reference.engine, "dtype": reference.dtype,
             "texts": {t.name: {"token_ids": t.token_ids} for t in reference.texts.values()},
             "positions": reference.positions, "what": WHAT}
-    write_text_atomic(main, json.dumps(data) + "\n")
-    return [tensors_path, main]
 
 
 def read_reference(artifact: Path) -> Reference:

@@ -2,23 +2,46 @@
 
 The report goes to ``ARTIFACT/hybrid_build/validation.{json,md,png}``: JSON for tools, Markdown for
 the model card, and a plot of error per layer. When the streamed engine ran the end-to-end forward, the
-reference (``reference``: the hybrid's own top-k log-probabilities) is written with the report and
-only with it; the other engines record none. A numerics or structure failure never raises: the
+reference (``reference``: the hybrid's own top-k log-probabilities) is written with a passing report
+and only with it; the other engines record none. A numerics or structure failure never raises: the
 report says ``passed: false`` and lists one line per failure naming the tensor and the metric.
 Only input that cannot be read at all (no artifact, no source) raises.
+
+Where a run's report goes (``_write``): a passing run's report and reference are written under
+temporary names and renamed into place only when the artifact's files still match the provenance
+(checked again at the end: the checks take minutes on a large model). A run that does not pass never
+replaces a passing report of the same build, nor its reference: it goes to ``validation-last.*``
+(``core.artifact.VALIDATION_LAST``), which status, serve and publish read as the latest outcome. A
+run on the user's texts (``--texts``) is an experiment: its report is named by the texts' hash and
+touches nothing else.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.artifact import RECIPE, REPORTS, provenance_sha256, read_provenance, read_recipe_data
+from hybrid_build.core.artifact import (
+    PROVENANCE,
+    RECIPE,
+    REPORTS,
+    VALIDATION_LAST,
+    Report,
+    provenance_sha256,
+    read_provenance,
+    read_recipe_data,
+    texts_report,
+    utc_now,
+)
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, HybridBuildError, SourceError, UserError
+from hybrid_build.core.integrity import check_artifact
+from hybrid_build.core.manifest import sha256_json
+from hybrid_build.core.safetensors_io import TMP_SUFFIX, open_regular
 from hybrid_build.core.source_identity import open_recorded_source
 from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.recipes.schema import Recipe, parse_recipe, select_recipe
@@ -55,8 +78,7 @@ def checks_that_ran(report_json: dict) -> set[str]:
     existed marked a skipped check by its detail."""
     out = set()
     for c in report_json.get("checks") or []:
-        state = c.get("state") or ("fail" if not c.get("passed")
-                                   else "skipped" if c.get("detail") == "skipped" else "pass")
+        state = c.get("state") or ("fail" if not c.get("passed") else "skipped" if c.get("detail") == "skipped" else "pass")
         if state in RAN:
             out.add(c.get("name"))
     return out
@@ -77,8 +99,11 @@ class ValidationReport:
     end_to_end: dict = field(default_factory=dict)
     seconds: float = 0.0
     written: list[str] = field(default_factory=list)
-    kept: str | None = None  # why the stronger report already in the artifact was not overwritten
+    kept: str | None = None  # why the build's report already in the artifact was not overwritten
     provenance_sha256: str | None = None  # the build checked (core.artifact.report_state reads it)
+    finished_at: str | None = None  # when the run ended, ISO 8601 UTC
+    texts: dict | None = None  # --texts: the user's texts (sha256, names); None: the bundled ones
+    where: Path | None = None  # the Markdown report this run wrote (or the one kept)
 
     @property
     def passed(self) -> bool:
@@ -102,6 +127,7 @@ class ValidationReport:
             "checks": [c.to_json() for c in self.checks], "failures": self.failures, "weights": self.weights,
             "activations": self.activations, "lm_head": self.lm_head, "end_to_end": self.end_to_end,
             "seconds": round(self.seconds, 2), "provenance_sha256": self.provenance_sha256,
+            "finished_at": self.finished_at, "texts": self.texts,
         })
 
     def to_markdown(self) -> str:
@@ -211,27 +237,91 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
                      else "skipped" if detail == "skipped" else "pass")
             report.checks.append(CheckResult(name, not failed, detail, state))
     report.failures = f.failures
+    if texts:
+        report.texts = {"sha256": sha256_json(texts_by_name), "names": list(texts_by_name)}
     report.seconds = time.perf_counter() - t0
+    report.finished_at = utc_now()
     if write:
-        report.kept = stronger_report(art.root, report)
-        if report.kept is None:
-            report.written = [str(p) for p in write_report(report, art.root)]
-            if recorded is not None:  # the report it goes with was written: both describe this build
-                report.written += [str(p) for p in write_reference(art.root, recorded.reference(built))]
+        _write(report, art.root, provenance, recorded.reference(built) if recorded is not None else None)
     log.info("validation %s in %.1f s", report.outcome, report.seconds)
     return report
 
 
-def stronger_report(artifact: Path, report: ValidationReport) -> str | None:
-    """Why the report already in ``artifact`` stays, or None to write ``report`` over it. A run
-    that checked less (``--no-e2e``; an engine that could not run) never replaces a report of the
-    same build that passed with more checks run; a failure is always written, it is news."""
-    if report.outcome == "failed":
-        return None
+def _write(report: ValidationReport, artifact: Path, provenance: dict, reference) -> None:
+    """Write ``report`` (and, with a passing report of the bundled texts, ``reference``) where it
+    belongs (the module's docstring); sets ``written``, ``kept`` and ``where``."""
+    if report.texts is not None:  # the user's experiment: its own name, nothing else touched
+        target = texts_report(report.texts["sha256"])
+        report.written = [str(p) for p in write_report(report, artifact, target)]
+        report.where = artifact / target.named(".md")
+        return
+    if report.outcome == "passed":
+        _promote_passing(report, artifact, provenance, reference)
+        if report.outcome == "passed":
+            return
+    if _passing_report_of(artifact, report.provenance_sha256):
+        report.written = [str(p) for p in write_report(report, artifact, VALIDATION_LAST)]
+        report.where = artifact / VALIDATION_LAST.named(".md")
+        report.kept = (f"{VALIDATION.main} of this build passed and stays, with its reference; this run "
+                       f"{report.outcome}: {VALIDATION_LAST.named('.md')}")
+        return
+    report.written = [str(p) for p in write_report(report, artifact)]  # no passing report to keep
+    report.where = artifact / VALIDATION.named(".md")
+
+
+def _promote_passing(report: ValidationReport, artifact: Path, provenance: dict, reference) -> None:
+    """A passing run: unless a stronger report of the build stays, its report and reference are
+    staged under temporary names and become current only if the artifact's files still match the
+    provenance now; otherwise the staged files are dropped and the run fails, naming the file."""
+    report.where = artifact / VALIDATION.named(".md")
+    report.kept = stronger_report(artifact, report)
+    if report.kept is not None:
+        return
+    staged = write_report(report, artifact, stage=True)
+    if reference is not None:  # its report passed: both describe this build
+        staged = write_reference(artifact, reference, stage=True) + staged
+    still = check_artifact(artifact, provenance)  # a stat per file when nothing changed (the hash cache)
+    if provenance_sha256(artifact) != report.provenance_sha256:
+        still.problems.insert(0, f"{PROVENANCE} itself was replaced")
+    if not still.intact:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+        for line in still.problems:
+            report.failures.append(f"provenance: {line} (changed while validate ran)")
+        for c in report.checks:
+            if c.name == "provenance":
+                c.passed, c.state, c.detail = False, "fail", f"{len(still.problems)} file(s) changed while validate ran"
+        return
+    for tmp in staged:  # the validation JSON, which status and publish read, last
+        os.replace(tmp, tmp.with_name(tmp.name[:-len(TMP_SUFFIX)]))
+    report.written = [str(tmp.with_name(tmp.name[:-len(TMP_SUFFIX)])) for tmp in staged]
+    for rel in VALIDATION_LAST.files:  # the latest run of this build passed
+        (artifact / rel).unlink(missing_ok=True)
+
+
+def _build_report(artifact: Path) -> dict | None:
+    """The build's report in ``artifact`` as JSON (None: absent, unreadable, not a regular file)."""
     try:
-        old = json.loads((artifact / VALIDATION.main).read_text())
-    except (OSError, ValueError):
+        with open_regular(artifact / VALIDATION.main, ArtifactError) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError, ArtifactError):
         return None
+
+
+def _passing_report_of(artifact: Path, built: str | None) -> bool:
+    """Whether the build's report in ``artifact`` passed for the build ``built``."""
+    old = _build_report(artifact)
+    return isinstance(old, dict) and old.get("passed") is True and bool(built) and old.get("provenance_sha256") == built
+
+
+def stronger_report(artifact: Path, report: ValidationReport) -> str | None:
+    """Why the passing report already in ``artifact`` stays, or None to write the passing
+    ``report`` over it: a run that checked less (``--no-e2e``) never replaces a report of the same
+    build that passed with more checks run. A run that did not pass never replaces a passing
+    report of the same build at all (``_write``)."""
+    if report.outcome != "passed":
+        return None
+    old = _build_report(artifact)
     if not isinstance(old, dict) or old.get("provenance_sha256") != report.provenance_sha256 or not old.get("passed"):
         return None
     ran = {c.name for c in report.checks if c.state in RAN}
@@ -298,15 +388,18 @@ def _run_end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict
     reasons = []
     if exceeds(result["kl"], spec.e2e_max_kl):
         reasons.append(f"KL {result['kl']:.4g} > {spec.e2e_max_kl} (e2e_max_kl)")
-    if checks.below(result["top1_agreement"], spec.e2e_min_top1):
-        reasons.append(f"top-1 agreement {result['top1_agreement']:.4f} < {spec.e2e_min_top1} (e2e_min_top1)")
+    top1 = checks.rate_test(result["top1_agreement"], int(result["tokens"]), spec.e2e_min_top1)
+    result["top1_test"] = top1.to_json()
+    if top1.fails:  # a binomial bound on the positions compared, not the bare rate (checks.RateTest)
+        reasons.append(top1.reason("top-1 agreement", "e2e_min_top1"))
     if exceeds(abs(result["ppl_change"]), spec.e2e_max_ppl_change):
         reasons.append(f"perplexity change {result['ppl_change']:+.4%} beyond ±{spec.e2e_max_ppl_change:.2%} "
                        f"(e2e_max_ppl_change)")
     for r in reasons:
         f.fail("end_to_end", r)
     result["passed"] = not reasons
-    f.note("end_to_end", f"{result['tokens']} tokens: KL {result['kl']:.3g}, top-1 {result['top1_agreement']:.4f}, "
+    f.note("end_to_end", f"{result['tokens']} tokens: KL {result['kl']:.3g}, top-1 {result['top1_agreement']:.4f} "
+                         f"({top1.note()}), "
                          f"perplexity {result['ppl_source']:.4g} -> {result['ppl_hybrid']:.4g} "
                          f"({result['ppl_change']:+.3%})")
     return result
@@ -315,16 +408,22 @@ def _run_end_to_end(inp: ValidationInputs, f: Findings, engine: str, texts: dict
 # ------------------------------------------------------------------------------------- output
 
 
-def write_report(report: ValidationReport, artifact: Path) -> list[Path]:
-    """The report's files in ``artifact`` (where ``core.artifact`` puts them)."""
+def write_report(report: ValidationReport, artifact: Path, target: Report = VALIDATION,
+                 stage: bool = False) -> list[Path]:
+    """The report's files in ``artifact`` under ``target``'s names (``core.artifact`` names them),
+    each written whole; ``stage``: under temporary names (``TMP_SUFFIX`` added), left for the
+    caller to rename, the JSON last in the list."""
     from hybrid_build.core.safetensors_io import write_text_atomic
 
-    (artifact / VALIDATION.main).parent.mkdir(parents=True, exist_ok=True)
-    paths = [write_text_atomic(artifact / VALIDATION.main, json.dumps(report.to_json(), indent=2) + "\n"),
-             write_text_atomic(artifact / VALIDATION.named(".md"), report.to_markdown())]
-    png = plot_report(report, artifact / VALIDATION.named(".png"))
-    if png:
-        paths.append(png)
+    def at(suffix: str) -> Path:
+        path = artifact / target.named(suffix)
+        return path.with_name(path.name + TMP_SUFFIX) if stage else path
+
+    (artifact / target.main).parent.mkdir(parents=True, exist_ok=True)
+    png = plot_report(report, at(".png"))
+    paths = [png] if png else []
+    paths += [write_text_atomic(at(".md"), report.to_markdown()),
+              write_text_atomic(at(".json"), json.dumps(report.to_json(), indent=2) + "\n")]
     return paths
 
 
@@ -361,13 +460,12 @@ def render_markdown(r: ValidationReport) -> str:
     if r.activations:
         lines += ["", "### Shared-expert MLP outputs (same inputs, source vs converted weights)", "",
                   "| layer | inputs | tokens | rel. error | cosine |", "|---|---|---|---|---|"]
-        lines += [f"| {e['layer']} | {e['inputs']} | {e['tokens']} | {_fmt(e['rel_error'])} | "
-                  f"{_fmt(e['cosine'], '.6f')} |" for e in r.activations]
+        lines += [f"| {e['layer']} | {e['inputs']} | {e['tokens']} | {_fmt(e['rel_error'])} | {_fmt(e['cosine'], '.6f')} |"
+                  for e in r.activations]
     if r.lm_head:
         h = r.lm_head
         lines += ["", "### lm-head logits (BF16 vs int8)", "",
-                  f"{h.get('tokens')} hidden states ({h.get('inputs')}): "
-                  f"top-1 agreement {_fmt(h.get('top1_agreement'))}, "
+                  f"{h.get('tokens')} hidden states ({h.get('inputs')}): top-1 agreement {_fmt(h.get('top1_agreement'))}, "
                   f"top-5 overlap {_fmt(h.get('top5_overlap'))}, KL {_fmt(h.get('kl'))}, "
                   f"max logit error {_fmt(h.get('max_logit_error'))}."]
     e = r.end_to_end
@@ -388,8 +486,7 @@ def render_markdown(r: ValidationReport) -> str:
             lines += ["| text | tokens | mean KL [95% CI] | median KL | p99 KL | p99.9 KL | same top-1 [95% CI] | "
                       "RMS Δp | ppl source | ppl hybrid |", "|---|---|---|---|---|---|---|---|---|---|"]
             rows = {**e.get("texts", {}), "all": e}
-            lines += [f"| {name} | {t['tokens']} | "
-                      f"{_fmt(t['kl'])} [{_fmt(t['kl_ci95'][0])}, {_fmt(t['kl_ci95'][1])}] | "
+            lines += [f"| {name} | {t['tokens']} | {_fmt(t['kl'])} [{_fmt(t['kl_ci95'][0])}, {_fmt(t['kl_ci95'][1])}] | "
                       f"{_fmt(t['kl_median'])} | {_fmt(t['kl_p99'])} | {_fmt(t['kl_p999'])} | "
                       f"{_fmt(t['top1_agreement'])} [{_fmt(t['top1_ci95'][0])}, {_fmt(t['top1_ci95'][1])}] | "
                       f"{_fmt(t['rms_delta_p'])} | {_fmt(t['ppl_source'])} | {_fmt(t['ppl_hybrid'])} |"
@@ -408,8 +505,7 @@ def plot_report(r: ValidationReport, path: Path) -> Path | None:
     try:
         fig = render_figure(r)
     except ImportError:
-        log.warning("matplotlib is not installed: no %s (pip install 'hybrid-build[plot]')",
-                    REPORTS["validation"].named(".png"))
+        log.warning("matplotlib is not installed: no %s (pip install 'hybrid-build[plot]')", REPORTS["validation"].named(".png"))
         return None
     tmp = path.with_name(path.name + ".partial.png")
     fig.savefig(tmp)
@@ -441,8 +537,7 @@ def render_figure(r: ValidationReport):
     t = r.thresholds
     fig = Figure(figsize=(14, 11), dpi=100, layout="constrained")
     grid = fig.add_gridspec(3, 3)
-    verdict = ("passed" if r.passed
-               else f"FAILED ({len(r.failures)} failure(s): see {REPORTS['validation'].named('.md')})")
+    verdict = "passed" if r.passed else f"FAILED ({len(r.failures)} failure(s): see {REPORTS['validation'].named('.md')})"
     fig.suptitle(f"{r.recipe} ({r.format}): validation {verdict}", fontsize=14, fontweight="bold",
                  color=PASS_COLOR if r.passed else FAIL_COLOR)
 
@@ -476,7 +571,8 @@ def render_figure(r: ValidationReport):
                        ("worst row", head.get("max_row_rel_error"), "int8_max_row_rel_error")], t, log_scale=True)
         _metric_panel(axes[1], "lm-head logits: agreement with BF16",
                       [("top-1", h.get("top1_agreement"), "head_min_top1"),
-                       ("top-5 overlap", h.get("top5_overlap"), "head_min_top5_overlap")], t, lower_bound=True)
+                       ("top-5 overlap", h.get("top5_overlap"), "head_min_top5_overlap")], t, lower_bound=True,
+                      verdicts=_rate_verdicts(h, "head_min_top1"))
         _metric_panel(axes[2], "lm-head logits: KL(BF16 || int8)", [("mean", h.get("kl"), "head_max_kl")], t,
                       log_scale=True)
 
@@ -490,13 +586,19 @@ def render_figure(r: ValidationReport):
         texts = e.get("texts", {})
         _text_panel(axes[0], "end to end: top-1 agreement",
                     [(n, x["top1_agreement"]) for n, x in texts.items()], e["top1_agreement"], "e2e_min_top1", t,
-                    lower_bound=True)
+                    lower_bound=True, verdict=_rate_verdicts(e, "e2e_min_top1").get("e2e_min_top1"))
         _text_panel(axes[1], "end to end: KL(source || hybrid)",
                     [(n, x["kl"]) for n, x in texts.items()], e["kl"], "e2e_max_kl", t, log_scale=True)
         _text_panel(axes[2], "end to end: perplexity change",
                     [(n, x["ppl_hybrid"] / x["ppl_source"] - 1.0) for n, x in texts.items()], e["ppl_change"],
                     "e2e_max_ppl_change", t, symmetric=True)
     return fig
+
+
+def _rate_verdicts(part: dict, name: str) -> dict[str, bool]:
+    """A rate judged by its binomial test (``checks.RateTest``): the picture says what the check said."""
+    test = part.get("top1_test")
+    return {name: bool(test["fails"])} if isinstance(test, dict) and "fails" in test else {}
 
 
 def _fails(value, limit: float, lower_bound: bool = False, symmetric: bool = False) -> bool:
@@ -569,8 +671,9 @@ def _layer_panel(ax, title: str, series: dict[str, list[tuple[int, float]]], nam
 
 
 def _metric_panel(ax, title: str, metrics: list[tuple[str, float | None, str]], t: dict, *,
-                  lower_bound: bool = False, log_scale: bool = False) -> None:
-    """One point per metric, each with its own threshold as a short dashed segment of its colour."""
+                  lower_bound: bool = False, log_scale: bool = False, verdicts: dict[str, bool] | None = None) -> None:
+    """One point per metric, each with its own threshold as a short dashed segment of its colour;
+    ``verdicts`` (threshold name -> fails) where the check judged by more than the bare value."""
     metrics = [m for m in metrics if m[1] is not None]
     if not metrics:
         _note_panel(ax, title, "not measured", NONE_COLOR, "no data")
@@ -581,7 +684,7 @@ def _metric_panel(ax, title: str, metrics: list[tuple[str, float | None, str]], 
         ax.plot([i], [_plottable(value, lower_bound)], "o", ms=10, color=color, label=f"{label}: {value:.4g}")
         span = 1.0 / len(metrics)
         _threshold(ax, name, t[name], color=color, xmin=i * span + 0.1 * span, xmax=(i + 1) * span - 0.1 * span)
-        if _fails(value, t[name], lower_bound):
+        if (verdicts or {}).get(name, _fails(value, t[name], lower_bound)):
             failed.append(label)
             _mark_failures(ax, [i], [value])
     ax.set_xlim(-0.5, len(metrics) - 0.5)
@@ -596,7 +699,8 @@ def _metric_panel(ax, title: str, metrics: list[tuple[str, float | None, str]], 
 
 
 def _text_panel(ax, title: str, per_text: list[tuple[str, float]], overall: float, name: str, t: dict, *,
-                lower_bound: bool = False, log_scale: bool = False, symmetric: bool = False) -> None:
+                lower_bound: bool = False, log_scale: bool = False, symmetric: bool = False,
+                verdict: bool | None = None) -> None:
     """The end-to-end figure per bundled text (grey, for reading only) and over all tokens (the
     value the check compares), against the threshold."""
     limit = t[name]
@@ -604,7 +708,7 @@ def _text_panel(ax, title: str, per_text: list[tuple[str, float]], overall: floa
     xs = list(range(len(labels)))
     ax.plot(xs[:-1], [_plottable(v, lower_bound or symmetric) for _, v in per_text], "o", ms=7, color=NONE_COLOR,
             label="per text")
-    failed = _fails(overall, limit, lower_bound, symmetric)
+    failed = _fails(overall, limit, lower_bound, symmetric) if verdict is None else verdict
     ax.plot([xs[-1]], [_plottable(overall, lower_bound or symmetric)], "D", ms=10,
             color=FAIL_COLOR if failed else PASS_COLOR, label=f"all tokens: {overall:.4g}")
     _threshold(ax, name, limit, color="black")

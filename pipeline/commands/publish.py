@@ -21,7 +21,9 @@ def register(sub, common) -> None:
     p = sub.add_parser("publish", parents=[common], formatter_class=ExampleFormatter, epilog=EPILOG,
                        help="upload a validated artifact to the Hugging Face Hub",
                        description="Upload a validated hybrid artifact to the Hub with a generated model card, "
-                                   "then check the remote files against the provenance manifest.")
+                                   "then check the remote files against the provenance manifest. Before the first "
+                                   "byte is sent, every file is checked against the provenance (size and sha256, "
+                                   "cached by stat in .hybrid-build/artifact-sha256.json); --force does not skip it.")
     p.add_argument("artifact", metavar="ARTIFACT", help="the folder `hybrid-build run` wrote")
     p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the Hub model repo (created if needed)")
     p.add_argument("--private", action="store_true", help="create the repo private (no effect if it exists)")
@@ -30,7 +32,8 @@ def register(sub, common) -> None:
     p.add_argument("--create-pr", action="store_true",
                    help="open a pull request instead of pushing to the branch (a re-run continues the same PR)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the files, their sizes and the model card; send nothing")
+                   help="print the files, their sizes, what was checked against the provenance (files, bytes, "
+                        "from the hash cache or hashed) and the model card; send nothing")
     p.add_argument("--force", action="store_true",
                    help="publish even if validation is missing or failed (the card says so)")
     add_json_flag(p)
@@ -74,6 +77,11 @@ def _print_plan(plan, revision: str) -> None:
         what = "  (generated model card)" if f.origin == "card" else ""
         out.write(f"  {f.bytes:>{width},}  {f.path}{what}\n")
     out.write(f"total {plan.total_bytes:,} bytes in {len(plan.files)} files\n")
+    c = plan.checked
+    if c:
+        out.write(f"checked: {c['files']} files, {human_bytes(c['bytes'])} against hybrid_build/provenance.json "
+                  f"(size and sha256): {c['cached']} from the hash cache, {c['hashed']} hashed "
+                  f"({human_bytes(c['hashed_bytes'])}) in {c['seconds']:.2f} s\n")
     out.write(f"validation: {plan.validation.state}" + (" (--force)" if plan.forced else "") + "\n")
     for note in plan.notes:
         out.write(f"note: {note}\n")
@@ -86,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.revision and args.revision.startswith("refs/"):
         raise UserError("--revision takes a branch name; use --create-pr for a pull request")
-    plan = plan_publish(args.artifact, args.repo_id, force=args.force)
+    from hybrid_build.core.cli_support import progress
+
+    plan = plan_publish(args.artifact, args.repo_id, force=args.force,
+                        progress=lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
     revision = args.revision or "main"
     if args.dry_run:
         if args.json:

@@ -93,6 +93,8 @@ def _handle(args: argparse.Namespace) -> int:
                          f"{sum(diffs) / len(diffs):.4f}")
             if res.background:
                 extra += "  (in the background, alongside assemble)"
+            if res.reason:  # the artifact's files differ from its provenance: said, naming the file
+                extra += f"  (re-run: {res.reason})"
             print(f"  {res.stage:<14} {res.status:<8} {res.seconds:7.2f} s{extra}", flush=True)
 
     # --force re-runs every selected stage; --from re-runs the stage it names and those after it
@@ -141,7 +143,8 @@ def _write_card(out: Path) -> Path | None:
 
 
 def _stage_json(r) -> dict:
-    return {"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 3), "background": r.background}
+    return {"stage": r.stage, "status": r.status, "seconds": round(r.seconds, 3), "background": r.background,
+            "reason": r.reason or None}
 
 
 def _dry_run(args, ctx, source, stages: list[str]) -> int:

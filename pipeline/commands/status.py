@@ -13,7 +13,11 @@ EPILOG = """examples:
 A stage is done when its manifest's key is the one it would have now (tool version, the source's
 content, its recipe section, the results it read) and its outputs are intact; stale says why not;
 missing: it has not finished here; unknown: the source is not reachable, so the key cannot be
-recomputed. A report is current when it records this build's provenance sha256. Reads the output
+recomputed. A report is current when it records this build's provenance sha256. The artifact's
+files are checked against the provenance (sha256, cached by size, mtime, ctime, inode and device
+in .hybrid-build/artifact-sha256.json): a file that differs is named and makes the stage that
+wrote it stale. validation: the build's latest validate outcome (passed, failed, could not run,
+missing, stale) with the reason and the time; `--json` has it under "validation". Reads the output
 folder alone (and the source where the build recorded it); exit 0 whatever the states, 2 when
 the folder is not an output of `hybrid-build run`.
 """
@@ -25,6 +29,14 @@ def _render(data: dict) -> str:
              + (f", recipe {data['recipe']}" if data["recipe"] else "") + ")"]
     src = data["source"]
     lines.append(f"source   {src['where'] or '-'}: {src['state']}" + (f" ({src['reason']})" if src["reason"] else ""))
+    art = data.get("artifact")
+    if art is not None:
+        lines.append(f"files    {art['files']} match the provenance ({art['cached']} from the hash cache, "
+                     f"{art['hashed']} hashed)" if art["intact"] else f"files    DIFFER from the provenance: {art['problem']}")
+    v = data["validation"]
+    when = f" at {v['finished_at']}" if v.get("finished_at") else ""
+    lines.append(f"validation {v['state'].upper() if v['state'] == 'failed' else v['state']}{when}: {v['reason']}"
+                 + (f"  [{v['report']}]" if v.get("report") else ""))
     lines.append("stages")
     for s in data["stages"]:
         lines.append(f"  {s['stage']:<14} {s['state']:<8} {s['reason']}")

@@ -140,7 +140,7 @@ def test_a_report_naming_no_build_is_stale_when_older_than_the_build(artifact):
 
 def test_artifact_must_match_its_provenance(artifact):
     (artifact / "notes.txt").write_text("added later")
-    with pytest.raises(ArtifactError, match="notes.txt is in the artifact but not in"):
+    with pytest.raises(ArtifactError, match="notes.txt is not listed in"):
         plan_publish(artifact, REPO)
     (artifact / "notes.txt").unlink()
     with open(artifact / "tokenizer.json", "ab") as f:
@@ -340,17 +340,30 @@ def test_verification_names_a_remote_file_that_differs(published, hub, path, fie
     assert str(e.value).startswith(f"remote verification failed: {path}: ") and says in str(e.value)
 
 
-def test_verification_catches_a_local_change_the_upload_carried(artifact, hub, no_sleep):
-    # same size, different bytes: the remote then holds a file the manifest does not describe
+def test_a_local_change_after_the_plan_is_caught_before_its_part_is_sent(artifact, hub, no_sleep):
+    # same size, different bytes, after the plan checked the files: each part is checked again
     policy, _ = no_sleep
     plan = plan_publish(artifact, REPO)
     shard = artifact / "model-00003-of-00003.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError,
-                       match=r"model-00003-of-00003.safetensors: sha256 .* \(from hybrid_build/provenance.json\)"):
+    with pytest.raises(ArtifactError, match=r"changed after it was checked: model-00003-of-00003.safetensors has "
+                                            r"other bytes than hybrid_build/provenance.json"):
         publisher(plan, hub, policy).run()
+    assert hub.sent == []
+
+
+def test_verification_catches_a_local_change_after_the_upload(published, hub):
+    # a file the Hub keeps in git is compared by blob id, after its local copy is checked against
+    # the provenance: a local change made after the upload is named, not blamed on the Hub
+    path = published.artifact / "tokenizer_config.json"
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"tokenizer_config.json: the local file's sha256 differs from "
+                                            r"hybrid_build/provenance.json"):
+        verify_remote(hub, published)
 
 
 def test_verification_catches_a_missing_file_and_notes_extra_ones(published, hub):

@@ -148,7 +148,10 @@ def test_demo_source_is_printed_as_an_absolute_path(tiny_checkpoint, tmp_path, m
     moved = tmp_path / "moved-demo-out"
     out.rename(moved)  # the whole artifact moves: its demo source moves with it
     monkeypatch.chdir(tmp_path)
-    assert main(["serve", "moved-demo-out", "--profile", "base", "--dry-run", "--json"]) == 0
+    # built without validate: serve refuses it (docs/serve.md) unless --force, which still plans it
+    assert main(["serve", "moved-demo-out", "--profile", "base", "--dry-run", "--json"]) == 1
+    assert "validation missing" in capsys.readouterr().err
+    assert main(["serve", "moved-demo-out", "--profile", "base", "--dry-run", "--json", "--force"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == str((moved / ".hybrid-build" / "demo-source").resolve())
 
 

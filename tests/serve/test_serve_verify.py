@@ -85,7 +85,7 @@ def test_no_verify_serves_even_a_corrupt_server(referenced_artifact, serve_env):
 
 @pytest.mark.slow
 def test_an_artifact_without_a_reference_is_served_with_one_line_saying_why(tiny_artifact, serve_env):
-    run = _serve(tiny_artifact, serve_env)  # built with --no-validate: no reference
+    run = _serve(tiny_artifact, serve_env)  # validated without the end-to-end forward: no reference
     try:
         line = run.wait_for("could not verify", 120)
         assert "no current reference" in line and "hybrid-build validate" in line

@@ -1,6 +1,6 @@
 """A validation report says exactly what ran: passed, failed and could not run are three outcomes
-(exit 0, 1, 3), and a run that checked less never replaces a passing report of the same build that
-checked more. vLLM is not installed here, so `--engine vllm` is the real could-not-run case."""
+(exit 0, 1, 3); a run that checked less never replaces a passing report of the same build that
+checked more, and a run that does not pass never replaces it at all (it is recorded beside it). vLLM is not installed here, so `--engine vllm` is the real could-not-run case."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hybrid_build.core.artifact import REPORTS
+from hybrid_build.core.artifact import REPORTS, VALIDATION_LAST, validation_outcome
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.modelcard import _what_validation_ran
 
@@ -63,7 +63,7 @@ def test_a_weaker_passing_run_keeps_the_stronger_report(validated, common, capsy
     assert "a teacher-forced end-to-end comparison" in _what_validation_ran(json.loads(before))
 
 
-def test_a_weaker_run_that_fails_is_written(validated, common, plant, capsys):
+def test_a_run_that_fails_is_recorded_beside_the_passing_report_never_over_it(validated, common, plant, capsys):
     name = next(n for n in json.loads((validated / "hybrid_build" / "provenance.json").read_text())["files"]
                 if n.endswith(".safetensors"))
     with open(validated / name, "r+b") as f:  # one byte of a shard: sha256 no longer matches
@@ -71,8 +71,13 @@ def test_a_weaker_run_that_fails_is_written(validated, common, plant, capsys):
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 1]))
+    kept = {rel: (validated / rel).read_bytes() for rel in VALIDATION.files + REPORTS["reference"].files}
     code, err = _validate(capsys, validated, *common, "--no-e2e")
-    assert code == 1 and err[0].startswith("validation FAILED")
-    written = json.loads((validated / VALIDATION.main).read_text())
-    assert written["outcome"] == "failed"
-    assert "no end-to-end comparison with the source model (it was skipped)" in _what_validation_ran(written)
+    assert code == 1 and err[0].startswith("validation FAILED") and VALIDATION_LAST.named(".md") in err[1]
+    assert {rel: (validated / rel).read_bytes() for rel in kept} == kept  # the build's report and reference
+    failed = json.loads((validated / VALIDATION_LAST.main).read_text())
+    assert failed["outcome"] == "failed" and failed["finished_at"]
+    assert any(name in line for line in failed["failures"] if line.startswith("provenance: "))
+    assert "no end-to-end comparison with the source model (it was skipped)" in _what_validation_ran(failed)
+    outcome = validation_outcome(validated)
+    assert (outcome.state, outcome.report) == ("failed", VALIDATION_LAST.main) and name in outcome.reason

@@ -1,0 +1,214 @@
+"""Whether an artifact's files are the bytes its provenance records: the one check that validate,
+status, serve, publish and the runner share.
+
+Every file the provenance lists must be there, be a regular file, have its recorded size and
+sha256; no other build output may be there (reports and the work folder are not build outputs:
+``core.artifact``). Each problem is one line naming the file; the first by name leads.
+
+Hashing a 62 GB artifact at every ``serve`` would take a minute, so digests are cached in
+``.hybrid-build/artifact-sha256.json`` (``source_identity.DigestCache``, the source's format), keyed
+by the file's name in the artifact and ``source_identity.stat_key``: size, mtime, ctime, inode and
+device. A file cannot be written without its ctime moving (the kernel sets it; no user call sets it
+back), so a byte changed in place with size and mtime restored is hashed again; an unchanged file
+costs one ``stat``. A file written to within ``RACY_NS`` of its hashing is not cached: the kernel's
+timestamps advance by clock ticks (a few ms; seconds on some filesystems), and a second write in
+the same tick as the first would leave its stat unchanged (git's "racily clean" files). The cache is a record of this folder's own reads: whoever can write the
+artifact can write it too, so it guards against accidents and stale copies, not against the
+folder's owner; removing it makes the next check hash everything.
+
+A FIFO, socket or device where a regular file is expected is refused from its ``stat`` alone and
+never opened; a regular file is opened non-blocking and checked again on the open descriptor, so a
+FIFO put in its place between the two cannot hang the check.
+"""
+from __future__ import annotations
+
+import os
+import stat as stat_mod
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .artifact import ARTIFACT_DIGESTS, PROVENANCE, read_provenance, unexpected_files
+from .byte_units import human_bytes
+from .errors import ArtifactError
+from .manifest import HASH_CHUNK
+from .progress import ProgressFactory, close_bar, null_progress
+from .safetensors_io import special_kind
+from .source_identity import HASH_THREADS, DigestCache, stat_key
+
+RACY_NS = 2_000_000_000  # a file whose ctime is this recent when hashed is not cached (see above)
+
+
+def now_ns() -> int:
+    """The clock a file's ctime is compared with (tests move it)."""
+    return time.time_ns()
+
+
+class ChangedWhileReading(Exception):
+    """The file moved under the check (another file, or written to, while it was read)."""
+
+
+@dataclass
+class Integrity:
+    """What one check found: counts, and one line per problem (sorted by file name)."""
+
+    files: int = 0  # files the provenance lists
+    bytes: int = 0  # their recorded sizes
+    cached: int = 0  # sha256 known from the cache (one stat each)
+    hashed: int = 0  # read and hashed by this check
+    hashed_bytes: int = 0
+    matched: int = 0  # listed files whose bytes are the recorded ones
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    by_file: dict[str, str] = field(default_factory=dict)  # file -> its problem
+
+    @property
+    def intact(self) -> bool:
+        return not self.problems
+
+    @property
+    def problem(self) -> str | None:
+        """The first problem, and how many more there are, in one line (None: intact)."""
+        if not self.problems:
+            return None
+        more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+        return self.problems[0] + more
+
+    def summary(self) -> str:
+        return (f"{self.files} files, {human_bytes(self.bytes)} checked against {PROVENANCE}: {self.cached} "
+                f"from the hash cache, {self.hashed} hashed ({human_bytes(self.hashed_bytes)}) in "
+                f"{self.seconds:.2f} s")
+
+    def to_json(self) -> dict:
+        return {"intact": self.intact, "problem": self.problem, "problems": self.problems, "files": self.files,
+                "bytes": self.bytes, "cached": self.cached, "hashed": self.hashed,
+                "hashed_bytes": self.hashed_bytes, "matched": self.matched, "seconds": round(self.seconds, 3)}
+
+
+def hash_file(path: Path, expect: os.stat_result) -> str:
+    """sha256 of the regular file ``path`` whose ``stat`` was ``expect``. Opened non-blocking (a FIFO
+    swapped in since the ``stat`` returns at once instead of waiting for a writer) and checked on
+    the descriptor before and after the read; raises ``ChangedWhileReading`` when it is not that
+    file any more or was written to meanwhile. Tests count calls to it."""
+    import hashlib
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (expect.st_dev, expect.st_ino):
+            raise ChangedWhileReading("it was replaced while it was being checked")
+        h = hashlib.sha256()
+        buf = bytearray(HASH_CHUNK)
+        view = memoryview(buf)
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+        if stat_key(os.fstat(fd)) != stat_key(expect):
+            raise ChangedWhileReading("it changed while it was being read")
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def check_artifact(artifact: Path, provenance: dict | None = None, progress: ProgressFactory = null_progress,
+                   names: list[str] | None = None) -> Integrity:
+    """Check ``artifact`` against ``provenance`` (default: its own, which must exist). ``names``
+    limits the check to those listed files (no search for extra files): what publish re-checks
+    just before sending a part."""
+    t0 = time.perf_counter()
+    artifact = Path(artifact)
+    prov = provenance if provenance is not None else read_provenance(artifact)
+    listed: dict[str, dict] = prov.get("files") or {}
+    wanted = sorted(listed) if names is None else sorted(n for n in names if n in listed)
+    result = Integrity(files=len(wanted), bytes=sum(int(listed[n].get("bytes") or 0) for n in wanted))
+    found: dict[str, str] = {}  # name -> its problem
+    if names is None:
+        for name in unexpected_files(artifact, prov):  # reports written after the build are expected
+            found[name] = f"{name} is not listed in {PROVENANCE}"
+    cache = DigestCache(artifact / ARTIFACT_DIGESTS)
+    todo: list[tuple[str, os.stat_result]] = []
+    for name in wanted:
+        want = listed[name]
+        try:
+            st = os.stat(artifact / name)
+        except FileNotFoundError:
+            found[name] = f"{name} is listed in {PROVENANCE} but missing from the artifact"
+            continue
+        except OSError as e:
+            found[name] = f"{name} cannot be read ({e.strerror or type(e).__name__})"
+            continue
+        kind = special_kind(st)
+        if kind:  # never opened: reading a FIFO would wait for a writer
+            found[name] = f"{name} is {kind}, not a regular file"
+        elif st.st_size != want.get("bytes"):
+            found[name] = f"{name} has {st.st_size} bytes, {PROVENANCE} records {want.get('bytes')}"
+        elif not want.get("sha256"):
+            found[name] = f"{name}: {PROVENANCE} records no sha256 (an old build: rebuild it)"
+        else:
+            sha = cache.lookup(Path(name), stat_key(st))
+            if sha is None:
+                todo.append((name, st))
+            else:
+                result.cached += 1
+                if sha != want["sha256"]:
+                    found[name] = _differs(name, sha, want["sha256"])
+                else:
+                    result.matched += 1
+    _hash(artifact, todo, listed, cache, found, result, progress)
+    result.by_file = dict(sorted(found.items()))
+    result.problems = list(result.by_file.values())
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _differs(name: str, got: str, want: str) -> str:
+    return f"{name} has other bytes than {PROVENANCE} records (sha256 {got[:12]}..., recorded {want[:12]}...)"
+
+
+def _hash(artifact: Path, todo: list[tuple[str, os.stat_result]], listed: dict[str, dict], cache: DigestCache,
+          found: dict[str, str], result: Integrity, progress: ProgressFactory) -> None:
+    if not todo:
+        return
+    bar = progress(total=sum(st.st_size for _, st in todo), desc="sha256", unit="B", unit_scale=True)
+
+    def one(item: tuple[str, os.stat_result]) -> tuple[str, str | None, str | None]:
+        name, st = item
+        settled = st.st_ctime_ns <= now_ns() - RACY_NS  # else a write in the same clock tick could hide
+        try:
+            sha = hash_file(artifact / name, st)
+        except ChangedWhileReading as e:
+            return name, None, f"{name}: {e}; check again once it is stable"
+        except OSError as e:
+            return name, None, f"{name} cannot be read ({e.strerror or type(e).__name__})"
+        if settled:
+            cache.put(Path(name), stat_key(st), sha)
+        bar.update(st.st_size)
+        return name, sha, None
+
+    try:
+        # largest first, so that the threads finish together (sha256 releases the GIL)
+        with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="hash-artifact") as pool:
+            done = list(pool.map(one, sorted(todo, key=lambda i: -i[1].st_size)))
+    finally:
+        close_bar(bar)
+    for name, sha, problem in done:
+        if problem:
+            found[name] = problem
+            continue
+        result.hashed += 1
+        result.hashed_bytes += listed[name]["bytes"]
+        if sha != listed[name]["sha256"]:
+            found[name] = _differs(name, sha, listed[name]["sha256"])
+        else:
+            result.matched += 1
+
+
+def require_intact(artifact: Path, provenance: dict | None = None, progress: ProgressFactory = null_progress,
+                   names: list[str] | None = None,
+                   hint: str = "rebuild it (`hybrid-build run`), or remove a file added since") -> Integrity:
+    """``check_artifact``, raising ``ArtifactError`` (one line naming the first file) unless intact."""
+    result = check_artifact(artifact, provenance, progress, names)
+    if not result.intact:
+        raise ArtifactError(f"{artifact}: the artifact differs from its provenance: {result.problem}; {hint}")
+    return result
