@@ -4,13 +4,34 @@ import these; library code does not."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
 class ExampleFormatter(argparse.RawDescriptionHelpFormatter):
-    pass
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.choices, LazyChoices):  # argparse lists them for %(choices)s: not read for help
+            action = copy.copy(action)
+            action.choices = None
+        return super()._expand_help(action)
+
+
+class LazyChoices:
+    """``choices`` for argparse read from a registry on first use: the registry's import (the output
+    formats import torch) happens when a value is checked, never when the parser is built or ``--help``
+    printed. Give the argument a ``metavar``: argparse would list the choices in the usage line."""
+
+    def __init__(self, read: Callable[[], list[str]]) -> None:
+        self._read = read
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._read()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,6 @@ import importlib
 import logging
 import sys
 
-from hybrid_build.core import __version__
 from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error
 from hybrid_build.core.errors import HybridBuildError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
@@ -43,6 +42,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class _Version(argparse.Action):
+    """``--version``, reading the installed version only when asked (``hybrid_build.core``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from hybrid_build.core import __version__
+
+        print(f"hybrid-build {__version__}")
+        parser.exit()
+
+
 def _common_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("output")
@@ -62,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hybrid-build inspect Intel/Qwen3.5-122B-A10B-int4-AutoRound\n"
                "  hybrid-build serve out/ --profile dense --dry-run",
     )
-    parser.add_argument("--version", action="version", version=f"hybrid-build {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     common = _common_parser()
     for name, module in COMMANDS.items():

@@ -27,10 +27,11 @@ Everything here is a pure function of numbers already read; docs/plan.md states 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.core.formats import inc_hybrid
-from hybrid_build.recipes.conversion import ConversionPlan
+if TYPE_CHECKING:  # the formats import torch: `plan --help` reads the presets here without it
+    from hybrid_build.core.checkpoint import Checkpoint
+    from hybrid_build.recipes.conversion import ConversionPlan
 
 PROFILES = ("base", "fp8", "int8_head", "dense")
 PROFILE_LABELS = {
@@ -264,6 +265,8 @@ def _savings_from_source(plan: ConversionPlan) -> tuple[int, int]:
 
 def _served_at_load(n: int, k: int) -> int:
     """Bytes a BF16 head is served in: the serve plugin quantizes it at load to inc-hybrid's GPTQ int8."""
+    from hybrid_build.core.formats import inc_hybrid
+
     return inc_hybrid.FORMAT.head_bytes(n, k, storage="gptq-int8")
 
 

@@ -15,7 +15,7 @@ from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_hel
 
 from . import ray_auth, served_key
 from .engine import GPU_PRESETS
-from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
+from hybrid_build.recipes.serve_names import DOCKER_IMAGE, PROFILE_NAMES
 
 
 def register(sub, common) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import UserError
-from hybrid_build.recipes.inventory import build_report, bytes_per_token
 
 from . import bandwidth as bw
 from . import multinode_plan as mnp
@@ -141,6 +140,9 @@ def _check_workload(ckpt: Checkpoint, args: PlanOptions) -> tuple[list[int], lis
 
 def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
     """Everything ``plan`` prints, as the JSON document of docs/plan.md."""
+    # here, not at the top: the recipes import the output formats (torch); `plan --help` reads this module
+    from hybrid_build.recipes.inventory import build_report, bytes_per_token
+
     accepts = list(args.accept) if args.accept else list(DEFAULT_ACCEPT)
     for a in accepts:
         if not a >= 1:

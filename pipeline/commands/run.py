@@ -163,12 +163,15 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
     return 0
 
 
-def register(sub, common) -> None:
-    from hybrid_build.core import formats
-    from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
-    from ..stages import STAGES
+def _format_names() -> list[str]:
+    from hybrid_build.core import formats  # torch: only when --format is given
 
-    other_format = next((n for n in formats.names() if n != formats.DEFAULT), formats.DEFAULT)
+    return formats.names()
+
+
+def register(sub, common) -> None:
+    from hybrid_build.core.cli_support import ExampleFormatter, LazyChoices, add_json_flag
+    from ..stages import STAGES
 
     p = sub.add_parser(
         "run", parents=[common], formatter_class=ExampleFormatter,
@@ -180,7 +183,7 @@ def register(sub, common) -> None:
         epilog="examples:\n"
                "  hybrid-build run -o out/                            # tiny demo model, whole pipeline\n"
                "  hybrid-build run Intel/Qwen3.5-122B-A10B-int4-AutoRound -o hybrid/ --dry-run\n"
-               f"  hybrid-build run ./int4 -o hybrid/ --recipe qwen3.5-122b-a10b --format {other_format}\n"
+               "  hybrid-build run ./int4 -o hybrid/ --recipe qwen3.5-122b-a10b --format compressed-tensors\n"
                "  hybrid-build run ./int4 -o hybrid/ --from assemble   # redo assembly and validation")
     p.add_argument("source", nargs="?", help="INT4 checkpoint folder or Hub id (default: the tiny demo model)")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
@@ -193,8 +196,9 @@ def register(sub, common) -> None:
                                                    "recomputed even if current)")
     p.add_argument("--force", action="store_true", help="re-run stages even if their manifests match, and build "
                                                         "with a --recipe that does not fit the source")
-    p.add_argument("--format", choices=formats.names(),
-                   help=f"override the recipe's output format ({formats.choices_help()})")
+    p.add_argument("--format", choices=LazyChoices(_format_names), metavar="FORMAT",
+                   help="override the recipe's output format: inc-hybrid (auto-round layout, served through the "
+                        "hybrid-build vLLM plugin) or compressed-tensors (stock vLLM loads it); docs/formats.md")
     p.add_argument("--observer", choices=["minmax", "mse"], help="override the FP8 observer")
     p.add_argument("--fp8-source", metavar="CKPT",
                    help="take the FP8 shared experts from this official FP8 checkpoint (folder or Hub id)")
