@@ -38,9 +38,31 @@ def add_json_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
 
+# exit code -> the outcome ``--json`` names on a path that ends in an error (0: a command's own object)
+OUTCOMES = {1: "failed", 2: "bad input", 3: "could not run"}
+_json_written = False  # whether this command printed its JSON object (``main`` prints one on failure if not)
+
+
 def emit_json(data: Any) -> None:
+    global _json_written
     json.dump(data, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
+    _json_written = True
+
+
+def json_written(reset: bool = False) -> bool:
+    """Whether ``emit_json`` ran since the last reset (``main`` resets it as a command starts)."""
+    global _json_written
+    was = _json_written
+    if reset:
+        _json_written = False
+    return was
+
+
+def emit_failure_json(code: int, message: str) -> None:
+    """The object ``--json`` prints on a path that ends in an error: the outcome, the exit code, the line."""
+    outcome = OUTCOMES.get(code, "interrupted" if code > 128 else "failed")
+    emit_json({"outcome": outcome, "exit_code": code, "error": message})
 
 
 def describe_os_error(e: OSError) -> str:

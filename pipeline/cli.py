@@ -14,7 +14,9 @@ import importlib
 import logging
 import sys
 
-from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error
+from hybrid_build.core.cli_support import (
+    ExampleFormatter, describe_os_error, emit_failure_json, json_written,
+)
 from hybrid_build.core.errors import HybridBuildError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
 
@@ -34,12 +36,21 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class UsageError(SystemExit):
+    """A mistake argparse found: exit 2, the line already on stderr; ``message`` for ``--json``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake in one line and exits 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
-        raise SystemExit(2)
+        line = f"{message} (see `{self.prog} --help`)"
+        sys.stderr.write(f"error: {line}\n")
+        raise UsageError(line)
 
 
 class _Version(argparse.Action):
@@ -96,9 +107,26 @@ def setup_logging(verbose: int, quiet: bool) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
+def _fail(args: argparse.Namespace, code: int, message: str, prefix: str = "error") -> int:
+    """One line on stderr; with ``--json``, also the failure's object on stdout unless the command
+    printed its own. Returns ``code``."""
+    sys.stderr.write(f"{prefix}: {message}\n")
+    if getattr(args, "json", False) and not json_written():
+        emit_failure_json(code, message)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes, one per outcome for every command: 0 passed, 1 a check failed, 2 bad input,
+    3 could not run here (``core/errors.py``); 128 + N for stop signal N."""
+    json_written(reset=True)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        if "--json" in (sys.argv[1:] if argv is None else argv):
+            emit_failure_json(2, e.message)
+        raise
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
@@ -109,18 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     except HybridBuildError as e:
         if args.verbose >= 2:
             logging.exception("failed")
-        sys.stderr.write(f"error: {e}\n")
-        return e.exit_code
+        return _fail(args, e.exit_code, str(e))
     except BrokenPipeError:  # an OSError too: the reader went away, nothing to report
         return 0
     except OSError as e:  # the filesystem refused (full, read-only, unreadable): the path and the cause
         if args.verbose >= 2:
             logging.exception("failed")
-        sys.stderr.write(f"error: {describe_os_error(e)}\n")
-        return 1
+        return _fail(args, 1, describe_os_error(e))
     except KeyboardInterrupt as e:
-        sys.stderr.write("interrupted: run the same command again to resume\n")
-        return interrupt_exit_code(e)
+        return _fail(args, interrupt_exit_code(e), "run the same command again to resume", prefix="interrupted")
     finally:
         restore_signals()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hybrid_build.core.artifact import CARD, CONFIG, META_DIR, PROVENANCE, REPORT_FILES, REPORTS, provenance_sha256, \
     read_provenance, report_state, unexpected_files
-from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
 from .modelcard import CardInputs, LicenseInfo, ValidationStatus, converted_sizes, find_license, read_bench, \
     read_evaluation, read_frontmatter, reference_current, render_card
 from hybrid_build.core.progress import null_progress
@@ -326,7 +326,7 @@ def call_hub(policy: RetryPolicy, what: str, repo_id: str, redact: Redactor, fn:
             if not is_transient(e):
                 raise hub_error(e, what, repo_id, redact) from None
             if attempt == policy.attempts:
-                raise ExternalToolError(f"{what}: the Hub did not answer after {policy.attempts} attempts "
+                raise CannotRun(f"{what}: the Hub did not answer after {policy.attempts} attempts "
                                         f"({_one_line(e, redact)}); run the same command again to resume") from None
             wait = policy.delay(attempt)
             log.info("%s: %s; retry %d/%d in %.0f s", what, _one_line(e, redact), attempt,
@@ -509,7 +509,7 @@ class Publisher:
                         if not is_transient(e):
                             raise hub_error(e, f"upload part {i}/{len(groups)}", self.repo_id, self.redact) from None
                         if attempt >= self.retry.attempts:
-                            raise ExternalToolError(
+                            raise CannotRun(
                                 f"upload part {i}/{len(groups)}: the Hub did not answer after {attempt} attempts "
                                 f"({_one_line(e, self.redact)}); run the same command again to resume") from None
                         wait = self.retry.delay(attempt)

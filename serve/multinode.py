@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.stop_signals import stop_signals_held
 
 from . import ray_auth
@@ -524,7 +524,7 @@ def check_tools(plan: MultiNodePlan) -> None:
         need |= {"docker"} if plan.engine == "docker" else {"ray", "vllm"}
     for tool in sorted(need):
         if shutil.which(tool, path=env["PATH"]) is None:
-            raise ExternalToolError(f"{tool!r} was not found on PATH" + (
+            raise CannotRun(f"{tool!r} was not found on PATH" + (
                 ": pip install hybrid-build brings Ray" if tool == "ray" else ""))
 
 
@@ -629,9 +629,9 @@ def compare_probes(nodes: list[Node], answers: list[dict], engine: str) -> None:
             if key in a and a[key].get("problem"):
                 raise ArtifactError(f"{node.describe()}: {a[key]['problem']}")
         if not a.get("vllm"):
-            raise ExternalToolError(f"{node.describe()}: no {what_vllm}")
+            raise CannotRun(f"{node.describe()}: no {what_vllm}")
         if not a.get("ray"):
-            raise ExternalToolError(f"{node.describe()}: " + ("the image has no Ray (build one FROM it with "
+            raise CannotRun(f"{node.describe()}: " + ("the image has no Ray (build one FROM it with "
                                     "`pip install ray`)" if engine == "docker" else
                                     "Ray is not installed (pip install hybrid-build there)"))
     head = answers[0]
@@ -678,9 +678,9 @@ def run_once(cmd: Command, remote_venv: str | None, timeout: float, stdin_text: 
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env(), **stdin)
     except subprocess.TimeoutExpired:
-        raise ExternalToolError(f"{cmd.node.describe()}: {cmd.argv[0]} did not answer in {timeout:.0f} s")
+        raise CannotRun(f"{cmd.node.describe()}: {cmd.argv[0]} did not answer in {timeout:.0f} s")
     except OSError as e:
-        raise ExternalToolError(f"{cmd.node.describe()}: cannot run {argv[0]} ({e.strerror or e})")
+        raise CannotRun(f"{cmd.node.describe()}: cannot run {argv[0]} ({e.strerror or e})")
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
         raise ExternalToolError(f"{cmd.node.describe()}: {shlex.join(cmd.argv[:3])} failed: {last}")

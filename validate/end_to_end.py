@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.core.errors import ExternalToolError, HybridBuildError, UserError
+from hybrid_build.core.errors import CannotRun, HybridBuildError, UserError
 
 from .transformers_forward import MAX_TOKENS_PER_TEXT, bundled_texts
 
@@ -144,7 +144,7 @@ def run(engine: str, source: Checkpoint, artifact: Checkpoint, token_ids: dict[s
         try:
             from .vllm_compare import compare_in_vllm
         except ImportError as e:
-            raise ExternalToolError(f"the vllm engine is not available in this installation ({e})") from None
+            raise CannotRun(f"the vllm engine is not available in this installation ({e})") from None
         result = figures(compare_in_vllm(source.root, artifact.root, token_ids, progress=progress))
         result["engine"] = "vllm"
         return result, None

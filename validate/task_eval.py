@@ -45,7 +45,7 @@ from pathlib import Path
 
 from hybrid_build.core.api_key import CLIENT_ENV, bearer, raise_if_refused
 from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance
-from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
 
 from .eval_taskset import BUNDLED_TASKS, GROUPS, task_dir
@@ -278,24 +278,24 @@ def run_lm_eval(lm, settings: EvalSettings, manager) -> dict:
 
 
 def list_models(url: str, timeout: float = 10.0, api_key: str | None = None) -> list[dict]:
-    """The server's ``/models`` entries; an unreachable server is one ExternalToolError, a refused
-    key one ``KeyRefused``."""
+    """The server's ``/models`` entries; a server that does not answer, or not as an OpenAI server,
+    is one ``CannotRun`` (exit 3), a refused key one ``KeyRefused``."""
     req = urllib.request.Request(url.rstrip("/") + "/models", headers=bearer(api_key))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             data = json.loads(r.read().decode())
     except urllib.error.HTTPError as e:
         raise_if_refused(e, url, bool(api_key))
-        raise ExternalToolError(f"{url}: GET /models answered HTTP {e.code}: is this an OpenAI-compatible base URL "
+        raise CannotRun(f"{url}: GET /models answered HTTP {e.code}: is this an OpenAI-compatible base URL "
                                 f"(ending in /v1)?") from None
     except (urllib.error.URLError, OSError) as e:
-        raise ExternalToolError(f"cannot reach {url} ({getattr(e, 'reason', e)}): is the server running? "
+        raise CannotRun(f"cannot reach {url} ({getattr(e, 'reason', e)}): is the server running? "
                                 f"(`hybrid-build serve` prints its URL)") from None
     except ValueError:
-        raise ExternalToolError(f"{url}: GET /models did not answer JSON: not an OpenAI-compatible server") from None
+        raise CannotRun(f"{url}: GET /models did not answer JSON: not an OpenAI-compatible server") from None
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ExternalToolError(f"{url}: GET /models lists no model")
+        raise CannotRun(f"{url}: GET /models lists no model")
     return [e for e in entries if isinstance(e, dict) and e.get("id")]
 
 

@@ -18,7 +18,9 @@ def _handle(args: argparse.Namespace) -> int:
     try:
         build_demo_checkpoint(args.out, seed=args.seed)
     except FileExistsError as e:
-        raise UserError(f"{e}: choose another folder") from None
+        from hybrid_build.core.cli_support import describe_os_error
+
+        raise UserError(f"{describe_os_error(e)}: choose another folder") from None
     if not args.quiet:
         print(f"tiny INT4 AutoRound checkpoint written to {args.out}, its DFlash drafter to {drafter} "
               f"({time.perf_counter() - t:.1f} s)")
