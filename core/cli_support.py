@@ -34,6 +34,50 @@ class LazyChoices:
         return iter(self._read())
 
 
+def _number(kind: type, lo: float | None, hi: float | None, lo_open: bool) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'a whole number' if kind is int else 'a number'}: {text!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+        below = lo is not None and (value <= lo if lo_open else value < lo)
+        above = hi is not None and value > hi
+        if below or above:
+            if lo is not None and hi is not None:
+                want = f"between {lo:g} and {hi:g}" if not lo_open else f"more than {lo:g} and at most {hi:g}"
+            elif lo is not None:
+                want = f"more than {lo:g}" if lo_open else f"at least {lo:g}"
+            else:
+                want = f"at most {hi:g}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def int_range(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number in [lo, hi], refused in argparse's one line otherwise."""
+    return _number(int, lo, hi, False)
+
+
+def float_range(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in [lo, hi] (``lo_open``: above lo)."""
+    return _number(float, lo, hi, lo_open)
+
+
+# the values a command line gives most often: refused before anything starts, dry runs included
+PORT = int_range(1, 65535)
+POSITIVE_INT = int_range(1)
+COUNT = int_range(0)
+SECONDS = float_range(0, lo_open=True)
+POSITIVE = float_range(0, lo_open=True)
+NON_NEGATIVE = float_range(0)
+SHARE = float_range(0, 1)
+
+
 def add_json_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 

@@ -71,8 +71,9 @@ class SourceMismatch(UserError):
     """A source given or recorded is not, by content, the one the artifact was built from."""
 
 
-class StorageError(HybridBuildError):
-    """The filesystem refused: no space, read-only, unreadable. The message names the path."""
+class StorageError(UserError):
+    """The output's filesystem cannot take what a command writes: no space, read-only, not
+    writable. The message names the path; another folder, or freed space, fixes it: exit 2."""
 
 
 class StageFailed(NumericsError):

@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import queue
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ArtifactError, SourceError
+from .user_paths import kind_of
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,10 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
 def read_header(path: str | os.PathLike) -> FileHeader:
     """Parse one file's header; raise ``SourceError`` naming the file for anything malformed."""
     path = Path(path)
-    size = path.stat().st_size
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read below forever; a device never ends
+        raise SourceError(f"{path.name}: {kind_of(st.st_mode)}, not a safetensors file")
+    size = st.st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -542,9 +547,23 @@ def write_index(out_dir: Path, shards: list[ShardPlan], extra_metadata: dict | N
     return write_text_atomic(out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    """``data`` into ``path`` under a temporary name, renamed when whole: a reader sees the old file
+    or the new one, never part of one. A failure (a full disk) removes the temporary file and names
+    ``path``. The file's mode is the umask's, as every file this tool writes."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a write or close that failed says no path: name the file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"))
 

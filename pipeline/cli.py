@@ -10,6 +10,7 @@ other ``HybridBuildError`` one line and exits 1; tracebacks appear only with ``-
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
@@ -19,6 +20,11 @@ from hybrid_build.core.cli_support import (
 )
 from hybrid_build.core.errors import HybridBuildError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
+
+# what the filesystem refuses that another folder, freed space or the right permissions fix: bad input
+# (exit 2), as the space check before a build says it; any other OSError (an I/O error) exits 1
+USER_FIXES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR,
+              errno.EISDIR, errno.ENAMETOOLONG}
 
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the filesystem refused (full, read-only, unreadable): the path and the cause
         if args.verbose >= 2:
             logging.exception("failed")
-        return _fail(args, 1, describe_os_error(e))
+        return _fail(args, 2 if e.errno in USER_FIXES else 1, describe_os_error(e))
     except KeyboardInterrupt as e:
         return _fail(args, interrupt_exit_code(e), "run the same command again to resume", prefix="interrupted")
     finally:

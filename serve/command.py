@@ -9,9 +9,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.core.cli_support import (
+    PORT, POSITIVE_INT, SECONDS, ExampleFormatter, add_json_flag, emit_json, progress,
+)
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_held
+from hybrid_build.core.user_paths import check_output_path
 
 from . import ray_auth, served_key
 from .engine import GPU_PRESETS
@@ -40,7 +43,7 @@ def register(sub, common) -> None:
     p.add_argument("--profile", choices=PROFILE_NAMES, help="serve profile (default: the recipe's default)")
     p.add_argument("--engine", choices=("local", "docker"), default="local",
                    help="local: pip-installed vLLM with the hybrid-build plugin; docker: the sm121 image")
-    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible server (default 8000)")
+    p.add_argument("--port", type=PORT, default=8000, help="port of the OpenAI-compatible server (default 8000)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); any but a loopback address needs an API key, "
                         "generated when none is given (docs/serve.md, Security)")
@@ -59,7 +62,7 @@ def register(sub, common) -> None:
     p.add_argument("--hardware", choices=sorted(dict(GPU_PRESETS).values()),
                    help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
                         "levers are predicted to gain little there")
-    p.add_argument("--ready-timeout", type=float, default=1800, help="seconds to wait for READY (default 1800)")
+    p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
     p.add_argument("--no-verify", action="store_true",
@@ -87,8 +90,8 @@ def register(sub, common) -> None:
                    "devices of a Spark's 200G port")
     g.add_argument("--parallel", choices=("tp", "pp"), default="tp",
                    help="tp: tensor parallel over all GPUs (default); pp: one pipeline stage per node")
-    g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs on each node (default 1: a DGX Spark)")
-    g.add_argument("--ray-port", type=int, default=6379, help="the Ray head's port (default 6379)")
+    g.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1, help="GPUs on each node (default 1: a DGX Spark)")
+    g.add_argument("--ray-port", type=PORT, default=6379, help="the Ray head's port (default 6379)")
     g.add_argument("--ray-token-file", type=Path, metavar="FILE",
                    help="the Ray cluster's token (a file of yours, mode 0600); default: $RAY_AUTH_TOKEN, "
                         "$RAY_AUTH_TOKEN_PATH, else one generated per run")
@@ -99,7 +102,7 @@ def register(sub, common) -> None:
     g.add_argument("--node-env", action="append", default=[], metavar="[N:]KEY=VALUE",
                    help="environment for node N (1 = the head), or for every node without N; repeatable "
                         "(e.g. 1:CUDA_VISIBLE_DEVICES=0 2:CUDA_VISIBLE_DEVICES=1 for two nodes on one machine)")
-    g.add_argument("--join-timeout", type=float, default=600,
+    g.add_argument("--join-timeout", type=SECONDS, default=600,
                    help="seconds to wait for the head and for every node to join (default 600)")
     g.add_argument("--force", action="store_true",
                    help="serve across nodes whose addresses are not private or link-local anyway (refused "
@@ -142,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {plan.api_key.announce()}")
         return 0
     check_prerequisites(plan)
+    check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
     warn_if_untested(plan)  # an untested vLLM still runs: verify checks what it serves
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)

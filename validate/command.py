@@ -10,12 +10,15 @@ def _handle(args: argparse.Namespace) -> int:
     from hybrid_build.core.artifact import REPORTS
     from hybrid_build.core.cli_support import emit_json, progress
     from hybrid_build.core.errors import UserError
+    from hybrid_build.core.user_paths import read_text_file
     from hybrid_build.recipes.schema import load_recipe
 
     from .report import validate_artifact
 
     if args.activations is not None and not args.activations.is_file():
         raise UserError(f"{args.activations}: no such activations file")
+    for texts in args.texts or []:  # refused before anything is computed or written
+        read_text_file(texts, "texts file")
     recipe = load_recipe(args.recipe) if args.recipe else None
 
     def bar(**kw):

@@ -11,6 +11,9 @@ from hybrid_build.core.errors import UserError
 def _handle(args: argparse.Namespace) -> int:
     from ..generators.demo import build_demo_checkpoint, demo_drafter_path
 
+    from hybrid_build.core.user_paths import check_output_path
+
+    check_output_path(args.out, "output folder", folder=True)  # a file, a loop of links: one line
     if args.out.exists() and any(args.out.iterdir()):
         raise UserError(f"{args.out}: exists and is not empty")
     drafter = demo_drafter_path(args.out)

@@ -39,6 +39,7 @@ def _demo_source(args) -> Path:
 
 def _handle(args: argparse.Namespace) -> int:
     from ..build import RecipeOverrides, check_output_folder, prepare
+    from hybrid_build.recipes.schema import load_recipe
     from hybrid_build.core.errors import UserError
     from ..generators.sources import SYNTHETIC_PREFIX, open_source
     from hybrid_build.core.cli_support import emit_json, progress
@@ -49,6 +50,8 @@ def _handle(args: argparse.Namespace) -> int:
     demo = args.source is None
     if demo:
         check_output_folder(args.out)
+        if args.recipe:  # refused before the demo source is written into the output folder
+            load_recipe(args.recipe)
         source = _demo_source(args)
     elif args.source.startswith(SYNTHETIC_PREFIX):
         if not args.dry_run:
