@@ -112,10 +112,12 @@ def register(sub, common) -> None:
 
 
 def _api_key(args: argparse.Namespace, host: str):
-    """The served API's key (``served_key.resolve``); a ``--dry-run`` writes no generated key."""
+    """The served API's key (``served_key.resolve``). A ``--dry-run`` generates it too (in the user's
+    state folder, where serving would, kept and reused): the ``export VLLM_API_KEY="$(cat FILE)"`` line
+    it prints then works as printed, where a file to come would give vLLM an empty key."""
     from .served_key import resolve
 
-    return resolve(host, args.api_key, args.api_key_file, create=not args.dry_run)
+    return resolve(host, args.api_key, args.api_key_file, create=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,7 +240,7 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
     from .multinode import bring_up, check_tools, parse_nodes, plan_multinode, resolve_nodes, served_host
 
     specs = parse_nodes(args.nodes, args.nodes_file)
-    nodes = resolve_nodes(specs)
+    nodes = resolve_nodes(specs, dry_run=args.dry_run)
     plan = replace(plan, api_key=_api_key(args, served_host(plan.host, nodes[0])))
     mplan = plan_multinode(plan, specs, args.artifact, args.ifname, nodes=nodes,
                            parallel=args.parallel, gpus_per_node=args.gpus_per_node, ray_port=args.ray_port,

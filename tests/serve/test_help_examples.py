@@ -115,8 +115,6 @@ def readme_why_not(cmd: str, cwd: Path) -> str | None:
     args = shlex.split(cmd)[1:]
     if args[0] == "bench":
         return "measures a running server (bench's --help examples run against the stand-in)"
-    if "--nodes" in args:
-        return "starts vLLM on other machines (its --help examples run with --dry-run on local names)"
     if "--context" in args:
         import json
 
