@@ -19,6 +19,7 @@ from hybrid_build.core.cli_support import (
     ExampleFormatter, describe_os_error, emit_failure_json, json_written,
 )
 from hybrid_build.core.errors import HybridBuildError
+from hybrid_build.core.redaction import redact, remember, remember_file
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
 
 # what the filesystem refuses that another folder, freed space or the right permissions fix: bad input
@@ -101,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
 def setup_logging(verbose: int, quiet: bool) -> None:
     """WARNING by default, INFO with -v; -vv adds DEBUG for hybrid-build's own loggers only (all
     under ``hybrid_build``), so that the debug chatter of the libraries it imports (matplotlib's font
@@ -108,14 +114,17 @@ def setup_logging(verbose: int, quiet: bool) -> None:
     tracebacks with -vv."""
     level = logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    for handler in logging.getLogger().handlers:  # a log line or a -vv traceback holds no secret either
+        handler.setFormatter(_RedactingFormatter(handler.formatter._fmt if handler.formatter else None))
     logging.getLogger("hybrid_build").setLevel(logging.DEBUG if verbose >= 2 and not quiet else logging.NOTSET)
     for noisy in ("autoround", "transformers", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
 def _fail(args: argparse.Namespace, code: int, message: str, prefix: str = "error") -> int:
-    """One line on stderr; with ``--json``, also the failure's object on stdout unless the command
-    printed its own. Returns ``code``."""
+    """One line on stderr, without a secret (``core/redaction.py``: whatever raised it); with
+    ``--json``, also the failure's object on stdout unless the command printed its own. Returns ``code``."""
+    message = redact(message)
     sys.stderr.write(f"{prefix}: {message}\n")
     if getattr(args, "json", False) and not json_written():
         emit_failure_json(code, message)
@@ -136,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    remember(getattr(args, "api_key", None))  # the secrets this command was given, for ``redact``
+    remember_file(getattr(args, "api_key_file", None), getattr(args, "ray_token_file", None))
     setup_logging(args.verbose, args.quiet)
     restore_signals = stop_on_signals()
     try:

@@ -115,9 +115,15 @@ def _api_key(args: argparse.Namespace, host: str):
     """The served API's key (``served_key.resolve``). A ``--dry-run`` generates it too (in the user's
     state folder, where serving would, kept and reused): the ``export VLLM_API_KEY="$(cat FILE)"`` line
     it prints then works as printed, where a file to come would give vLLM an empty key."""
+    from hybrid_build.core.redaction import remember, remember_file
+
     from .served_key import resolve
 
-    return resolve(host, args.api_key, args.api_key_file, create=True)
+    key = resolve(host, args.api_key, args.api_key_file, create=True)
+    if key is not None:  # never in what this process prints, whatever raised it (``core.redaction``)
+        remember(key.value)
+        remember_file(key.path)
+    return key
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +196,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     artifact without a current reference, or a Hub id, cannot be checked: one line says why and serving
     goes on. Returns what ``--json`` reports under ``verify``."""
     from hybrid_build.core.errors import CannotVerify, NumericsError
+    from hybrid_build.core.redaction import redact
     from hybrid_build.validate.verify import load_reference, render, verify_server
 
     from .engine import recipe_for_serving
@@ -205,8 +212,8 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
                                "reference")
         reference = load_reference(artifact)
     except CannotVerify as e:
-        say(f"{e}; serving without the check")
-        return {"outcome": "could not run", "reason": str(e)}
+        say(redact(f"{e}; serving without the check"))
+        return {"outcome": "could not run", "reason": redact(str(e))}
     recipe, _ = recipe_for_serving(args.artifact, args.recipe)
     side = recipe.serve.profiles[plan.profile].artifact  # the dense profile serves the hybrid, the others the source
     try:

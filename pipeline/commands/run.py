@@ -43,6 +43,7 @@ def _handle(args: argparse.Namespace) -> int:
     from hybrid_build.core.errors import UserError
     from ..generators.sources import SYNTHETIC_PREFIX, open_source
     from hybrid_build.core.cli_support import emit_json, progress
+    from hybrid_build.core.redaction import redact
     from ..runner import run_build, select_stages
     from hybrid_build.core.artifact import DEMO_SOURCE, REPORTS
 
@@ -107,8 +108,8 @@ def _handle(args: argparse.Namespace) -> int:
     except BaseException as e:
         if args.json:  # a script gets a result object on failure too (the error line goes to stderr)
             emit_json({**where, "status": "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                       "failed_stage": getattr(e, "stage", None), "error": str(e).splitlines()[0] if str(e) else
-                       type(e).__name__, "report": str(report_path) if report_path.exists() else None,
+                       "failed_stage": getattr(e, "stage", None), "error": redact(str(e).splitlines()[0]) if str(e)
+                       else type(e).__name__, "report": str(report_path) if report_path.exists() else None,
                        "seconds": round(time.perf_counter() - t0, 3), "stages": [_stage_json(r) for r in results]})
         raise
     card = _write_card(args.out)
