@@ -161,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose >= 2:
             logging.exception("failed")
         return _fail(args, 2 if e.errno in USER_FIXES else 1, describe_os_error(e))
-    except KeyboardInterrupt as e:
-        return _fail(args, interrupt_exit_code(e), "run the same command again to resume", prefix="interrupted")
+    except KeyboardInterrupt as e:  # only a command that keeps its finished work says it resumes
+        then = ("run the same command again to resume" if getattr(args, "resumes", False)
+                else "nothing of this run is kept: the same command starts over")
+        return _fail(args, interrupt_exit_code(e), then, prefix="interrupted")
     finally:
         restore_signals()
 

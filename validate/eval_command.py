@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from hybrid_build.core.api_key import client_key
@@ -111,6 +112,7 @@ def _servers(args):
 
 
 def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()  # the wall time printed: the whole command, lm-eval's import and the report included
     from hybrid_build.validate import task_eval
 
     if args.verbose < 1:  # lm-eval warns about its own defaults on every task; -v shows it
@@ -129,16 +131,23 @@ def run(args: argparse.Namespace) -> int:
     def bar(**kw):
         return progress(quiet, leave=False, **kw)
 
+    # a line at once, then one as each phase starts: lm-eval's import and task index, and each model's
+    # loading, take tens of seconds before the first request (progress bars need a terminal)
+    say = None if quiet else (lambda line: print(f"eval: {line}", file=sys.stderr, flush=True))
+    if say:
+        limit = f", {settings.limit} example(s) per task" if settings.limit is not None else ""
+        say(f"{settings.backend} backend, tasks {', '.join(settings.tasks)}{limit}; report {out}")
+
     if settings.backend == "hf":
         if args.url or args.source_url or args.hybrid_url:
             raise UserError("the hf backend runs the models here: drop the URLs, or pick --backend completions/chat")
         if args.artifact is None:
             raise UserError("the hf backend needs ARTIFACT (the folder `hybrid-build run` wrote)")
-        report, raw = task_eval.evaluate_artifact(args.artifact, args.source, settings, progress=bar)
+        report, raw = task_eval.evaluate_artifact(args.artifact, args.source, settings, progress=bar, announce=say)
     else:
         source, hybrid = _servers(args)
         report, raw = task_eval.evaluate_endpoints(source, hybrid, settings, args.artifact, progress=bar,
-                                                   api_key=client_key(args.api_key))
+                                                   api_key=client_key(args.api_key), announce=say)
     written = task_eval.write_report(report, out)
     if args.samples:
         written.append(task_eval.write_samples(raw, args.samples))
@@ -147,5 +156,5 @@ def run(args: argparse.Namespace) -> int:
     elif not args.quiet:
         print("\n".join(task_eval.markdown_rows(report.to_json())))
         print(f"settings: {task_eval.settings_line(report.to_json())}")
-        print(f"report: {', '.join(str(p) for p in written)} ({report.seconds:.1f} s)", file=sys.stderr)
+        print(f"report: {', '.join(str(p) for p in written)} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return 0

@@ -33,7 +33,7 @@ def register(sub, common) -> None:
     p.add_argument("--force", action="store_true",
                    help="publish even if validation is missing or failed (the card says so)")
     add_json_flag(p)
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, resumes=True)  # what reached the Hub is not sent again
 
 
 def make_api():
