@@ -73,7 +73,7 @@ class PublishFile:
 @dataclass
 class PublishPlan:
     artifact: Path
-    repo_id: str
+    repo_id: str | None  # None: a plan of the card alone (``write_card``)
     files: list[PublishFile]  # upload order; the card last
     card_text: str
     validation: ValidationStatus
@@ -150,14 +150,15 @@ def _upload_order(path: str) -> tuple:
     return (1, path)
 
 
-def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> PublishPlan:
-    """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing."""
+def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = False) -> PublishPlan:
+    """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing.
+    The card does not depend on ``repo_id`` (None: the plan of the card alone, ``write_card``)."""
     artifact = Path(artifact)
     if not artifact.is_dir():
         raise UserError(f"{artifact}: no such artifact folder")
     from hybrid_build.core.checkpoint import HUB_ID
 
-    if not HUB_ID.match(repo_id):
+    if repo_id is not None and not HUB_ID.match(repo_id):
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
     if not (artifact / INDEX_NAME).exists():
         raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
@@ -204,11 +205,10 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
         notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
         log.info("the source's license is unknown: the card says %r", lic.license)
     inputs = CardInputs(
-        repo_id=repo_id, provenance=prov, validation=validation, license=lic,
+        provenance=prov, validation=validation, license=lic,
         converted_bytes=converted_sizes(artifact, prov),
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
         forced=force and not validation.passed,
-        has_plot=(artifact / REPORTS["validation"].named(".png")).is_file(),
         evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)),
         reference=reference_current(artifact))
     card_text = str(render_card(inputs))
@@ -220,14 +220,18 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False) -> 
 
 
 def write_card(artifact: str | Path) -> Path:
-    """Render the card ``publish`` would upload into the folder (``core.artifact`` names it), for a
-    repo id made from the folder's name: what a reader of the folder sees before it is published."""
-    artifact = Path(artifact)
-    from hybrid_build.core.checkpoint import HUB_ID
+    """Render the card ``publish`` would upload into the folder (``core.artifact`` names it): the
+    same bytes, for the card depends on the artifact alone (``modelcard``)."""
+    return keep_card(plan_publish(artifact, None, force=True))
 
-    repo_id = f"local/{artifact.resolve().name}"
-    plan = plan_publish(artifact, repo_id if HUB_ID.match(repo_id) else "local/artifact", force=True)
-    path = REPORTS["card"].path(artifact)
+
+def keep_card(plan: PublishPlan) -> Path:
+    """The plan's card into the artifact folder: ``publish`` keeps there what it uploaded, so that the
+    folder's card and the repository's README.md are the same bytes even when a report (eval, bench)
+    came after ``run`` wrote the card."""
+    path = REPORTS["card"].path(plan.artifact)
+    if path.is_file() and path.read_bytes() == plan.card_text.encode("utf-8"):
+        return path  # already the same bytes: left as it is
     path.parent.mkdir(exist_ok=True)
     return write_text_atomic(path, plan.card_text)
 

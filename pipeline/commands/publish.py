@@ -108,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     publisher = Publisher(plan, api, private=args.private, revision=args.revision, create_pr=args.create_pr,
                           retry=make_retry(), on_part=None if quiet else _part_line)
     result = publisher.run()
+    from ..publish import keep_card
+
+    keep_card(plan)  # the folder's card is what the repository's README.md now holds
     if args.json:
         emit_json(result.to_json())
         return 0

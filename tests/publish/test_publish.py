@@ -26,9 +26,11 @@ REPO = "my-org/tiny-hybrid"
 
 
 def artifact_files(artifact: Path) -> dict[str, int]:
-    """What is in the folder, by walking it (the work dir excluded): the expected upload."""
+    """What is in the folder, by walking it (the work dir excluded): the expected upload. The folder's
+    card (hybrid_build/card.md) goes up as README.md, not under its own name."""
     return {p.relative_to(artifact).as_posix(): p.stat().st_size for p in artifact.rglob("*")
-            if p.is_file() and not p.relative_to(artifact).parts[0].startswith(".")}
+            if p.is_file() and not p.relative_to(artifact).parts[0].startswith(".")
+            and p.relative_to(artifact).as_posix() != "hybrid_build/card.md"}
 
 
 def sha256(data: bytes) -> str:
@@ -161,14 +163,14 @@ def test_user_mistakes_exit_2(artifact, cli, tmp_path, capsys):
 # ------------------------------------------------------------------------------------ upload
 
 
-def test_publish_uploads_everything_once_and_verifies(validated_artifact, cli, hub, capsys):
-    assert cli(validated_artifact, "--repo-id", REPO, "--private") == 0
+def test_publish_uploads_everything_once_and_verifies(artifact, cli, hub, capsys):
+    assert cli(artifact, "--repo-id", REPO, "--private") == 0  # a copy: publish keeps its card in the folder
     remote = hub.files(REPO)
-    expected = artifact_files(validated_artifact)
+    expected = artifact_files(artifact)
     for path, size in expected.items():
         if path == "README.md":
             continue
-        assert remote[path] == (validated_artifact / path).read_bytes(), path
+        assert remote[path] == (artifact / path).read_bytes(), path
     assert set(remote) == set(expected) | {"README.md", ".gitattributes"}
     assert not any(p.startswith(".hybrid-build") for p in remote)
     assert hub.repos[REPO].private
