@@ -69,6 +69,14 @@ def _one_line(err: str) -> None:
     assert "Traceback" not in err
 
 
+def _one_error_line(err: str) -> None:
+    """The error is one line, the last; a command that started may have said what it was doing before
+    (eval's first line comes at once, before it reaches a server)."""
+    lines = err.splitlines()
+    assert [ln for ln in lines if ln.startswith("error: ")] == lines[-1:], err
+    assert "Traceback" not in err
+
+
 def _fill(args, **values) -> list[str]:
     return [a.format(**values) for a in args]
 
@@ -110,10 +118,10 @@ def test_no_server_or_no_hub_is_exit_3_with_a_json_object(command, tmp_path, ref
     argv = [command, *_fill(NOT_THERE[command], tmp=tmp_path, url=refused_url)]
     code, out, err = _run(argv, capsys)
     assert code == 3, (argv, err)
-    _one_line(err)
+    _one_error_line(err)
     code, out, err = _run(argv + ["--json"], capsys)
     assert code == 3
-    _one_line(err)
+    _one_line(err)  # --json: the error line alone on stderr
     data = json.loads(out)
     assert data["outcome"] == "could not run" and data["exit_code"] == 3
     assert list(tmp_path.iterdir()) == [], "a command that could not run wrote something"
