@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from .errors import SourceError
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
 from .tensor_classes import classify, dtype_storage, module_storage, split_module
+from .user_paths import kind_of
 
 log = logging.getLogger(__name__)
 
@@ -230,9 +232,11 @@ class Checkpoint:
         if not cfg_path.exists():
             raise SourceError(f"{root}: missing config.json (not a transformers checkpoint folder)")
         try:
-            config = json.loads(cfg_path.read_text())
+            config = json.loads(_json_bytes(cfg_path))
         except json.JSONDecodeError as e:
             raise SourceError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})")
+        except UnicodeDecodeError:
+            raise SourceError(f"{cfg_path}: invalid JSON (not UTF-8 text)") from None
         _check_config_shape(config, cfg_path)
         quant = _quantization(config)
         problems: list[Problem] = []
@@ -241,9 +245,9 @@ class Checkpoint:
         index_path = root / INDEX_NAME
         if index_path.exists():
             try:
-                index = json.loads(index_path.read_text())
+                index = json.loads(_json_bytes(index_path))
                 weight_map = index["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise SourceError(f"{index_path.name}: invalid index (expected JSON with a weight_map)")
         weight_map: dict[str, str] = (index or {}).get("weight_map", {})
 
@@ -338,6 +342,15 @@ def _packing_problems(ckpt: Checkpoint) -> list[Problem]:
             out.append(Problem("error", "bad_packing",
                                f"{module}.qzeros shape {list(qz.shape)} does not match {groups} groups x N={n}/{pack}"))
     return out
+
+
+def _json_bytes(path: Path) -> bytes:
+    """The bytes of one of the checkpoint's JSON files; a FIFO, device or folder in its place is
+    refused in one line (reading a FIFO would block forever)."""
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise SourceError(f"{path}: {kind_of(mode)}, not a JSON file")
+    return path.read_bytes()
 
 
 def resolve_source(source: str | os.PathLike, revision: str | None = None) -> tuple[Path, str | None, str | None]:

@@ -2,7 +2,16 @@
 
 A user mistake (bad path, bad recipe, bad argument) is a ``UserError``: the CLI prints one line
 and exits 2. A problem found in a checkpoint or artifact while working is an ``ArtifactError``
-and a numerics check that fails is a ``NumericsError``: both exit 1.
+and a numerics check that fails is a ``NumericsError``: both exit 1. What could not run here (a
+server that does not answer, an engine or tool that is missing, no GPU, no Hub) is a ``CannotRun``
+or a ``CannotVerify``: exit 3, neither a pass nor a failure.
+
+| exit | outcome |
+|---|---|
+| 0 | passed |
+| 1 | a check failed (or a tool ran and failed) |
+| 2 | bad input: fixing the command line fixes it |
+| 3 | could not run here |
 """
 
 
@@ -35,7 +44,15 @@ class NumericsError(HybridBuildError):
 
 
 class ExternalToolError(HybridBuildError):
-    """A tool we drive (vLLM, Docker, the Hub) is missing or failed."""
+    """A tool we drive (vLLM, Docker, lm-eval, the Hub) ran and failed."""
+
+
+class CannotRun(ExternalToolError):
+    """The command could not run here: a server that does not answer, an engine or tool that is not
+    installed, no GPU, no Hub (offline, unreachable, down). Exit 3. An ``ExternalToolError`` too, so
+    that code which records "could not run" for a failed tool (validate's engines) catches both."""
+
+    exit_code = 3
 
 
 class CannotVerify(HybridBuildError):
@@ -54,8 +71,9 @@ class SourceMismatch(UserError):
     """A source given or recorded is not, by content, the one the artifact was built from."""
 
 
-class StorageError(HybridBuildError):
-    """The filesystem refused: no space, read-only, unreadable. The message names the path."""
+class StorageError(UserError):
+    """The output's filesystem cannot take what a command writes: no space, read-only, not
+    writable. The message names the path; another folder, or freed space, fixes it: exit 2."""
 
 
 class StageFailed(NumericsError):

@@ -15,11 +15,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import ExternalToolError, HybridBuildError, UserError
+from .errors import CannotRun, ExternalToolError, HybridBuildError, UserError
 
-# causes the user fixes (exit 2); the others are the Hub's or the network's (exit 1)
-USER_CAUSES = {"offline", "not-found", "gated", "unauthorized", "forbidden", "revision-not-found",
-               "file-not-found", "disabled", "invalid-id"}
+# causes the user fixes (exit 2); no Hub to talk to here: offline, unreachable, down (exit 3); any
+# other failure of the Hub's (exit 1)
+USER_CAUSES = {"not-found", "gated", "unauthorized", "forbidden", "revision-not-found", "file-not-found", "disabled",
+               "invalid-id"}
+NO_HUB_CAUSES = {"offline", "unreachable", "rate-limited", "server-error"}
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,10 @@ def hub_message(failure: HubFailure, subject: str, *, upload: bool = False, repo
 def hub_error(exc: BaseException, subject: str, *, upload: bool = False, repo_id: str | None = None,
               revision: str | None = None, redact: Callable[[str], str] = lambda s: s,
               suffix: str = "", has_token: bool | None = None) -> HybridBuildError:
-    """Our error for a Hub failure: a ``UserError`` (exit 2) when the user can fix it (offline,
-    not found, gated, unauthorized, forbidden, bad revision), else an ``ExternalToolError`` (exit 1)
-    with ``suffix`` appended (e.g. how to resume). The message is one line, with ``redact`` applied.
+    """Our error for a Hub failure: a ``UserError`` (exit 2) when the user can fix it (not found,
+    gated, unauthorized, forbidden, bad revision), a ``CannotRun`` (exit 3) when there is no Hub to
+    talk to (offline, unreachable, rate-limited, down), else an ``ExternalToolError`` (exit 1); the
+    last two with ``suffix`` appended (e.g. how to resume). One line, with ``redact`` applied.
     ``has_token`` says whether a token was sent (default: whether huggingface_hub finds one)."""
     failure = classify(exc)
     text = redact(hub_message(failure, subject, upload=upload, repo_id=repo_id, revision=revision,
@@ -187,4 +190,6 @@ def hub_error(exc: BaseException, subject: str, *, upload: bool = False, repo_id
     text = " ".join(text.split("\n"))
     if failure.cause in USER_CAUSES:
         return UserError(text)
+    if failure.cause in NO_HUB_CAUSES:
+        return CannotRun(text + suffix)
     return ExternalToolError(text + suffix)

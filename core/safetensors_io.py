@@ -572,9 +572,23 @@ def write_index(out_dir: Path, shards: list[ShardPlan], extra_metadata: dict | N
     return write_text_atomic(out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    """``data`` into ``path`` under a temporary name, renamed when whole: a reader sees the old file
+    or the new one, never part of one. A failure (a full disk) removes the temporary file and names
+    ``path``. The file's mode is the umask's, as every file this tool writes."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a write or close that failed says no path: name the file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"))
 

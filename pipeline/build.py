@@ -18,6 +18,7 @@ from hybrid_build.core.artifact import WORK_DIR
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import RecipeError, SourceError, UserError
 from hybrid_build.core.progress import ProgressFactory, null_progress
+from hybrid_build.core.user_paths import check_output_path
 from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.recipes.schema import Recipe, load_recipe, select_recipe
 
@@ -61,6 +62,7 @@ def recipe_for_source(source: Checkpoint, recipe_arg: str | None, force: bool = 
 
 
 def check_output_folder(out: Path, source_root: Path | None = None) -> None:
+    check_output_path(out, "output folder", folder=True)  # a loop of links, a file on the way: one line
     if source_root is not None and (out.resolve() == source_root.resolve()
                                     or source_root.resolve() in out.resolve().parents):
         raise UserError(f"{out}: the output folder must not be the source folder or inside it")

@@ -10,14 +10,25 @@ other ``HybridBuildError`` one line and exits 1; tracebacks appear only with ``-
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
 
-from hybrid_build.core import __version__
-from hybrid_build.core.cli_support import ExampleFormatter, describe_os_error
+from hybrid_build.core.cli_support import (
+    ExampleFormatter,
+    describe_os_error,
+    emit_failure_json,
+    json_written,
+)
 from hybrid_build.core.errors import HybridBuildError
+from hybrid_build.core.redaction import redact, remember, remember_file
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
+
+# what the filesystem refuses that another folder, freed space or the right permissions fix: bad input
+# (exit 2), as the space check before a build says it; any other OSError (an I/O error) exits 1
+USER_FIXES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR,
+              errno.EISDIR, errno.ENAMETOOLONG}
 
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {
@@ -35,12 +46,31 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class UsageError(SystemExit):
+    """A mistake argparse found: exit 2, the line already on stderr; ``message`` for ``--json``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake in one line and exits 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
-        raise SystemExit(2)
+        line = f"{message} (see `{self.prog} --help`)"
+        sys.stderr.write(f"error: {line}\n")
+        raise UsageError(line)
+
+
+class _Version(argparse.Action):
+    """``--version``, reading the installed version only when asked (``hybrid_build.core``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from hybrid_build.core import __version__
+
+        print(f"hybrid-build {__version__}")
+        parser.exit()
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -62,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  hybrid-build inspect Intel/Qwen3.5-122B-A10B-int4-AutoRound\n"
                "  hybrid-build serve out/ --profile dense --dry-run",
     )
-    parser.add_argument("--version", action="version", version=f"hybrid-build {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     common = _common_parser()
     for name, module in COMMANDS.items():
@@ -75,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
 def setup_logging(verbose: int, quiet: bool) -> None:
     """WARNING by default, INFO with -v; -vv adds DEBUG for hybrid-build's own loggers only (all
     under ``hybrid_build``), so that the debug chatter of the libraries it imports (matplotlib's font
@@ -82,17 +117,39 @@ def setup_logging(verbose: int, quiet: bool) -> None:
     tracebacks with -vv."""
     level = logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    for handler in logging.getLogger().handlers:  # a log line or a -vv traceback holds no secret either
+        handler.setFormatter(_RedactingFormatter(handler.formatter._fmt if handler.formatter else None))
     logging.getLogger("hybrid_build").setLevel(logging.DEBUG if verbose >= 2 and not quiet else logging.NOTSET)
     for noisy in ("autoround", "transformers", "httpx", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
+def _fail(args: argparse.Namespace, code: int, message: str, prefix: str = "error") -> int:
+    """One line on stderr, without a secret (``core/redaction.py``: whatever raised it); with
+    ``--json``, also the failure's object on stdout unless the command printed its own. Returns ``code``."""
+    message = redact(message)
+    sys.stderr.write(f"{prefix}: {message}\n")
+    if getattr(args, "json", False) and not json_written():
+        emit_failure_json(code, message)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes, one per outcome for every command: 0 passed, 1 a check failed, 2 bad input,
+    3 could not run here (``core/errors.py``); 128 + N for stop signal N."""
+    json_written(reset=True)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        if "--json" in (sys.argv[1:] if argv is None else argv):
+            emit_failure_json(2, e.message)
+        raise
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    remember(getattr(args, "api_key", None))  # the secrets this command was given, for ``redact``
+    remember_file(getattr(args, "api_key_file", None), getattr(args, "ray_token_file", None))
     setup_logging(args.verbose, args.quiet)
     restore_signals = stop_on_signals()
     try:
@@ -100,18 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     except HybridBuildError as e:
         if args.verbose >= 2:
             logging.exception("failed")
-        sys.stderr.write(f"error: {e}\n")
-        return e.exit_code
+        return _fail(args, e.exit_code, str(e))
     except BrokenPipeError:  # an OSError too: the reader went away, nothing to report
         return 0
     except OSError as e:  # the filesystem refused (full, read-only, unreadable): the path and the cause
         if args.verbose >= 2:
             logging.exception("failed")
-        sys.stderr.write(f"error: {describe_os_error(e)}\n")
-        return 1
-    except KeyboardInterrupt as e:
-        sys.stderr.write("interrupted: run the same command again to resume\n")
-        return interrupt_exit_code(e)
+        return _fail(args, 2 if e.errno in USER_FIXES else 1, describe_os_error(e))
+    except KeyboardInterrupt as e:  # only a command that keeps its finished work says it resumes
+        then = ("run the same command again to resume" if getattr(args, "resumes", False)
+                else "nothing of this run is kept: the same command starts over")
+        return _fail(args, interrupt_exit_code(e), then, prefix="interrupted")
     finally:
         restore_signals()
 

@@ -8,6 +8,10 @@ serve profiles (via the provenance's recipe) and the safetensors headers (bytes 
 module). The figures of the three reports also go into the metadata as ``model-index`` eval
 results (``EvalResult``), each with the tool versions and settings that produced it. The card is rendered with ``huggingface_hub.ModelCard`` and
 ``ModelCardData``; nothing here talks to the network.
+
+The card depends on the artifact alone, never on where it is published: `run` writes it into the
+folder and `publish` uploads the same bytes. So its name comes from the source, its commands run in a
+copy of the repository (``.``), and its links are files of the repository, referenced relatively.
 """
 from __future__ import annotations
 
@@ -72,7 +76,6 @@ class EvalStatus:
 
 @dataclass
 class CardInputs:
-    repo_id: str
     provenance: dict
     validation: ValidationStatus
     license: LicenseInfo
@@ -80,7 +83,6 @@ class CardInputs:
     files: dict[str, int]  # every published file -> bytes (the card excluded)
     pipeline_tag: str | None = None
     forced: bool = False
-    has_plot: bool = False
     evaluation: EvalStatus | None = None  # hybrid_build/eval.json, when present
     bench: dict | None = None  # hybrid_build/bench.json, when present and readable
     reference: bool = False  # hybrid_build/reference.*, made for this build (``reference_current``)
@@ -249,6 +251,12 @@ def _format_of(prov: dict) -> OutputFormat:
     return formats.get(prov.get("format") or formats.DEFAULT)
 
 
+def card_name(prov: dict) -> str:
+    """The card's title and ``model-index`` name: the source's name (a Hub id's model part, or the
+    local folder's name) with ``-hybrid``: the same wherever the artifact is published."""
+    return f"{SourceView.of(prov).name.split('/')[-1]}-hybrid"
+
+
 def card_data(inp: CardInputs) -> ModelCardData:
     prov = inp.provenance
     source = SourceView.of(prov)
@@ -265,11 +273,13 @@ def card_data(inp: CardInputs) -> ModelCardData:
         extra["base_model_relation"] = "quantized"
     results = eval_results(inp)
     if results:
-        extra.update(eval_results=results, model_name=inp.repo_id.split("/")[-1])
+        extra.update(eval_results=results, model_name=card_name(prov))
+    # no ``library_name``: the Hub's would offer a loading snippet, and no library loads this
+    # checkpoint as it is (transformers reads neither the FP8 shared experts nor the int8 head of an
+    # auto-round checkpoint; vLLM needs the plugin, and vLLM is a Hub "local app", not a library key)
     return ModelCardData(
         base_model=source.name if source.hub else None,
         license=inp.license.license,
-        library_name="transformers",
         pipeline_tag=inp.pipeline_tag,
         tags=tags,
         **extra,
@@ -388,23 +398,46 @@ def _banner(inp: CardInputs) -> list[str]:
     return lines + [""]
 
 
+def _local_drafter(profile: dict) -> str | None:
+    """The DFlash drafter of a profile when it was a folder on the build machine (the demo's
+    ``{source}-dflash``): not in the repository, nothing a reader can load. None otherwise."""
+    spec = profile.get("speculative") or {}
+    model = str(spec.get("model") or "")
+    return model if spec.get("method") == "dflash" and model and not HUB_ID.match(model) else None
+
+
 def _serve_section(inp: CardInputs) -> list[str]:
+    """How to serve, in a copy of the repository (``.``): commands that run as printed wherever the
+    artifact is published; a drafter that is not in the repository is said in words, not as a
+    command with a name to fill in."""
     recipe = inp.provenance.get("recipe") or {}
-    serve = recipe.get("serve") or {}
-    profiles = serve.get("profiles") or {}
+    profiles = (recipe.get("serve") or {}).get("profiles") or {}
     dense = profiles.get("dense") or {}
-    repo = inp.repo_id
     fmt = _format_of(inp.provenance)
     lines = ["## How to serve", "",
-             "With hybrid-build, which picks the engine settings measured for this model (it is not on PyPI: "
-             f"{_install_hint()}):", "", "```bash",
-             *_hybrid_build_serve(repo, recipe), "```", ""]
+             "In a copy of this repository (`hf download` with this page's repository id and `--local-dir`, or a "
+             "clone), from its folder.", "",
+             "With hybrid-build, which serves it with the engine settings measured for this model, from the recipe "
+             f"copied into the repository (`{RECIPE}`)"
+             + (", and checks the server against its reference before calling it ready" if inp.reference else "")
+             + f" (hybrid-build is not on PyPI: {_install_hint()})"]
+    local = _local_drafter(dense)
+    if local:
+        lines[-1] += (". The recipe's `dense` profile drafts with a DFlash drafter that was a folder on the build "
+                      "machine and is not in this repository: `hybrid-build serve . --profile dense --drafter` with "
+                      "a DFlash drafter for the source model (a Hub id or a folder) serves it.")
+        lines.append("")
+    else:
+        lines[-1] += ":"
+        lines += ["", "```bash", "hybrid-build serve . --profile dense", "```", ""]
     if dense.get("description"):
         lines += [f"The `dense` profile: {dense['description']}.", ""]
     others = [p for p in profiles if p != "dense"]
     if others:
         lines += ["Other profiles in the recipe: " + ", ".join(f"`{p}`" for p in others) + ".", ""]
-    args = ["vllm", "serve", repo]
+    args = ["vllm", "serve", "."]
+    if dense.get("served_model_name"):
+        args += ["--served-model-name", str(dense["served_model_name"])]
     if dense.get("max_model_len"):
         args += ["--max-model-len", str(dense["max_model_len"])]
     if dense.get("gpu_memory_utilization"):
@@ -414,12 +447,7 @@ def _serve_section(inp: CardInputs) -> list[str]:
     if dense.get("enable_prefix_caching") is False:
         args.append("--no-enable-prefix-caching")
     spec = dense.get("speculative") or {}
-    drafter_note = None
-    if spec.get("method") == "dflash" and spec.get("model") and not HUB_ID.match(str(spec["model"])):
-        # a folder on the build machine (the demo's `{source}-dflash`): nothing a reader can load
-        drafter_note = (f"The `dense` profile drafts with a local DFlash drafter (`{spec['model']}`), which is not "
-                        "published; add `--speculative-config` with a DFlash drafter of your own.")
-    elif spec.get("method") == "dflash" and spec.get("model"):
+    if spec.get("method") == "dflash" and spec.get("model") and not local:
         cfg = {"method": "dflash", "model": spec["model"],
                "num_speculative_tokens": spec.get("num_speculative_tokens", 12)}
         if spec.get("attention_backend"):
@@ -437,28 +465,10 @@ def _serve_section(inp: CardInputs) -> list[str]:
     int8_head = any(c.get("kind") == "int8" for c in inp.provenance.get("converted", []))
     lines += [fmt.serving_note(int8_head), ""]
     lines += ["```bash", " ".join(shlex.quote(a) for a in args), "```", ""]
-    if drafter_note:
-        lines += [drafter_note, ""]
+    if local:
+        lines += ["Without a drafter (the recipe's is not published): add `--speculative-config` with a DFlash "
+                  "drafter of your own to speculate.", ""]
     return lines
-
-
-def _hybrid_build_serve(repo: str, recipe: dict) -> list[str]:
-    """The ``hybrid-build serve`` lines for this repo. Serving a Hub id needs the recipe named: a
-    shipped one by name, else the copy in this repo; a drafter that was a folder on the build
-    machine (``{source}-...``) has to be replaced by the reader's."""
-    from hybrid_build.recipes.schema import list_recipes
-
-    name = recipe.get("name")
-    lines = []
-    if name in list_recipes():
-        args = ["hybrid-build", "serve", repo, "--recipe", name, "--profile", "dense"]
-    else:
-        lines.append(f"hf download {repo} {RECIPE} --local-dir .")
-        args = ["hybrid-build", "serve", repo, "--recipe", RECIPE, "--profile", "dense"]
-    spec = ((((recipe.get("serve") or {}).get("profiles") or {}).get("dense") or {}).get("speculative") or {})
-    if spec.get("method") == "dflash" and not HUB_ID.match(str(spec.get("model") or "")):
-        args += ["--drafter", "YOUR_DFLASH_DRAFTER"]
-    return lines + [" ".join(shlex.quote(a) for a in args)]
 
 
 def render_body(inp: CardInputs) -> str:
@@ -467,7 +477,7 @@ def render_body(inp: CardInputs) -> str:
     source = SourceView.of(prov)
     recipe = prov.get("recipe") or {}
     fmt = prov.get("format", "?")
-    name = inp.repo_id.split("/")[-1]
+    name = card_name(prov)
     src_link = source.link()
     conv = inp.converted_bytes
     parts = []
@@ -498,7 +508,8 @@ def render_body(inp: CardInputs) -> str:
     t = prov.get("tensors") or {}
     lines += ["", f"Tensors: {t.get('total', '?')} in all, {t.get('copied', '?')} copied unchanged from the source.", ""]
 
-    src_bytes = sum((f or {}).get("bytes", 0) for f in (src.get("files") or {}).values())
+    # the source's safetensors files, as the row says: its config, tokenizer and index are not weights
+    src_bytes = sum((f or {}).get("bytes", 0) for p, f in (src.get("files") or {}).items() if p.endswith(".safetensors"))
     # the weights only: a report may be safetensors too (the reference)
     weights_after = sum(b for p, b in inp.files.items() if p.endswith(".safetensors") and not is_report(p))
     lines += ["## Sizes", "", "| what | bytes | size |", "|---|---|---|",
@@ -583,7 +594,7 @@ def _validation_section(inp: CardInputs) -> list[str]:
         if len(failures) > 20:
             lines.append(f"- ... and {len(failures) - 20} more (see `{VALIDATION.main}`)")
         lines.append("")
-    if inp.has_plot:
+    if VALIDATION.named(".png") in inp.files:  # a link that works on the Hub: the picture is uploaded with the card
         lines += [f"![relative error per layer]({VALIDATION.named('.png')})", ""]
     lines += [f"Per-tensor figures: `{VALIDATION.named('.md')}`; machine-readable: `{VALIDATION.main}`.", ""]
     return lines + _reference_lines(inp)

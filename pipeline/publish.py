@@ -32,7 +32,7 @@ from hybrid_build.core.artifact import (
     read_provenance,
     validation_outcome,
 )
-from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
 from hybrid_build.core.integrity import check_artifact, require_intact
 from hybrid_build.core.progress import null_progress
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
@@ -95,7 +95,7 @@ class PublishFile:
 @dataclass
 class PublishPlan:
     artifact: Path
-    repo_id: str
+    repo_id: str | None  # None: a plan of the card alone (``write_card``)
     files: list[PublishFile]  # upload order; the card last
     card_text: str
     validation: ValidationStatus
@@ -173,16 +173,17 @@ def _upload_order(path: str) -> tuple:
     return (1, path)
 
 
-def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False, check_files: bool = True,
+def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = False, check_files: bool = True,
                  progress=null_progress) -> PublishPlan:
     """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing.
-    ``check_files=False`` skips hashing the files (for the card alone: ``write_card``)."""
+    The card does not depend on ``repo_id`` (None: the plan of the card alone, ``write_card``);
+    ``check_files=False`` skips hashing the files (the card says nothing of their bytes)."""
     artifact = Path(artifact)
     if not artifact.is_dir():
         raise UserError(f"{artifact}: no such artifact folder")
     from hybrid_build.core.checkpoint import HUB_ID
 
-    if not HUB_ID.match(repo_id):
+    if repo_id is not None and not HUB_ID.match(repo_id):
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
     if not (artifact / INDEX_NAME).exists():
         raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
@@ -222,11 +223,10 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False, che
         notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
         log.info("the source's license is unknown: the card says %r", lic.license)
     inputs = CardInputs(
-        repo_id=repo_id, provenance=prov, validation=validation, license=lic,
+        provenance=prov, validation=validation, license=lic,
         converted_bytes=converted_sizes(artifact, prov),
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
         forced=force and not validation.passed,
-        has_plot=(artifact / REPORTS["validation"].named(".png")).is_file(),
         evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)),
         reference=reference_current(artifact))
     card_text = str(render_card(inputs))
@@ -238,15 +238,18 @@ def plan_publish(artifact: str | Path, repo_id: str, *, force: bool = False, che
 
 
 def write_card(artifact: str | Path) -> Path:
-    """Render the card ``publish`` would upload into the folder (``core.artifact`` names it), for a
-    repo id made from the folder's name: what a reader of the folder sees before it is published."""
-    artifact = Path(artifact)
-    from hybrid_build.core.checkpoint import HUB_ID
+    """Render the card ``publish`` would upload into the folder (``core.artifact`` names it): the
+    same bytes, for the card depends on the artifact alone (``modelcard``)."""
+    return keep_card(plan_publish(artifact, None, force=True, check_files=False))
 
-    repo_id = f"local/{artifact.resolve().name}"
-    plan = plan_publish(artifact, repo_id if HUB_ID.match(repo_id) else "local/artifact", force=True,
-                        check_files=False)  # the card says nothing of the files' bytes
-    path = REPORTS["card"].path(artifact)
+
+def keep_card(plan: PublishPlan) -> Path:
+    """The plan's card into the artifact folder: ``publish`` keeps there what it uploaded, so that the
+    folder's card and the repository's README.md are the same bytes even when a report (eval, bench)
+    came after ``run`` wrote the card."""
+    path = REPORTS["card"].path(plan.artifact)
+    if path.is_file() and path.read_bytes() == plan.card_text.encode("utf-8"):
+        return path  # already the same bytes: left as it is
     path.parent.mkdir(exist_ok=True)
     return write_text_atomic(path, plan.card_text)
 
@@ -345,7 +348,7 @@ def call_hub(policy: RetryPolicy, what: str, repo_id: str, redact: Redactor, fn:
             if not is_transient(e):
                 raise hub_error(e, what, repo_id, redact) from None
             if attempt == policy.attempts:
-                raise ExternalToolError(f"{what}: the Hub did not answer after {policy.attempts} attempts "
+                raise CannotRun(f"{what}: the Hub did not answer after {policy.attempts} attempts "
                                         f"({_one_line(e, redact)}); run the same command again to resume") from None
             wait = policy.delay(attempt)
             log.info("%s: %s; retry %d/%d in %.0f s", what, _one_line(e, redact), attempt,
@@ -529,7 +532,7 @@ class Publisher:
                         if not is_transient(e):
                             raise hub_error(e, f"upload part {i}/{len(groups)}", self.repo_id, self.redact) from None
                         if attempt >= self.retry.attempts:
-                            raise ExternalToolError(
+                            raise CannotRun(
                                 f"upload part {i}/{len(groups)}: the Hub did not answer after {attempt} attempts "
                                 f"({_one_line(e, self.redact)}); run the same command again to resume") from None
                         wait = self.retry.delay(attempt)

@@ -9,8 +9,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# in a drafter's ``model``: the source checkpoint's folder (the demo's drafter is ``{source}-dflash``)
-SOURCE_PLACEHOLDER = "{source}"
+from .serve_names import (  # noqa: F401  (the names' home; imported from here too)
+    DOCKER_IMAGE,
+    PROFILE_NAMES,
+    SMOKE_EXPECT,
+    SMOKE_PROMPT,
+    SOURCE_PLACEHOLDER,
+)
 
 
 class DrafterSpec(BaseModel):
@@ -58,10 +63,3 @@ class ServeProfile(BaseModel):
     extra_args: list[str] = Field(default_factory=list)
     extra_env: dict[str, str] = Field(default_factory=dict, description="environment for the server")
 
-
-DOCKER_IMAGE = "ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"
-# `serve`'s smoke test: this question, and what a trained model's answer contains (a recipe's
-# serve.smoke_expect overrides it; null for random weights)
-SMOKE_PROMPT = "What is the capital of France? Answer in one word."
-SMOKE_EXPECT = "Paris"
-PROFILE_NAMES = ("dense", "dflash", "base", "mtp")

@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 from hybrid_build.core import formats
 from hybrid_build.core.errors import RecipeError
 from hybrid_build.core.formats.base import OutputFormat
+from hybrid_build.core.user_paths import read_text_file
 from hybrid_build.recipes.profiles import SMOKE_EXPECT, ServeProfile
 
 RECIPE_DIR = Path(__file__).resolve().parent
@@ -249,8 +250,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if not path.exists():
         raise RecipeError(f"recipe {name_or_path!r}: not a file and not a shipped recipe "
                           f"(shipped: {', '.join(shipped)})")
+    text = read_text_file(path, "recipe")  # a binary file, a FIFO or a folder: one line, never a hang
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise RecipeError(f"{path.name}: not valid YAML ({str(e).splitlines()[0]})")
     return parse_recipe(data, path.name)

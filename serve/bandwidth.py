@@ -27,11 +27,11 @@ Everything here is a pure function of numbers already read; docs/plan.md states 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from hybrid_build.core import formats
-from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.core.formats import inc_hybrid
-from hybrid_build.recipes.conversion import ConversionPlan
+if TYPE_CHECKING:  # the formats import torch: `plan --help` reads the presets here without it
+    from hybrid_build.core.checkpoint import Checkpoint
+    from hybrid_build.recipes.conversion import ConversionPlan
 
 PROFILES = ("base", "fp8", "int8_head", "dense")
 PROFILE_LABELS = {
@@ -265,6 +265,8 @@ def _savings_from_source(plan: ConversionPlan) -> tuple[int, int]:
 
 def _served_at_load(n: int, k: int) -> int:
     """Bytes a BF16 head is served in: the serve plugin quantizes it at load to inc-hybrid's GPTQ int8."""
+    from hybrid_build.core.formats import inc_hybrid
+
     return inc_hybrid.FORMAT.head_bytes(n, k)
 
 
@@ -283,7 +285,7 @@ def _savings_from_hybrid(ckpt: Checkpoint) -> tuple[int, int, int]:
         elif first.klass == "lm_head" and first.storage == "int8":
             head += 2 * n * k - _module_bytes(ckpt, module)
         elif first.klass == "lm_head" and first.storage == "bf16" and \
-                formats.head_quantized_at_load((ckpt.hybrid_info or {}).get("lm_head")):
+                _head_quantized_at_load((ckpt.hybrid_info or {}).get("lm_head")):
             served = _served_at_load(n, k)
             head += 2 * n * k - served
             stored_head_fix += _module_bytes(ckpt, module) - served
@@ -525,3 +527,9 @@ def max_context(tc: dict) -> tuple[int, str]:
     if isinstance(n, int) and n > 0:
         return n, "the model's max_position_embeddings"
     return NATIVE_MAX_CONTEXT, "Qwen3.5's native context (the config names no max_position_embeddings)"
+
+
+def _head_quantized_at_load(label) -> bool:
+    from hybrid_build.core import formats  # torch: only when a plan is computed
+
+    return formats.head_quantized_at_load(label)

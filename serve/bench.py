@@ -64,7 +64,7 @@ from typing import Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 from hybrid_build.core.api_key import bearer, raise_if_refused
-from hybrid_build.core.errors import ExternalToolError, UserError
+from hybrid_build.core.errors import CannotRun, ExternalToolError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def read_spec_counts(base_url: str, timeout: float = 30.0, api_key: str | None =
         log.debug("%s: HTTP %s, no acceptance figures", url, e.code)
         return None
     except (urllib.error.URLError, OSError) as e:
-        raise ExternalToolError(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
+        raise CannotRun(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
     return spec_counts(text)
 
 
@@ -345,7 +345,7 @@ def _open(req: urllib.request.Request, timeout: float, base_url: str):
         raise ExternalToolError(f"{url}: HTTP {e.code}" + (f": {body}" if body else "")
                                 + _tools_hint(req, e.code)) from e
     except (urllib.error.URLError, OSError) as e:
-        raise ExternalToolError(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
+        raise CannotRun(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
 
 
 def _tools_hint(req: urllib.request.Request, code: int) -> str:

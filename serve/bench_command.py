@@ -8,8 +8,17 @@ import sys
 from pathlib import Path
 
 from hybrid_build.core.api_key import client_key
-from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, describe_os_error, emit_json, progress
+from hybrid_build.core.cli_support import (
+    POSITIVE_INT,
+    ExampleFormatter,
+    add_json_flag,
+    describe_os_error,
+    emit_json,
+    int_range,
+    progress,
+)
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.user_paths import check_output_path
 
 from .bench import (
     LOW_ACCEPTANCE_FRACTION,
@@ -66,15 +75,16 @@ def register(sub, common) -> None:
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), type=Path,
                    help="compare two results saved by --out or --json (no URL then)")
     p.add_argument("--model", help="model name (default: the first of each server's /v1/models)")
-    p.add_argument("--runs", type=int, default=5, help="measured runs per workload and server (default 5)")
-    p.add_argument("--max-tokens", type=int, default=256, help="completion tokens per request (default 256)")
+    p.add_argument("--runs", type=POSITIVE_INT, default=5, help="measured runs per workload and server (default 5)")
+    p.add_argument("--max-tokens", type=POSITIVE_INT, default=256, help="completion tokens per request (default 256)")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma list from {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--thinking", action="store_true",
                    help="leave the chat template's thinking on (default: off, so that each workload answers with "
                         "its own kind of text)")
-    p.add_argument("--concurrency", type=int, default=1, metavar="N",
-                   help=f"streams at once, each its own request (default 1; at most {MAX_CONCURRENCY})")
+    p.add_argument("--concurrency", type=int_range(1, MAX_CONCURRENCY), default=1, metavar="N",
+                   help=f"streams at once, each its own request (default 1; at most {MAX_CONCURRENCY}: vLLM batches "
+                        f"{MAX_CONCURRENCY} sequences by default, more would queue, not run at once)")
     p.add_argument("--api-key", help="sent as a Bearer token on every request (default: $OPENAI_API_KEY, "
                                      "which keeps it out of `ps`); never printed")
     p.add_argument("--agent", action="store_true",
@@ -132,6 +142,8 @@ def _agent(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out:  # refused before a request is sent, not after the measuring
+        check_output_path(args.out, "--out", folder=False)
     if args.agent:
         from .bench_agent import agent_table
 
@@ -155,13 +167,6 @@ def run(args: argparse.Namespace) -> int:
         unknown = [s for s in workloads if s not in WORKLOADS]
         if unknown or not workloads:
             raise UserError(f"unknown workload {unknown[0] if unknown else ''!r} (choose from: {', '.join(WORKLOADS)})")
-        if args.runs < 1:
-            raise UserError("--runs must be at least 1")
-        if args.max_tokens < 1:
-            raise UserError("--max-tokens must be at least 1")
-        if not 1 <= args.concurrency <= MAX_CONCURRENCY:
-            raise UserError(f"--concurrency must be between 1 and {MAX_CONCURRENCY} (vLLM batches {MAX_CONCURRENCY} "
-                            f"sequences by default: more would queue, not run at once)")
         urls = [_url(u) for u in args.urls]
         api_key = client_key(args.api_key)
         per_run = len(workloads) if args.concurrency == 1 else args.concurrency

@@ -9,10 +9,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.core.cli_support import (
+    PORT,
+    POSITIVE_INT,
+    SECONDS,
+    ExampleFormatter,
+    add_json_flag,
+    emit_json,
+    progress,
+)
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_held
-from hybrid_build.recipes.profiles import DOCKER_IMAGE, PROFILE_NAMES
+from hybrid_build.core.user_paths import check_output_path
+from hybrid_build.recipes.serve_names import DOCKER_IMAGE, PROFILE_NAMES
 
 from . import ray_auth, served_key
 from .engine import GPU_PRESETS
@@ -40,7 +49,7 @@ def register(sub, common) -> None:
     p.add_argument("--profile", choices=PROFILE_NAMES, help="serve profile (default: the recipe's default)")
     p.add_argument("--engine", choices=("local", "docker"), default="local",
                    help="local: pip-installed vLLM with the hybrid-build plugin; docker: the sm121 image")
-    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible server (default 8000)")
+    p.add_argument("--port", type=PORT, default=8000, help="port of the OpenAI-compatible server (default 8000)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); any but a loopback address needs an API key, "
                         "generated when none is given (docs/serve.md, Security)")
@@ -59,7 +68,7 @@ def register(sub, common) -> None:
     p.add_argument("--hardware", choices=sorted(dict(GPU_PRESETS).values()),
                    help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
                         "levers are predicted to gain little there")
-    p.add_argument("--ready-timeout", type=float, default=1800, help="seconds to wait for READY (default 1800)")
+    p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
     p.add_argument("--no-verify", action="store_true",
@@ -87,8 +96,8 @@ def register(sub, common) -> None:
                    "devices of a Spark's 200G port")
     g.add_argument("--parallel", choices=("tp", "pp"), default="tp",
                    help="tp: tensor parallel over all GPUs (default); pp: one pipeline stage per node")
-    g.add_argument("--gpus-per-node", type=int, default=1, help="GPUs on each node (default 1: a DGX Spark)")
-    g.add_argument("--ray-port", type=int, default=6379, help="the Ray head's port (default 6379)")
+    g.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1, help="GPUs on each node (default 1: a DGX Spark)")
+    g.add_argument("--ray-port", type=PORT, default=6379, help="the Ray head's port (default 6379)")
     g.add_argument("--ray-token-file", type=Path, metavar="FILE",
                    help="the Ray cluster's token (a file of yours, mode 0600); default: $RAY_AUTH_TOKEN, "
                         "$RAY_AUTH_TOKEN_PATH, else one generated per run")
@@ -99,7 +108,7 @@ def register(sub, common) -> None:
     g.add_argument("--node-env", action="append", default=[], metavar="[N:]KEY=VALUE",
                    help="environment for node N (1 = the head), or for every node without N; repeatable "
                         "(e.g. 1:CUDA_VISIBLE_DEVICES=0 2:CUDA_VISIBLE_DEVICES=1 for two nodes on one machine)")
-    g.add_argument("--join-timeout", type=float, default=600,
+    g.add_argument("--join-timeout", type=SECONDS, default=600,
                    help="seconds to wait for the head and for every node to join (default 600)")
     g.add_argument("--force", action="store_true",
                    help="serve anyway an artifact whose files differ from its provenance or whose validation is "
@@ -111,10 +120,18 @@ def register(sub, common) -> None:
 
 
 def _api_key(args: argparse.Namespace, host: str):
-    """The served API's key (``served_key.resolve``); a ``--dry-run`` writes no generated key."""
+    """The served API's key (``served_key.resolve``). A ``--dry-run`` generates it too (in the user's
+    state folder, where serving would, kept and reused): the ``export VLLM_API_KEY="$(cat FILE)"`` line
+    it prints then works as printed, where a file to come would give vLLM an empty key."""
+    from hybrid_build.core.redaction import remember, remember_file
+
     from .served_key import resolve
 
-    return resolve(host, args.api_key, args.api_key_file, create=not args.dry_run)
+    key = resolve(host, args.api_key, args.api_key_file, create=True)
+    if key is not None:  # never in what this process prints, whatever raised it (``core.redaction``)
+        remember(key.value)
+        remember_file(key.path)
+    return key
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {plan.api_key.announce()}")
         return 0
     check_prerequisites(plan)
+    check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
     warn_if_untested(plan)  # an untested vLLM still runs: verify checks what it serves
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
@@ -223,6 +241,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     artifact without a current reference, or a Hub id, cannot be checked: one line says why and serving
     goes on. Returns what ``--json`` reports under ``verify``."""
     from hybrid_build.core.errors import CannotVerify, NumericsError
+    from hybrid_build.core.redaction import redact
     from hybrid_build.validate.verify import load_reference, render, verify_server
     from hybrid_build.validate.verify_paths import PathOptions, checker
 
@@ -239,8 +258,8 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
                                "reference")
         reference = load_reference(artifact)
     except CannotVerify as e:
-        say(f"{e}; serving without the check")
-        return {"outcome": "could not run", "reason": str(e)}
+        say(redact(f"{e}; serving without the check"))
+        return {"outcome": "could not run", "reason": redact(str(e))}
     recipe, _ = recipe_for_serving(args.artifact, args.recipe)
     profile = recipe.serve.profiles[plan.profile]
     side = profile.artifact  # the dense profile serves the hybrid, the others the source
@@ -278,7 +297,7 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
     from .multinode import bring_up, check_tools, parse_nodes, plan_multinode, resolve_nodes, served_host
 
     specs = parse_nodes(args.nodes, args.nodes_file)
-    nodes = resolve_nodes(specs)
+    nodes = resolve_nodes(specs, dry_run=args.dry_run)
     plan = replace(plan, api_key=_api_key(args, served_host(plan.host, nodes[0])))
     mplan = plan_multinode(plan, specs, args.artifact, args.ifname, nodes=nodes,
                            parallel=args.parallel, gpus_per_node=args.gpus_per_node, ray_port=args.ray_port,

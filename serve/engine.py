@@ -11,15 +11,19 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybrid_build.core import formats
 from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_recipe_data
 from hybrid_build.core.errors import UserError
-from hybrid_build.recipes.profiles import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER, ServeProfile
-from hybrid_build.recipes.schema import Recipe, load_recipe, parse_recipe, select_recipe
+from hybrid_build.recipes.serve_names import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER
 
 from .runtime_fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
 from .served_key import SERVER_ENV, ApiKey, is_loopback
+
+if TYPE_CHECKING:
+    from hybrid_build.recipes.profiles import ServeProfile
+    from hybrid_build.recipes.schema import Recipe
 
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
@@ -76,6 +80,9 @@ def _read_json(path: Path) -> dict:
 def recipe_for_serving(artifact: str, recipe_arg: str | None) -> tuple[Recipe, dict | None]:
     """The recipe (``--recipe``; else the artifact's own; else chosen from its config) and the
     artifact's config.json (None for a Hub id)."""
+    # here, not at the top: the schema imports the output formats (torch); `serve --help` reads this module
+    from hybrid_build.recipes.schema import load_recipe, parse_recipe, select_recipe
+
     path = Path(artifact).expanduser()
     config = _read_json(path / CONFIG) if (path / CONFIG).exists() else None
     if path.exists() and config is None:

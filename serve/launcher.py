@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid_build.core.api_key import REFUSED, bearer, raise_if_refused
-from hybrid_build.core.errors import ArtifactError, ExternalToolError
+from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError
 from hybrid_build.recipes.profiles import SMOKE_EXPECT, SMOKE_PROMPT
 
 from .engine import LaunchPlan
@@ -57,9 +57,9 @@ def check_prerequisites(plan: LaunchPlan) -> None:
     if shutil.which(tool) is None:
         hint = ("install vLLM (pip install vllm) or use --engine docker" if tool == "vllm"
                 else "install Docker, or use --engine local" if tool == "docker" else "")
-        raise ExternalToolError(f"{tool!r} was not found on PATH" + (f": {hint}" if hint else ""))
+        raise CannotRun(f"{tool!r} was not found on PATH" + (f": {hint}" if hint else ""))
     if tool in ("vllm", "docker") and shutil.which("nvidia-smi") is None and not Path("/dev/nvidiactl").exists():
-        raise ExternalToolError("no NVIDIA GPU found (no nvidia-smi, no /dev/nvidiactl): vLLM needs a CUDA GPU")
+        raise CannotRun("no NVIDIA GPU found (no nvidia-smi, no /dev/nvidiactl): vLLM needs a CUDA GPU")
 
 
 def served_vllm_version(plan: LaunchPlan) -> str | None:

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.stop_signals import stop_signals_held
 
 from . import ray_auth
@@ -86,6 +86,7 @@ class Node:
     ip: str
     local: bool
     index: int
+    resolved: bool = True  # False: a dry run's name that does not resolve here; ``ip`` holds the name
 
     @property
     def role(self) -> str:
@@ -132,13 +133,19 @@ def is_local_address(ip: str) -> bool:
         return False
 
 
-def resolve_nodes(specs: list[str]) -> list[Node]:
+def resolve_nodes(specs: list[str], dry_run: bool = False) -> list[Node]:
+    """Each node's address on the link. ``dry_run``: a name that does not resolve on this machine (the
+    nodes' names in the README's example, a name only the nodes' own hosts files know) stays a name in
+    the plan, said in its notes; serving resolves it and refuses it when it does not resolve."""
     nodes = []
     for i, spec in enumerate(specs):
         host = spec.rsplit("@", 1)[-1].strip("[]")
         try:
             ip = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
         except socket.gaierror as e:
+            if dry_run:
+                nodes.append(Node(spec, host, False, i, resolved=False))
+                continue
             raise UserError(f"{spec}: cannot resolve {host!r} ({e.strerror}); give the node's address on the link")
         nodes.append(Node(spec, ip, is_local_address(ip), i))
     ips = [n.ip for n in nodes]
@@ -154,7 +161,7 @@ def check_private_link(nodes: list[Node], force: bool = False) -> str | None:
     rendezvous that sets it up) is neither authenticated nor encrypted, and Ray's token itself
     crosses the link in clear. ``force``: go on, and return the warning to show."""
     public = []
-    for node in nodes:
+    for node in (n for n in nodes if n.resolved):  # a dry run's unresolved name is checked when serving
         ip = ipaddress.ip_address(node.ip.split("%", 1)[0])  # an IPv6 scope (fe80::1%eth0) is not part of it
         if not (ip.is_private or ip.is_link_local or ip.is_loopback):
             spec = f" ({node.spec})" if node.spec.rsplit("@", 1)[-1].strip("[]") != node.ip else ""
@@ -416,6 +423,10 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     tp, pp = (n * gpus_per_node, 1) if parallel == "tp" else (gpus_per_node, n)
     address = f"{head.ip}:{ray_port}"
     notes = list(serve.notes)
+    unresolved = [n.spec for n in nodes if not n.resolved]
+    if unresolved:
+        notes.append(f"{', '.join(unresolved)}: not resolved on this machine; the plan shows the name where serving "
+                     "puts the address (serving resolves it and refuses an address that is not private)")
     if public:
         log.warning("%s", public)
         notes.append(public)
@@ -525,7 +536,7 @@ def check_tools(plan: MultiNodePlan) -> None:
         need |= {"docker"} if plan.engine == "docker" else {"ray", "vllm"}
     for tool in sorted(need):
         if shutil.which(tool, path=env["PATH"]) is None:
-            raise ExternalToolError(f"{tool!r} was not found on PATH" + (
+            raise CannotRun(f"{tool!r} was not found on PATH" + (
                 ": pip install hybrid-build brings Ray" if tool == "ray" else ""))
 
 
@@ -611,9 +622,9 @@ def compare_probes(nodes: list[Node], answers: list[dict], engine: str) -> None:
             if key in a and a[key].get("problem"):
                 raise ArtifactError(f"{node.describe()}: {a[key]['problem']}")
         if not a.get("vllm"):
-            raise ExternalToolError(f"{node.describe()}: no {what_vllm}")
+            raise CannotRun(f"{node.describe()}: no {what_vllm}")
         if not a.get("ray"):
-            raise ExternalToolError(f"{node.describe()}: " + ("the image has no Ray (build one FROM it with "
+            raise CannotRun(f"{node.describe()}: " + ("the image has no Ray (build one FROM it with "
                                     "`pip install ray`)" if engine == "docker" else
                                     "Ray is not installed (pip install hybrid-build there)"))
     head = answers[0]
@@ -660,9 +671,9 @@ def run_once(cmd: Command, remote_venv: str | None, timeout: float, stdin_text: 
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env(), **stdin)
     except subprocess.TimeoutExpired:
-        raise ExternalToolError(f"{cmd.node.describe()}: {cmd.argv[0]} did not answer in {timeout:.0f} s")
+        raise CannotRun(f"{cmd.node.describe()}: {cmd.argv[0]} did not answer in {timeout:.0f} s")
     except OSError as e:
-        raise ExternalToolError(f"{cmd.node.describe()}: cannot run {argv[0]} ({e.strerror or e})")
+        raise CannotRun(f"{cmd.node.describe()}: cannot run {argv[0]} ({e.strerror or e})")
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
         raise ExternalToolError(f"{cmd.node.describe()}: {shlex.join(cmd.argv[:3])} failed: {last}")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.private_file import is_one_word, read_private, write_private
+from hybrid_build.core.redaction import remember
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -83,7 +84,9 @@ class RayToken:
             return self.given
         if self.path is not None:
             return read_token_file(self.path, self.origin)
-        return secrets.token_urlsafe(32)
+        token = secrets.token_urlsafe(32)
+        remember(token)  # never in what this process prints (``core.redaction``)
+        return token
 
     def describe(self) -> str:
         if self.path is not None:

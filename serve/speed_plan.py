@@ -15,7 +15,6 @@ from pathlib import Path
 
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import UserError
-from hybrid_build.recipes.inventory import build_report, bytes_per_token
 
 from . import bandwidth as bw
 from . import multinode_plan as mnp
@@ -141,6 +140,9 @@ def _check_workload(ckpt: Checkpoint, args: PlanOptions) -> tuple[list[int], lis
 
 def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
     """Everything ``plan`` prints, as the JSON document of docs/plan.md."""
+    # here, not at the top: the recipes import the output formats (torch); `plan --help` reads this module
+    from hybrid_build.recipes.inventory import build_report, bytes_per_token
+
     accepts = list(args.accept) if args.accept else list(DEFAULT_ACCEPT)
     for a in accepts:
         if not a >= 1:
@@ -469,17 +471,24 @@ def _render_concurrency(data: dict) -> list[str]:
                      f"{r['state_bytes_per_stream'] / 1e9:>16.3f}{r['drafter_kv_bytes_per_stream'] / 1e9:>12.3f}")
     lines += ["", "concurrent streams sharing each verify step: tok/s per stream / total"
                   + (f" (streams in step {data['stream_overlap']:.0%} of steps)" if data["stream_overlap"] else ""),
-              f"{'context':>9}{'accept':>7}{'streams':>8}{'experts/layer':>14}"
-              + "".join(f"{p + ' /stream':>17}{'total':>8}" for p in shown)]
+              ]
     groups: dict[tuple, dict] = {}
     for r in rows:
         groups.setdefault((r["context"], r["accept"], r["concurrency"]), {})[r["profile"]] = r
-    for (c, a, n), by in groups.items():
-        first = next(iter(by.values()))
-        lines.append(f"{c:>9}{a:>7g}{n:>8}{first['experts_per_layer']:>14.1f}"
-                     + "".join(f"{by[p]['tok_s_per_stream']:>17.1f}{by[p]['tok_s_total']:>8.1f}" for p in shown))
+    header = ["context", "accept", "streams", "experts/layer"] + [h for p in shown for h in (f"{p} /stream", "total")]
+    cells = [[str(c), f"{a:g}", str(n), f"{next(iter(by.values()))['experts_per_layer']:.1f}"]
+             + [f"{by[p][k]:.1f}" for p in shown for k in ("tok_s_per_stream", "tok_s_total")]
+             for (c, a, n), by in groups.items()]
+    lines += aligned(header, cells)
     lines += [f"rests on: {b}" for b in data.get("concurrency_basis", [])]
     return lines
+
+
+def aligned(header: list[str], rows: list[list[str]], gap: int = 2) -> list[str]:
+    """A table as text: each column right-aligned to its widest cell or heading, ``gap`` spaces
+    apart, so that no heading runs into the next whatever the profile names' lengths."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    return [(" " * gap).join(f"{str(x):>{w}}" for x, w in zip(line, widths)) for line in [header, *rows]]
 
 
 def write_plot(data: dict, path: Path, reads_args: dict) -> None:

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.core.errors import ExternalToolError, HybridBuildError, UserError
+from hybrid_build.core.errors import CannotRun, HybridBuildError, UserError
+from hybrid_build.core.user_paths import read_text_file
 
 from .transformers_forward import MAX_TOKENS_PER_TEXT, bundled_texts
 
@@ -39,10 +40,9 @@ def load_texts(files: list[Path] | None) -> dict[str, str]:
     texts: dict[str, str] = {}
     for path in files:
         path = Path(path)
-        if not path.is_file():
-            raise UserError(f"{path}: no such texts file")
+        text = read_text_file(path, "texts file")  # binary data, a FIFO or a folder: one line
         if path.suffix == ".jsonl":
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -51,7 +51,7 @@ def load_texts(files: list[Path] | None) -> dict[str, str]:
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise UserError(f"{path}:{n}: expected a JSON object with \"name\" and \"text\"") from None
         else:
-            texts[path.stem] = path.read_text(encoding="utf-8")
+            texts[path.stem] = text
     return texts
 
 
@@ -144,7 +144,7 @@ def run(engine: str, source: Checkpoint, artifact: Checkpoint, token_ids: dict[s
         try:
             from .vllm_compare import compare_in_vllm
         except ImportError as e:
-            raise ExternalToolError(f"the vllm engine is not available in this installation ({e})") from None
+            raise CannotRun(f"the vllm engine is not available in this installation ({e})") from None
         result = figures(compare_in_vllm(source.root, artifact.root, token_ids, progress=progress))
         result["engine"] = "vllm"
         return result, None

@@ -4,12 +4,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from hybrid_build.core.api_key import client_key
 from hybrid_build.core.artifact import REPORTS
-from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json, progress
+from hybrid_build.core.cli_support import (
+    COUNT,
+    POSITIVE,
+    POSITIVE_INT,
+    ExampleFormatter,
+    add_json_flag,
+    emit_json,
+    progress,
+)
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.user_paths import check_output_path
 
 EPILOG = """examples:
   hybrid-build eval out/ --limit 10                        # bundled offline tasks, source vs hybrid on CPU
@@ -42,9 +52,9 @@ def register(sub, common) -> None:
                         "tokenizer)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help="comma list of lm-eval tasks or groups (default: hybrid_build)")
-    p.add_argument("--limit", type=float, metavar="N",
+    p.add_argument("--limit", type=POSITIVE, metavar="N",
                    help="examples per task (a fraction below 1: that share of each task); default all")
-    p.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples (default: each task's own)")
+    p.add_argument("--num-fewshot", type=COUNT, metavar="K", help="few-shot examples (default: each task's own)")
     p.add_argument("--backend", choices=BACKENDS,
                    help="hf (transformers, default without a URL), completions (local-completions, default with "
                         "a URL), chat (local-chat-completions: generative tasks only)")
@@ -52,7 +62,7 @@ def register(sub, common) -> None:
     g.add_argument("--source", help="the INT4 source checkpoint (default: the one provenance.json names, checked by "
                                     "content)")
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    g.add_argument("--batch-size", type=int, default=8, help="examples per forward (default 8)")
+    g.add_argument("--batch-size", type=POSITIVE_INT, default=8, help="examples per forward (default 8)")
     s = p.add_argument_group("servers")
     s.add_argument("--source-url", metavar="URL", help="OpenAI base URL (ending in /v1) serving the source")
     s.add_argument("--hybrid-url", metavar="URL", help="OpenAI base URL serving the hybrid")
@@ -61,7 +71,7 @@ def register(sub, common) -> None:
     s.add_argument("--hybrid-model", metavar="NAME", help="served name of the hybrid (default: the one listed)")
     s.add_argument("--tokenizer", metavar="FOLDER_OR_ID",
                    help="tokenizer for the requests (default: ARTIFACT's, else the server's /tokenize)")
-    s.add_argument("--concurrency", type=int, default=4, help="requests in flight per server (default 4)")
+    s.add_argument("--concurrency", type=POSITIVE_INT, default=4, help="requests in flight per server (default 4)")
     s.add_argument("--api-key", metavar="KEY",
                    help="sent to both servers as a Bearer token (default: $OPENAI_API_KEY, which keeps the key off "
                         "the command line); lm-eval gets it in its environment")
@@ -77,15 +87,9 @@ def _settings(args):
     from hybrid_build.validate.task_eval import EvalSettings
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if args.limit is not None and args.limit <= 0:
-        raise UserError("--limit must be positive")
+    # ranges are the argparse types' (refused before anything starts); what is left is the form
     if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):
         raise UserError("--limit is a count (a whole number) or a fraction below 1")
-    for flag, v in (("--batch-size", args.batch_size), ("--concurrency", args.concurrency)):
-        if v < 1:
-            raise UserError(f"{flag} must be at least 1")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise UserError("--num-fewshot must be 0 or more")
     urls = args.url or args.source_url or args.hybrid_url
     backend = args.backend or ("completions" if urls else "hf")
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
@@ -114,6 +118,7 @@ def _servers(args):
 
 
 def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()  # the wall time printed: the whole command, lm-eval's import and the report included
     from hybrid_build.validate import task_eval
 
     if args.verbose < 1:  # lm-eval warns about its own defaults on every task; -v shows it
@@ -124,21 +129,31 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or (task_eval.default_report_path(args.artifact) if args.artifact else None)
     if out is None:
         raise UserError("without ARTIFACT, say where the report goes: --out FILE")
+    check_output_path(out, "--out" if args.out else "the report", folder=False)  # before the evaluation, not after
+    if args.samples:
+        check_output_path(args.samples, "--samples", folder=False)
     quiet = args.quiet or args.json
 
     def bar(**kw):
         return progress(quiet, leave=False, **kw)
+
+    # a line at once, then one as each phase starts: lm-eval's import and task index, and each model's
+    # loading, take tens of seconds before the first request (progress bars need a terminal)
+    say = None if quiet else (lambda line: print(f"eval: {line}", file=sys.stderr, flush=True))
+    if say:
+        limit = f", {settings.limit} example(s) per task" if settings.limit is not None else ""
+        say(f"{settings.backend} backend, tasks {', '.join(settings.tasks)}{limit}; report {out}")
 
     if settings.backend == "hf":
         if args.url or args.source_url or args.hybrid_url:
             raise UserError("the hf backend runs the models here: drop the URLs, or pick --backend completions/chat")
         if args.artifact is None:
             raise UserError("the hf backend needs ARTIFACT (the folder `hybrid-build run` wrote)")
-        report, raw = task_eval.evaluate_artifact(args.artifact, args.source, settings, progress=bar)
+        report, raw = task_eval.evaluate_artifact(args.artifact, args.source, settings, progress=bar, announce=say)
     else:
         source, hybrid = _servers(args)
         report, raw = task_eval.evaluate_endpoints(source, hybrid, settings, args.artifact, progress=bar,
-                                                   api_key=client_key(args.api_key))
+                                                   api_key=client_key(args.api_key), announce=say)
     written = task_eval.write_report(report, out)
     if args.samples:
         written.append(task_eval.write_samples(raw, args.samples))
@@ -147,5 +162,5 @@ def run(args: argparse.Namespace) -> int:
     elif not args.quiet:
         print("\n".join(task_eval.markdown_rows(report.to_json())))
         print(f"settings: {task_eval.settings_line(report.to_json())}")
-        print(f"report: {', '.join(str(p) for p in written)} ({report.seconds:.1f} s)", file=sys.stderr)
+        print(f"report: {', '.join(str(p) for p in written)} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return 0

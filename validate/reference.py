@@ -20,7 +20,6 @@ per position), ``write_reference`` and ``read_reference``.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 from hybrid_build.core.artifact import REPORTS, provenance_sha256
 from hybrid_build.core.errors import ArtifactError, UserError
-from hybrid_build.core.safetensors_io import TMP_SUFFIX, write_text_atomic
+from hybrid_build.core.safetensors_io import write_bytes_atomic, write_text_atomic
 
 REFERENCE = REPORTS["reference"]  # its files, named by core.artifact
 SCHEMA_VERSION = 1
@@ -165,11 +164,22 @@ class ReferenceRecorder:
 # ------------------------------------------------------------------------------------ files
 
 
+def planned_bytes(token_counts: Sequence[int], k: int = K) -> int:
+    """An upper bound of the bytes of the reference's two files for texts of these token counts:
+    per position and side ``k`` ids and log-probabilities and the target's (4 bytes each), a
+    safetensors header entry per tensor, the token ids as JSON."""
+    positions = sum(max(n - 1, 0) for n in token_counts)
+    tensors = len(token_counts) * len(SIDES) * len(FIELDS)
+    return positions * len(SIDES) * (2 * k * 4 + 4) + tensors * 256 + sum(token_counts) * 12 + 4096
+
+
 def write_reference(artifact: Path, reference: Reference, stage: bool = False) -> list[Path]:
     """Write the reference's two files into ``artifact`` (safetensors first, each atomically; the
     JSON, which ``report_state`` reads, last). ``stage``: leave both under their temporary names
-    (``TMP_SUFFIX`` added) for the caller to rename, in the order returned."""
-    from safetensors.torch import save_file
+    (``TMP_SUFFIX`` added) for the caller to rename, in the order returned. The tensors are
+    serialized in memory (a few hundred bytes a position) and written by Python: a full disk is an
+    ``OSError`` naming the file, and the file's mode follows the umask like the other reports'."""
+    from safetensors.torch import save
 
     artifact = Path(artifact)
     main, tensors_path = REFERENCE.path(artifact), artifact / REFERENCE.named(".safetensors")
@@ -177,8 +187,8 @@ def write_reference(artifact: Path, reference: Reference, stage: bool = False) -
     tensors = {tensor_name(t.name, side, what): getattr(t, what)[side].contiguous()
                for t in reference.texts.values() for side in SIDES for what in FIELDS}
     tmp = tensors_path.with_name(tensors_path.name + TMP_SUFFIX)
-    save_file(tensors, str(tmp), metadata={"provenance_sha256": reference.provenance_sha256,
-                                           "schema_version": str(SCHEMA_VERSION), "k": str(reference.k)})
+    write_bytes_atomic(tmp, save(tensors, metadata={"provenance_sha256": reference.provenance_sha256,
+                                                    "schema_version": str(SCHEMA_VERSION), "k": str(reference.k)}))
     if stage:
         staged_main = main.with_name(main.name + TMP_SUFFIX)
         write_text_atomic(staged_main, json.dumps(_reference_json(reference)) + "\n")

@@ -61,6 +61,31 @@ CHECK_ORDER = ("index", "provenance", "tensors", "scheme", "finite", "weights", 
 # a check's state: it ran and passed or failed, was skipped on purpose, or the environment could not run it
 RAN = ("pass", "fail")
 
+# the picture: its size in inches and pixels per inch; a PNG of it is at most its RGBA pixels
+FIGSIZE, DPI = (14, 11), 100
+# the JSON and Markdown report: measured ~13 kB on the demo (13 converted tensors, 3 texts); bounds
+# with room: a fixed part, each converted module's rows, each text's end-to-end rows
+REPORT_FIXED_BYTES, REPORT_BYTES_PER_MODULE, REPORT_BYTES_PER_TEXT = 128_000, 8_000, 4_000
+
+
+def planned_bytes(texts: dict[str, str], modules: int, e2e: bool) -> int:
+    """An upper bound of what validate writes into the artifact: the report (JSON, Markdown, the
+    picture) and, with the end-to-end forward, the reference. A text's tokens are bounded by its
+    bytes (a token covers at least one byte; two for the special tokens) and the forward's cap."""
+    from .reference import planned_bytes as reference_bytes
+    from .transformers_forward import MAX_TOKENS_PER_TEXT
+
+    width, height = FIGSIZE[0] * DPI, FIGSIZE[1] * DPI
+    picture = width * height * 4 + height + 64_000  # RGBA rows, a filter byte each, chunks and metadata
+    reports = REPORT_FIXED_BYTES + REPORT_BYTES_PER_MODULE * modules + REPORT_BYTES_PER_TEXT * len(texts)
+    tokens = [min(MAX_TOKENS_PER_TEXT, len(t.encode("utf-8")) + 2) for t in texts.values()]
+    return picture + reports + (reference_bytes(tokens) if e2e else 0)
+
+
+def written_files(artifact: Path) -> list[Path]:
+    """The files validate writes over (their space comes back when the new ones are renamed over)."""
+    return [artifact / rel for report in (VALIDATION, REPORTS["reference"]) for rel in report.files]
+
 
 @dataclass
 class CheckResult:
@@ -189,6 +214,13 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     provenance = read_provenance(Path(artifact))
     art = _load_artifact(Path(artifact))
     built = provenance_sha256(art.root)
+    if write:  # refused before anything runs or is written (the source's hash cache included): a disk
+        # that fills while the report or the reference is written leaves neither; the recipe's e2e is
+        # not known yet, so the reference is counted unless this run turns the forward off
+        from hybrid_build.core.user_paths import require_free_space
+
+        need = planned_bytes(texts_by_name, len(provenance.get("converted") or []), e2e is not False)
+        require_free_space(art.root, need, "validate", replaced=written_files(art.root))
     # a source that is not, by content, the one the artifact was built from is an error before
     # any check runs: no report is written, and a passing one is never overwritten
     src = open_recorded_source(art.root, provenance, source, progress)
@@ -197,6 +229,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     plan = plan_conversion(src, recipe)
     inp = ValidationInputs(art, src, recipe, provenance, plan, progress, checks.load_activations(activations))
     spec = recipe.validate_
+    run_e2e = spec.e2e if e2e is None else e2e
     report = ValidationReport(artifact=art.root.name, source=src.source_id or src.root.name, recipe=recipe.name,
                               format=recipe.output.format, thresholds=spec.model_dump(mode="json"),
                               provenance_sha256=built)
@@ -211,7 +244,6 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     del dequantized
 
     # the end-to-end forward first: its final-norm hidden states are the lm-head check's inputs
-    run_e2e = spec.e2e if e2e is None else e2e
     recorded = None  # the streamed engine's reference.ReferenceRecorder, once its forward completed
     if run_e2e:
         report.end_to_end, recorded = _end_to_end(inp, f, engine, texts_by_name, announce)
@@ -508,8 +540,12 @@ def plot_report(r: ValidationReport, path: Path) -> Path | None:
         log.warning("matplotlib is not installed: no %s (pip install 'hybrid-build[plot]')", REPORTS["validation"].named(".png"))
         return None
     tmp = path.with_name(path.name + ".partial.png")
-    fig.savefig(tmp)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial picture behind
+        raise
     return path
 
 
@@ -535,7 +571,7 @@ def render_figure(r: ValidationReport):
     from matplotlib.figure import Figure
 
     t = r.thresholds
-    fig = Figure(figsize=(14, 11), dpi=100, layout="constrained")
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     grid = fig.add_gridspec(3, 3)
     verdict = "passed" if r.passed else f"FAILED ({len(r.failures)} failure(s): see {REPORTS['validation'].named('.md')})"
     fig.suptitle(f"{r.recipe} ({r.format}): validation {verdict}", fontsize=14, fontweight="bold",

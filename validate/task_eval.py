@@ -45,7 +45,7 @@ from pathlib import Path
 
 from hybrid_build.core.api_key import CLIENT_ENV, bearer, raise_if_refused
 from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance
-from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
+from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
 
 from .eval_taskset import BUNDLED_TASKS, GROUPS, task_dir
@@ -61,6 +61,7 @@ SCHEMA_VERSION = 1
 ALPHA = 0.05
 Z95 = 1.959963984540054
 PROGRESS_MARK = "\x1ehybrid-build-progress "  # a child's progress lines on its stdout
+PHASE_MARK = "\x1ehybrid-build-phase "  # a child's line saying what it does now (loading a model...)
 UNAVAILABLE_EXIT = 3  # a child that wrote {"error": sentence}: it knows why it cannot run
 TIMEOUT_S = 12 * 3600
 
@@ -278,24 +279,24 @@ def run_lm_eval(lm, settings: EvalSettings, manager) -> dict:
 
 
 def list_models(url: str, timeout: float = 10.0, api_key: str | None = None) -> list[dict]:
-    """The server's ``/models`` entries; an unreachable server is one ExternalToolError, a refused
-    key one ``KeyRefused``."""
+    """The server's ``/models`` entries; a server that does not answer, or not as an OpenAI server,
+    is one ``CannotRun`` (exit 3), a refused key one ``KeyRefused``."""
     req = urllib.request.Request(url.rstrip("/") + "/models", headers=bearer(api_key))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             data = json.loads(r.read().decode())
     except urllib.error.HTTPError as e:
         raise_if_refused(e, url, bool(api_key))
-        raise ExternalToolError(f"{url}: GET /models answered HTTP {e.code}: is this an OpenAI-compatible base URL "
+        raise CannotRun(f"{url}: GET /models answered HTTP {e.code}: is this an OpenAI-compatible base URL "
                                 f"(ending in /v1)?") from None
     except (urllib.error.URLError, OSError) as e:
-        raise ExternalToolError(f"cannot reach {url} ({getattr(e, 'reason', e)}): is the server running? "
+        raise CannotRun(f"cannot reach {url} ({getattr(e, 'reason', e)}): is the server running? "
                                 f"(`hybrid-build serve` prints its URL)") from None
     except ValueError:
-        raise ExternalToolError(f"{url}: GET /models did not answer JSON: not an OpenAI-compatible server") from None
+        raise CannotRun(f"{url}: GET /models did not answer JSON: not an OpenAI-compatible server") from None
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ExternalToolError(f"{url}: GET /models lists no model")
+        raise CannotRun(f"{url}: GET /models lists no model")
     return [e for e in entries if isinstance(e, dict) and e.get("id")]
 
 
@@ -356,13 +357,16 @@ def client_key_env(api_key: str | None):
 
 
 def evaluate_servers(source: ServerModel, hybrid: ServerModel, settings: EvalSettings, manager,
-                     progress: ProgressFactory = null_progress, api_key: str | None = None) -> dict[str, dict]:
+                     progress: ProgressFactory = null_progress, api_key: str | None = None,
+                     announce: Callable[[str], None] | None = None) -> dict[str, dict]:
     """lm-eval on both servers, one after the other; {"source": results, "hybrid": results}.
     ``api_key`` reaches lm-eval as ``OPENAI_API_KEY`` in the environment."""
     events = ProgressEvents(progress)
     out = {}
     try:
         for role, server in (("source", source), ("hybrid", hybrid)):
+            if announce:
+                announce(f"evaluating the {role} at {server.url} ({server.model})")
             try:
                 with client_key_env(api_key):  # the model reads the key when it is made and used
                     lm = counting_lm(_server_lm(server, settings), role, events,
@@ -383,9 +387,11 @@ def evaluate_servers(source: ServerModel, hybrid: ServerModel, settings: EvalSet
 
 
 def evaluate_hf(source_root: Path, artifact_root: Path, modules: list[str], settings: EvalSettings,
-                progress: ProgressFactory = null_progress, timeout: float = TIMEOUT_S) -> dict:
+                progress: ProgressFactory = null_progress, timeout: float = TIMEOUT_S,
+                announce: Callable[[str], None] | None = None) -> dict:
     """Run the ``accuracy_hf`` child: source, then the hybrid's converted modules dequantized into it.
-    Returns {"source": results, "hybrid": results, "modules_replaced": n, ...}."""
+    Returns {"source": results, "hybrid": results, "modules_replaced": n, ...}. ``announce`` gets the
+    child's phase lines (loading, evaluating) as they come."""
     events = ProgressEvents(progress)
     with tempfile.TemporaryDirectory(prefix="hybrid-build-eval-") as tmp:
         spec = Path(tmp) / "spec.json"
@@ -400,6 +406,8 @@ def evaluate_hf(source_root: Path, artifact_root: Path, modules: list[str], sett
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_f, text=True, env=env)
             try:
                 for line in proc.stdout:
+                    if line.startswith(PHASE_MARK) and announce:
+                        announce(line[len(PHASE_MARK):].strip())
                     if line.startswith(PROGRESS_MARK):
                         label, kind, n, total = line[len(PROGRESS_MARK):].split()
                         events(label, kind, int(n), int(total))
@@ -687,9 +695,12 @@ SERVER_NOTE = ("server backend: each model as its server computes it (for vLLM: 
 
 
 def evaluate_artifact(artifact: Path, source: str | None, settings: EvalSettings,
-                      progress: ProgressFactory = null_progress) -> tuple[AccuracyReport, dict]:
+                      progress: ProgressFactory = null_progress,
+                      announce: Callable[[str], None] | None = None) -> tuple[AccuracyReport, dict]:
     """The hf backend on a built artifact and its source (given, or the one its provenance records,
-    checked by content). Returns the report and the two raw lm-eval results."""
+    checked by content). Returns the report and the two raw lm-eval results. ``announce`` gets a line
+    as each phase starts (the task index, each model's loading and evaluation)."""
+    say = announce or (lambda _line: None)
     from hybrid_build.core.source_identity import open_recorded_source
 
     artifact = Path(artifact)
@@ -698,10 +709,11 @@ def evaluate_artifact(artifact: Path, source: str | None, settings: EvalSettings
     modules = [c["module"] for c in prov.get("converted") or [] if c.get("module")]
     if not modules:
         raise ArtifactError(f"{artifact}: the provenance lists no converted module: nothing differs from the source")
+    say("loading lm-eval's task index")
     manager = task_manager(settings.tasks)
     check_tasks(settings.tasks, manager, settings.backend)
     t0 = time.perf_counter()
-    raw = evaluate_hf(src.root, artifact.resolve(), modules, settings, progress)
+    raw = evaluate_hf(src.root, artifact.resolve(), modules, settings, progress, announce=announce)
     models = {"source": {"name": src.source_id or src.root.name, "backend": "hf", "device": settings.device},
               "hybrid": {"name": artifact.resolve().name, "backend": "hf", "device": settings.device,
                          "format": prov.get("format"), "modules_replaced": raw.get("modules_replaced")}}
@@ -711,9 +723,12 @@ def evaluate_artifact(artifact: Path, source: str | None, settings: EvalSettings
 
 def evaluate_endpoints(source: ServerModel, hybrid: ServerModel, settings: EvalSettings,
                        artifact: Path | None = None, progress: ProgressFactory = null_progress,
-                       api_key: str | None = None) -> tuple[AccuracyReport, dict]:
+                       api_key: str | None = None,
+                       announce: Callable[[str], None] | None = None) -> tuple[AccuracyReport, dict]:
     """A server backend: both servers checked (reachable, serving the model named, not the same
-    model twice, taking ``api_key``: sent as a Bearer token), then evaluated one after the other."""
+    model twice, taking ``api_key``: sent as a Bearer token), then evaluated one after the other;
+    ``announce`` gets a line as each phase starts."""
+    say = announce or (lambda _line: None)
     source = check_server(source, "source", api_key)
     hybrid = check_server(hybrid, "hybrid", api_key)
     if source.url.rstrip("/") == hybrid.url.rstrip("/") and source.model == hybrid.model:
@@ -721,10 +736,11 @@ def evaluate_endpoints(source: ServerModel, hybrid: ServerModel, settings: EvalS
                         "each its own server (--source-url, --hybrid-url) or its own served name")
     if source.root and source.root == hybrid.root:
         raise UserError(f"both servers say they loaded {source.root}: the hybrid would be compared with itself")
+    say("loading lm-eval's task index")
     manager = task_manager(settings.tasks)
     check_tasks(settings.tasks, manager, settings.backend)
     t0 = time.perf_counter()
-    raw = evaluate_servers(source, hybrid, settings, manager, progress, api_key)
+    raw = evaluate_servers(source, hybrid, settings, manager, progress, api_key, announce=announce)
     models = {role: {"name": m.model, "backend": LM_EVAL_MODELS[settings.backend], "url": m.url, "root": m.root,
                      "tokenizer": m.tokenizer}
               for role, m in (("source", source), ("hybrid", hybrid))}

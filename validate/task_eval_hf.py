@@ -17,13 +17,19 @@ import sys
 import time
 from pathlib import Path
 
-from .task_eval import PROGRESS_MARK, UNAVAILABLE_EXIT, EvalSettings, counting_lm, run_lm_eval, task_manager
+from .task_eval import PHASE_MARK, PROGRESS_MARK, UNAVAILABLE_EXIT, EvalSettings, counting_lm, run_lm_eval, task_manager
 
 log = logging.getLogger(__name__)
 
 
 def _emit(label: str, kind: str, n: int, total: int) -> None:
     sys.stdout.write(f"\n{PROGRESS_MARK}{label} {kind} {n} {total}\n")
+    sys.stdout.flush()
+
+
+def _phase(line: str) -> None:
+    """What the child does now, for the parent's ``announce`` (a model's loading takes a while)."""
+    sys.stdout.write(f"\n{PHASE_MARK}{line}\n")
     sys.stdout.flush()
 
 
@@ -83,13 +89,16 @@ def _child(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         manager = task_manager(settings.tasks)
+        _phase(f"loading the source model ({Path(spec['source']).name}, {settings.device})")
         model, tok = _load(spec["source"], settings.device)
 
         def run(label: str) -> dict:
+            _phase(f"evaluating the {label}")
             lm = HFLM(pretrained=model, tokenizer=tok, batch_size=settings.batch_size, device=settings.device)
             return run_lm_eval(counting_lm(lm, label, _emit, chunk=max(64, 4 * settings.batch_size)), settings, manager)
 
         result = {"source": run("source")}
+        _phase(f"the hybrid: the source with the artifact's {len(spec['modules'])} converted modules dequantized in")
         result["modules_replaced"] = _swap_in(model, spec["artifact"], spec["modules"])
         result["hybrid"] = run("hybrid")
     except _Unavailable as e:

@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hybrid_build.core.errors import ExternalToolError, UserError
+from hybrid_build.core.errors import CannotRun, ExternalToolError, UserError
 
 from .divergence import BOOTSTRAP_RESAMPLES, DivergenceAccumulator, PositionStats, divergence_report
 
@@ -67,7 +67,7 @@ LOG_TAIL_LINES = 40
 
 def _require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
-        raise ExternalToolError("vLLM is not installed in this Python environment; install vllm (a version with "
+        raise CannotRun("vLLM is not installed in this Python environment; install vllm (a version with "
                                 "Qwen3.5-MoE, e.g. 0.25.1) to validate with --engine vllm")
 
 
@@ -75,9 +75,9 @@ def _require_gpu() -> None:
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
-        raise ExternalToolError("validate --engine vllm needs torch with CUDA, and torch is not installed") from None
+        raise CannotRun("validate --engine vllm needs torch with CUDA, and torch is not installed") from None
     if not torch.cuda.is_available():
-        raise ExternalToolError("validate --engine vllm needs a CUDA GPU, and torch sees none on this machine")
+        raise CannotRun("validate --engine vllm needs a CUDA GPU, and torch sees none on this machine")
 
 
 def _vocab_size(folder: Path) -> int | None:

@@ -139,8 +139,9 @@ class CompressedTensors(OutputFormat):
                 and artifact.read(module + ".weight_shape").tolist() == [qweight_shape[1], qweight_shape[0] * 8])
 
     def serving_note(self, int8_head: bool) -> str:
-        return ("This is a compressed-tensors mixed-precision checkpoint: stock vLLM (0.33 or later) loads it "
-                "without a plugin.")
+        return ("This is a compressed-tensors mixed-precision checkpoint, written for vLLM 0.33.0's "
+                "compressed-tensors support, which resolves each of its groups without a plugin (read in vLLM "
+                "0.33.0's source; not yet served on a GPU).")
 
 
 def _transposed(source: Checkpoint, t: TensorInfo, name: str) -> OutTensor:

@@ -116,9 +116,18 @@ class IncHybrid(OutputFormat):
         return []
 
     def serving_note(self, int8_head: bool) -> str:
-        return ("Stock vLLM reads the quantization method of an auto-round checkpoint from its global config, so "
-                "it would load the FP8 shared experts as INT4. Install hybrid-build next to vLLM: its vLLM plugin "
-                "(entry point `vllm.general_plugins`) honours the per-layer FP8 entries"
+        # what vLLM's own code does with this layout, as tests/serve/test_vllm_plugin.py runs it (the real
+        # INCConfig of each version on this format's quantization_config, on CPU)
+        head = (" The int8 lm-head: 0.25.1 resolves it as an unquantized layer, 0.33.0 as an 8-bit integer GPTQ "
+                "layer." if int8_head else "")
+        return ("Stock vLLM does not run the FP8 shared experts as FP8. In vLLM 0.25.1 and 0.33.0, "
+                "`INCConfigParser.resolve` (`vllm/model_executor/layers/quantization/inc/config_parser.py`) takes a "
+                "layer's data type and packing from the checkpoint's global quantization config (`int`, "
+                "`auto_round:auto_gptq`); an `extra_config` entry sets only its bits, group size and symmetry. So the "
+                "shared experts (`bits: 8, data_type: fp`) resolve to 8-bit integer GPTQ layers with group size 128, "
+                "which expect `qweight`, `qzeros` and `scales` where this checkpoint stores an FP8 `weight` and its "
+                "`weight_scale_inv`." + head + " Install hybrid-build next to vLLM: its vLLM plugin (entry point "
+                "`vllm.general_plugins`) serves the shared experts with vLLM's FP8 block method"
                 + (" and the int8 lm-head." if int8_head else "."))
 
 

@@ -9,8 +9,11 @@ from hybrid_build.core.errors import UserError
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from hybrid_build.core.user_paths import check_output_path
+
     from ..generators.demo import build_demo_checkpoint, demo_drafter_path
 
+    check_output_path(args.out, "output folder", folder=True)  # a file, a loop of links: one line
     if args.out.exists() and any(args.out.iterdir()):
         raise UserError(f"{args.out}: exists and is not empty")
     drafter = demo_drafter_path(args.out)
@@ -18,7 +21,9 @@ def _handle(args: argparse.Namespace) -> int:
     try:
         build_demo_checkpoint(args.out, seed=args.seed)
     except FileExistsError as e:
-        raise UserError(f"{e}: choose another folder") from None
+        from hybrid_build.core.cli_support import describe_os_error
+
+        raise UserError(f"{describe_os_error(e)}: choose another folder") from None
     if not args.quiet:
         print(f"tiny INT4 AutoRound checkpoint written to {args.out}, its DFlash drafter to {drafter} "
               f"({time.perf_counter() - t:.1f} s)")

@@ -37,7 +37,7 @@ def register(sub, common) -> None:
     p.add_argument("--force", action="store_true",
                    help="publish even if validation is missing or failed (the card says so)")
     add_json_flag(p)
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, resumes=True)  # what reached the Hub is not sent again
 
 
 def make_api():
@@ -120,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     publisher = Publisher(plan, api, private=args.private, revision=args.revision, create_pr=args.create_pr,
                           retry=make_retry(), on_part=None if quiet else _part_line)
     result = publisher.run()
+    from ..publish import keep_card
+
+    keep_card(plan)  # the folder's card is what the repository's README.md now holds
     if args.json:
         emit_json(result.to_json())
         return 0

@@ -42,15 +42,20 @@ def _handle(args: argparse.Namespace) -> int:
     from hybrid_build.core.artifact import DEMO_SOURCE, REPORTS
     from hybrid_build.core.cli_support import emit_json, progress
     from hybrid_build.core.errors import UserError
+    from hybrid_build.core.redaction import redact
+    from hybrid_build.recipes.schema import load_recipe
 
     from ..build import RecipeOverrides, check_output_folder, prepare
     from ..generators.sources import SYNTHETIC_PREFIX, open_source
     from ..runner import run_build, select_stages
 
+    t0 = time.perf_counter()  # the wall time of the whole command: the demo, opening the source, the card
     stages = select_stages(_split_stages(args.only), getattr(args, "from"))
     demo = args.source is None
     if demo:
         check_output_folder(args.out)
+        if args.recipe:  # refused before the demo source is written into the output folder
+            load_recipe(args.recipe)
         source = _demo_source(args)
     elif args.source.startswith(SYNTHETIC_PREFIX):
         if not args.dry_run:
@@ -79,7 +84,6 @@ def _handle(args: argparse.Namespace) -> int:
 
     if not args.quiet and not args.json:
         print(ctx.recipe_note)
-    t0 = time.perf_counter()
 
     def report(res):
         if not args.quiet and not args.json:
@@ -109,8 +113,8 @@ def _handle(args: argparse.Namespace) -> int:
     except BaseException as e:
         if args.json:  # a script gets a result object on failure too (the error line goes to stderr)
             emit_json({**where, "status": "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                       "failed_stage": getattr(e, "stage", None), "error": str(e).splitlines()[0] if str(e) else
-                       type(e).__name__, "report": str(report_path) if report_path.exists() else None,
+                       "failed_stage": getattr(e, "stage", None), "error": redact(str(e).splitlines()[0]) if str(e)
+                       else type(e).__name__, "report": str(report_path) if report_path.exists() else None,
                        "seconds": round(time.perf_counter() - t0, 3), "stages": [_stage_json(r) for r in results]})
         raise
     card = _write_card(args.out)
@@ -170,13 +174,16 @@ def _dry_run(args, ctx, source, stages: list[str]) -> int:
     return 0
 
 
+def _format_names() -> list[str]:
+    from hybrid_build.core import formats  # torch: only when --format is given
+
+    return formats.names()
+
+
 def register(sub, common) -> None:
-    from hybrid_build.core import formats
-    from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
+    from hybrid_build.core.cli_support import ExampleFormatter, LazyChoices, add_json_flag
 
     from ..stages import STAGES
-
-    other_format = next((n for n in formats.names() if n != formats.DEFAULT), formats.DEFAULT)
 
     p = sub.add_parser(
         "run", parents=[common], formatter_class=ExampleFormatter,
@@ -188,7 +195,7 @@ def register(sub, common) -> None:
         epilog="examples:\n"
                "  hybrid-build run -o out/                            # tiny demo model, whole pipeline\n"
                "  hybrid-build run Intel/Qwen3.5-122B-A10B-int4-AutoRound -o hybrid/ --dry-run\n"
-               f"  hybrid-build run ./int4 -o hybrid/ --recipe qwen3.5-122b-a10b --format {other_format}\n"
+               "  hybrid-build run ./int4 -o hybrid/ --recipe qwen3.5-122b-a10b --format compressed-tensors\n"
                "  hybrid-build run ./int4 -o hybrid/ --from assemble   # redo assembly and validation")
     p.add_argument("source", nargs="?", help="INT4 checkpoint folder or Hub id (default: the tiny demo model)")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder")
@@ -201,12 +208,13 @@ def register(sub, common) -> None:
                                                    "recomputed even if current)")
     p.add_argument("--force", action="store_true", help="re-run stages even if their manifests match, and build "
                                                         "with a --recipe that does not fit the source")
-    p.add_argument("--format", choices=formats.names(),
-                   help=f"override the recipe's output format ({formats.choices_help()})")
+    p.add_argument("--format", choices=LazyChoices(_format_names), metavar="FORMAT",
+                   help="override the recipe's output format: inc-hybrid (auto-round layout, served through the "
+                        "hybrid-build vLLM plugin) or compressed-tensors (stock vLLM loads it); docs/formats.md")
     p.add_argument("--observer", choices=["minmax", "mse"], help="override the FP8 observer")
     p.add_argument("--fp8-source", metavar="CKPT",
                    help="take the FP8 shared experts from this official FP8 checkpoint (folder or Hub id)")
     p.add_argument("--no-validate", action="store_true", help="skip the validate stage")
     add_json_flag(p)
-    p.set_defaults(handler=_handle)
+    p.set_defaults(handler=_handle, resumes=True)  # finished stages are kept: the same command goes on
 

@@ -46,10 +46,20 @@ def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
     return [], details
 
 
+def writes(ctx: BuildContext) -> int:
+    """The report, its picture and the reference: counted in the build's space check before a shard
+    is written, so that a disk too small for them refuses the build instead of filling while the
+    reference is written."""
+    from hybrid_build.validate.end_to_end import load_texts
+    from hybrid_build.validate.report import planned_bytes
+
+    return planned_bytes(load_texts(None), len(ctx.plan.conversions), ctx.recipe.validate_.e2e)
+
+
 def current(out: Path) -> str | None:
     """Why the stage's finished result no longer holds: the build's validation is not a pass now."""
     outcome = validation_outcome(out)
     return None if outcome.passed else f"validation {outcome.state}: {outcome.reason}"
 
 
-STAGE = Stage("validate", run, inputs=inputs, reads=("record",), check=check, current=current)
+STAGE = Stage("validate", run, inputs=inputs, reads=("record",), check=check, current=current, writes=writes)

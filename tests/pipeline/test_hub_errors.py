@@ -17,7 +17,7 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import hf_raise_for_status
 
 from hybrid_build.core.checkpoint import resolve_source
-from hybrid_build.core.errors import ExternalToolError, UserError
+from hybrid_build.core.errors import CannotRun, UserError
 from hybrid_build.core.hub_errors import classify, hub_message
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.commands import publish as publish_command
@@ -65,26 +65,25 @@ def one_error(capsys) -> str:
 
 def test_offline_with_an_empty_cache(capsys):
     # HF_HUB_OFFLINE=1 (set for every test): the real snapshot_download looks in the empty cache
-    with pytest.raises(UserError, match=f"^{REPO}: not in the local Hub cache, and HF_HUB_OFFLINE is set"):
+    with pytest.raises(CannotRun, match=f"^{REPO}: not in the local Hub cache, and HF_HUB_OFFLINE is set"):
         resolve_source(REPO)
-    assert main(["inspect", REPO]) == 2
+    assert main(["inspect", REPO]) == 3  # no Hub here: could not run
     assert "HF_HUB_OFFLINE" in one_error(capsys)
 
 
 def test_offline_mode_raised_by_the_library(online):
     online(OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/models: offline mode is enabled."))
-    with pytest.raises(UserError, match="HF_HUB_OFFLINE is set"):
+    with pytest.raises(CannotRun, match="HF_HUB_OFFLINE is set"):
         resolve_source(REPO)
 
 
 def test_unreachable_hub(online, capsys):
     calls = online(httpx.ConnectError("[Errno -3] Temporary failure in name resolution",
                                       request=httpx.Request("GET", f"https://huggingface.co/api/models/{REPO}")))
-    with pytest.raises(ExternalToolError,
-                       match=r"cannot reach the Hub \(.*name resolution.*\).*not in the local Hub cache"):
+    with pytest.raises(CannotRun, match=r"cannot reach the Hub \(.*name resolution.*\).*not in the local Hub cache"):
         resolve_source(REPO)
     assert calls == [(REPO, "main")]
-    assert main(["inspect", REPO]) == 1
+    assert main(["inspect", REPO]) == 3
     one_error(capsys)
 
 
@@ -137,9 +136,9 @@ def test_revision_not_found(online):
 
 def test_hub_down_is_not_a_user_error(online, capsys):
     online(hub_answer(503, message="Service Unavailable"))
-    with pytest.raises(ExternalToolError, match=r"the Hub failed \(HTTP 503"):
+    with pytest.raises(CannotRun, match=r"the Hub failed \(HTTP 503"):
         resolve_source(REPO)
-    assert main(["inspect", REPO]) == 1
+    assert main(["inspect", REPO]) == 3
     one_error(capsys)
 
 
@@ -181,7 +180,7 @@ def cli(monkeypatch, hub, no_sleep):
      2, "unauthorized (HTTP 401): the token was refused"),
     (hub_answer(403, message="You don't have the rights to create a model under this namespace",
                 url="https://huggingface.co/api/repos/create"), 2, "the token needs write access to that namespace"),
-    (OfflineModeIsEnabled("offline mode is enabled"), 2, "HF_HUB_OFFLINE is set: publishing needs the network"),
+    (OfflineModeIsEnabled("offline mode is enabled"), 3, "HF_HUB_OFFLINE is set: publishing needs the network"),
 ], ids=["gated", "unauthorized", "forbidden", "offline"])
 def test_publish_names_the_cause(artifact, cli, hub, capsys, exc, code, says):
     hub.fail_calls["create_repo"] = [exc]

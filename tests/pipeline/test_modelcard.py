@@ -61,7 +61,9 @@ def test_metadata_parses_and_says_what_the_artifact_is(artifact):
     kinds = {c["kind"] for c in prov["converted"]}
     assert kinds == {"fp8", "int8"}
     assert {"int4", "fp8", "int8", "auto-round", "hybrid"} <= set(meta["tags"])
-    assert meta["library_name"] == "transformers"
+    # no library loads it as it is (transformers reads neither its FP8 experts nor its int8 head; vLLM
+    # needs the plugin and is a Hub local app, not a library): no loading snippet that would fail
+    assert "library_name" not in meta
     # the tiny source is a local folder: no Hub id to name as base model, and no license anywhere
     assert "base_model" not in meta
     assert meta["license"] == "other"
@@ -101,7 +103,8 @@ def test_sizes_and_conversion_bytes_match_the_files(artifact):
     _, body = split_card(plan.card_text)
     prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
     sizes = {r[0]: int(r[1].replace(",", "")) for r in table_rows(body, "what")}
-    assert sizes["source weights (safetensors)"] == sum(f["bytes"] for f in prov["source"]["files"].values())
+    assert sizes["source weights (safetensors)"] == sum(f["bytes"] for n, f in prov["source"]["files"].items()
+                                                        if n.endswith(".safetensors"))
     assert sizes["hybrid weights (safetensors)"] == sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
     conv = {r[0]: r for r in table_rows(body, "kind")}
     n_fp8 = sum(1 for c in prov["converted"] if c["kind"] == "fp8")
@@ -140,7 +143,7 @@ def test_hub_source_becomes_base_model_and_its_card_license_is_carried(artifact)
 
 def test_serving_section_uses_the_recipe_profile(artifact):
     _, body = split_card(plan_publish(artifact, REPO).card_text)
-    assert f"hybrid-build serve {REPO} --recipe tiny --profile dense" in body
+    assert "`hybrid-build serve . --profile dense --drafter` with a DFlash drafter for the source model" in body
     prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
     dense = prov["recipe"]["serve"]["profiles"]["dense"]
     vllm_line = next(line for line in body.splitlines() if line.startswith("vllm serve"))
@@ -192,26 +195,45 @@ def test_card_does_not_tell_readers_to_pip_install_hybrid_build(artifact):
     assert "not on PyPI" in body
 
 
-def test_the_cards_hybrid_build_command_runs(artifact, capsys):
-    """The card's `hybrid-build serve` line, pasted (with --dry-run: no GPU here), plans a launch;
-    the tiny recipe's drafter was a folder on the build machine, so the reader names theirs."""
+def _publish_drafter(artifact, drafter: str) -> None:
+    """The recipe copy's dense drafter set to ``drafter``, in the recipe file and the provenance alike
+    (as a build with that recipe would have recorded it)."""
+    recipe_path = artifact / "hybrid_build" / "recipe.yaml"
+    recipe = yaml.safe_load(recipe_path.read_text())
+    recipe["serve"]["profiles"]["dense"]["speculative"]["model"] = drafter
+    text = yaml.safe_dump(recipe, sort_keys=False)
+    recipe_path.write_text(text)
+
+    def change(prov):
+        prov["recipe"]["serve"]["profiles"]["dense"]["speculative"]["model"] = drafter
+        prov["files"]["hybrid_build/recipe.yaml"] = {"bytes": len(text.encode()),
+                                                     "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+    edit_provenance(artifact, change)
+
+
+def test_the_cards_commands_run_as_printed_in_a_copy_of_the_repository(artifact, capsys, monkeypatch):
+    """The card's `hybrid-build serve` line, pasted in the artifact's folder (a copy of the repository;
+    with --dry-run: no GPU here), plans the launch of that folder with its drafter; `vllm serve .` names
+    the same folder and settings. The tiny recipe's own drafter was a folder on the build machine: the
+    card says so in words and prints no command with a name to fill in."""
     from hybrid_build.pipeline.cli import main
 
     _, body = split_card(plan_publish(artifact, REPO).card_text)
-    line = next(ln for ln in body.splitlines() if ln.startswith("hybrid-build serve"))
-    assert line == f"hybrid-build serve {REPO} --recipe tiny --profile dense --drafter YOUR_DFLASH_DRAFTER"
-    args = shlex.split(line.replace("YOUR_DFLASH_DRAFTER", "z-lab/some-drafter"))[1:]
-    assert main(args + ["--dry-run", "--json"]) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["model"] == REPO and '"model":"z-lab/some-drafter"' in " ".join(plan["argv"])
-    # a recipe that is not shipped: the card fetches the repo's own copy first
-    def change(prov):
-        prov["recipe"]["name"] = "my-own"
-
-    edit_provenance(artifact, change)
+    assert not [ln for ln in body.splitlines() if ln.startswith("hybrid-build serve")]
+    _publish_drafter(artifact, "z-lab/some-drafter")
     _, body = split_card(plan_publish(artifact, REPO).card_text)
-    assert f"hf download {REPO} hybrid_build/recipe.yaml --local-dir .\nhybrid-build serve {REPO} --recipe " \
-           "hybrid_build/recipe.yaml --profile dense" in body
+    line = next(ln for ln in body.splitlines() if ln.startswith("hybrid-build serve"))
+    assert line == "hybrid-build serve . --profile dense"
+    monkeypatch.chdir(artifact)
+    assert main(shlex.split(line)[1:] + ["--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["argv"][:3] == ["vllm", "serve", str(artifact.resolve())]
+    assert '"model":"z-lab/some-drafter"' in " ".join(plan["argv"])
+    vllm_line = next(ln for ln in body.splitlines() if ln.startswith("vllm serve"))
+    served = plan["argv"][plan["argv"].index("--served-model-name") + 1]
+    assert shlex.split(vllm_line)[:5] == ["vllm", "serve", ".", "--served-model-name", served]
+    assert '"model":"z-lab/some-drafter"' in vllm_line
 
 
 def test_a_local_drafter_is_not_put_into_the_plain_vllm_command(artifact):
@@ -219,7 +241,7 @@ def test_a_local_drafter_is_not_put_into_the_plain_vllm_command(artifact):
     _, body = split_card(plan_publish(artifact, REPO).card_text)
     vllm_line = next(line for line in body.splitlines() if line.startswith("vllm serve"))
     assert "--speculative-config" not in vllm_line and "{source}" not in vllm_line
-    assert "drafts with a local DFlash drafter (`{source}-dflash`), which is not published" in body
+    assert "a DFlash drafter that was a folder on the build machine and is not in this repository" in body
 
 
 @pytest.mark.parametrize("old_id", [".hybrid-build/demo-source", "/home/someone/models/tiny-int4"])
@@ -360,3 +382,117 @@ def test_the_card_links_the_source_address_the_package_declares(monkeypatch):
     monkeypatch.setattr(md, "metadata", lambda name: Meta([]))
     assert "declares no address" in modelcard._install_hint()
     monkeypatch.setattr(md, "metadata", real)
+
+
+# ------------------------------------------------------------------------------------ a card that is true
+
+
+def test_every_number_on_the_card_is_recomputed_from_the_files(artifact):
+    """Each figure of the conversion and size tables, recomputed here from the provenance, the
+    safetensors headers and the files themselves: the size row's percentage is the table's own rows."""
+    from safetensors import safe_open
+
+    plan = plan_publish(artifact, REPO)
+    _, body = split_card(plan.card_text)
+    prov = json.loads((artifact / "hybrid_build" / "provenance.json").read_text())
+    index = json.loads((artifact / "model.safetensors.index.json").read_text())["weight_map"]
+    for row in table_rows(body, "kind"):
+        kind, modules, params, bf16, stored, ratio = row
+        convs = [c for c in prov["converted"] if c["kind"] == kind]
+        want_params = sum(c["shape"][0] * c["shape"][1] for c in convs)
+        want_stored = 0
+        for c in convs:
+            for name in c["tensors"]:
+                with safe_open(artifact / index[name], "pt") as f:
+                    t = f.get_slice(name)
+                    want_stored += math.prod(t.get_shape()) * {"F8_E4M3": 1, "F32": 4, "I32": 4, "F16": 2, "BF16": 2,
+                                                               "I8": 1, "U8": 1}[t.get_dtype()]
+        assert int(modules) == len(convs) and int(params.replace(",", "")) == want_params
+        assert int(bf16.replace(",", "")) == 2 * want_params and int(stored.replace(",", "")) == want_stored
+        assert ratio == f"{want_stored / (2 * want_params):.3f}"
+    worst = {k: max(c["metrics"]["rel_error"] for c in prov["converted"] if c["kind"] == k) for k in ("fp8", "int8")}
+    assert f"Worst relative weight error at conversion: fp8 {worst['fp8']:.4g}, int8 {worst['int8']:.4g}." in body
+    t = prov["tensors"]
+    assert f"Tensors: {t['total']} in all, {t['copied']} copied unchanged from the source." in body
+
+    sizes = {r[0]: int(r[1].replace(",", "")) for r in table_rows(body, "what")}
+    source = sum(f["bytes"] for n, f in prov["source"]["files"].items() if n.endswith(".safetensors"))
+    hybrid = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
+    published = sum((artifact / f.path).stat().st_size for f in plan.files if f.path != "README.md")
+    assert sizes == {"source weights (safetensors)": source, "hybrid weights (safetensors)": hybrid,
+                     "all published files (this card aside)": published}
+    assert f"Weights change by {(hybrid - source) / source:+.2%} on disk." in body
+    reference = sum((artifact / "hybrid_build" / n).stat().st_size for n in ("reference.json", "reference.safetensors"))
+    assert f"`hybrid_build/reference.safetensors` and `hybrid_build/reference.json` ({reference / 1e6:.2g} MB)" in body
+
+
+# what a template left unfilled looks like: a {field}, a name to replace, a made-up repository, a value
+# that was missing when the card was rendered
+UNRESOLVED = re.compile(r"\{[A-Za-z_][\w.-]*\}|YOUR_|\blocal/|\bORG/NAME\b|<[A-Z][A-Z_]*>|\bTODO\b|FIXME|`\?`|`None`|"
+                        r"\bnan\b|%\(|\$\{")
+
+
+def _card_variants(artifact):
+    """The card of the artifact as it is, then with an eval and a bench report, a Hub source, a recipe
+    that is not shipped, a Hub drafter, and forced without a validation report."""
+    yield "as built", plan_publish(artifact, REPO).card_text
+    write_eval_report(artifact)
+    (artifact / "hybrid_build" / "bench.json").write_text(json.dumps(
+        {"kind": "hybrid-build bench", "schema_version": 2, "runs": 3, "max_tokens": 64, "temperature": 0,
+         "results": [{"workload": "prose", "decode_tok_s": 10.0, "e2e_tok_s": 9.0, "ttft_s": 0.1}]}))
+    yield "with eval and bench", plan_publish(artifact, REPO).card_text
+
+    def hub_source(prov):
+        prov["source"].update(kind="hub", id="Intel/Qwen3.5-122B-A10B-int4-AutoRound", revision="0123abcd")
+        prov["recipe"]["name"] = "my-own"
+
+    edit_provenance(artifact, hub_source)
+    yield "a Hub source, an own recipe", plan_publish(artifact, REPO).card_text
+    _publish_drafter(artifact, "z-lab/some-drafter")
+    yield "a Hub drafter", plan_publish(artifact, REPO).card_text
+    for name in ("validation.json", "validation.md", "validation.png"):
+        (artifact / "hybrid_build" / name).unlink()
+    yield "forced, unvalidated", plan_publish(artifact, REPO, force=True).card_text
+
+
+def test_no_unresolved_template_field_reaches_the_card(artifact):
+    for what, text in _card_variants(artifact):
+        found = sorted({m.group(0) for m in UNRESOLVED.finditer(text)})
+        assert not found, (what, found)
+        assert REPO not in text, what  # the card is the artifact's, wherever it is published
+
+
+def test_every_link_works_on_the_hub(artifact):
+    """A link is a web address, or a file of the repository (relative to its root, where README.md
+    is): the picture is linked only when it is uploaded with the card."""
+    for what, text in _card_variants(artifact):
+        plan_files = None
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith("https://"):
+                continue
+            if plan_files is None:
+                plan_files = {f.path for f in plan_publish(artifact, REPO, force=True).files}
+            assert target in plan_files, (what, target)
+    assert "validation.png" not in text  # the last variant has no picture to upload, and links none
+
+
+def test_the_folders_card_is_what_publish_uploads(artifact, hub, no_sleep, monkeypatch):
+    """The card `run` leaves in the folder (``write_card``) is byte for byte the README.md that
+    `publish` uploads through the Hub client; a report added later (eval) changes both alike, and
+    publish keeps its card in the folder."""
+    from hybrid_build.pipeline import publish as publish_lib
+    from hybrid_build.pipeline.cli import main
+    from hybrid_build.pipeline.commands import publish as publish_command
+
+    policy, _ = no_sleep
+    monkeypatch.setattr(publish_command, "make_api", lambda: hub)
+    monkeypatch.setattr(publish_command, "make_retry", lambda: policy)
+    folder_card = publish_lib.write_card(artifact).read_bytes()
+    assert main(["publish", str(artifact), "--repo-id", REPO]) == 0
+    assert hub.files(REPO)["README.md"] == folder_card
+    write_eval_report(artifact)
+    assert main(["publish", str(artifact), "--repo-id", "other-org/another-name"]) == 0
+    uploaded = hub.files("other-org/another-name")["README.md"]
+    assert uploaded != folder_card and b"## Task accuracy" in uploaded
+    assert (artifact / "hybrid_build" / "card.md").read_bytes() == uploaded
+    assert publish_lib.write_card(artifact).read_bytes() == uploaded  # the same, wherever it goes

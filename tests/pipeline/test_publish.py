@@ -25,9 +25,11 @@ REPO = "my-org/tiny-hybrid"
 
 
 def artifact_files(artifact: Path) -> dict[str, int]:
-    """What is in the folder, by walking it (the work dir excluded): the expected upload."""
+    """What is in the folder, by walking it (the work dir excluded): the expected upload. The folder's
+    card (hybrid_build/card.md) goes up as README.md, not under its own name."""
     return {p.relative_to(artifact).as_posix(): p.stat().st_size for p in artifact.rglob("*")
-            if p.is_file() and not p.relative_to(artifact).parts[0].startswith(".")}
+            if p.is_file() and not p.relative_to(artifact).parts[0].startswith(".")
+            and p.relative_to(artifact).as_posix() != "hybrid_build/card.md"}
 
 
 def sha256(data: bytes) -> str:
@@ -160,14 +162,14 @@ def test_user_mistakes_exit_2(artifact, cli, tmp_path, capsys):
 # ------------------------------------------------------------------------------------ upload
 
 
-def test_publish_uploads_everything_once_and_verifies(validated_artifact, cli, hub, capsys):
-    assert cli(validated_artifact, "--repo-id", REPO, "--private") == 0
+def test_publish_uploads_everything_once_and_verifies(artifact, cli, hub, capsys):
+    assert cli(artifact, "--repo-id", REPO, "--private") == 0  # a copy: publish keeps its card in the folder
     remote = hub.files(REPO)
-    expected = artifact_files(validated_artifact)
+    expected = artifact_files(artifact)
     for path in expected:
         if path == "README.md":
             continue
-        assert remote[path] == (validated_artifact / path).read_bytes(), path
+        assert remote[path] == (artifact / path).read_bytes(), path
     assert set(remote) == set(expected) | {"README.md", ".gitattributes"}
     assert not any(p.startswith(".hybrid-build") for p in remote)
     assert hub.repos[REPO].private
@@ -197,7 +199,7 @@ def test_interrupted_upload_resumes_without_resending(artifact, cli, hub, capsys
     victim = "model-00003-of-00003.safetensors"
     assert victim in [f.path for f in plan.files]
     hub.fail_on_send[victim] = [ConnectionError("connection reset by peer")] * 10
-    assert cli(artifact, "--repo-id", REPO) == 1
+    assert cli(artifact, "--repo-id", REPO) == 3  # the Hub did not answer: could not run
     err = capsys.readouterr().err
     assert err.startswith(f"part 1/1: sending {len(plan.files)} file(s)")  # the progress line before the part
     assert len(error_lines(err)) == 1 and "run the same command again to resume" in err
@@ -247,7 +249,7 @@ def test_small_batches_each_commit_separately(artifact, hub, no_sleep):
 def test_network_errors_are_retried_with_backoff_then_reported_in_one_line(artifact, cli, hub, no_sleep, capsys):
     policy, waits = no_sleep
     hub.fail_calls["create_repo"] = [ConnectionError("name resolution failed")] * policy.attempts
-    assert cli(artifact, "--repo-id", REPO) == 1
+    assert cli(artifact, "--repo-id", REPO) == 3
     err = capsys.readouterr().err
     assert len(error_lines(err)) == 1
     assert f"did not answer after {policy.attempts} attempts" in err and "name resolution failed" in err
@@ -273,7 +275,7 @@ def test_token_never_appears_in_output_or_logs(artifact, cli, hub, capsys, caplo
     # a server that echoes the request header back in its error message
     echo = ConnectionError(f"reset while sending 'Authorization: Bearer {FAKE_TOKEN}'")
     hub.fail_on_send["config.json"] = [echo] * 10
-    assert cli(artifact, "--repo-id", REPO, "-vv") == 1
+    assert cli(artifact, "--repo-id", REPO, "-vv") == 3
     hub.fail_on_send.clear()
     assert cli(artifact, "--repo-id", REPO, "-vv", "--json") == 0
     captured = capsys.readouterr()
@@ -300,7 +302,7 @@ def test_revision_creates_the_branch_and_leaves_main_alone(artifact, cli, hub):
 
 def test_create_pr_resumes_into_the_same_pull_request(artifact, cli, hub, capsys):
     hub.fail_on_send["model-00003-of-00003.safetensors"] = [ConnectionError("reset")] * 10
-    assert cli(artifact, "--repo-id", REPO, "--create-pr") == 1
+    assert cli(artifact, "--repo-id", REPO, "--create-pr") == 3
     assert len(hub.repos[REPO].prs) == 1
     hub.fail_on_send.clear()
     capsys.readouterr()

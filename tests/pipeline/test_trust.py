@@ -239,7 +239,7 @@ def tmpfs(tmp_path):
 def test_small_disk_is_refused_before_writing(tiny_checkpoint, tmpfs, capsys):
     fs = tmpfs("3m")
     out = fs / "out"
-    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--recipe", "tiny"]) == 1
+    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--recipe", "tiny"]) == 2  # another folder fixes it
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "free on its filesystem" in err[0] and "MB" in err[0]
     assert not out.exists()  # refused before anything is written: not even the output folder
@@ -250,7 +250,7 @@ def test_disk_full_mid_write_is_one_line_and_nothing_looks_complete(tiny_checkpo
     out = fs / "out"
     real = shutil.disk_usage
     monkeypatch.setattr(runner.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))  # defeat the check
-    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--recipe", "tiny", "--json"]) == 1
+    assert main(["run", str(tiny_checkpoint), "-o", str(out), "--recipe", "tiny", "--json"]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "No space left on device" in err[0] and str(fs) in err[0]
@@ -265,7 +265,7 @@ def test_disk_full_mid_write_is_one_line_and_nothing_looks_complete(tiny_checkpo
 
 def test_read_only_output_is_one_line(tiny_checkpoint, tmpfs, capsys):
     fs = tmpfs("1m", readonly=True)
-    assert main(["run", str(tiny_checkpoint), "-o", str(fs / "out"), "--recipe", "tiny"]) == 1
+    assert main(["run", str(tiny_checkpoint), "-o", str(fs / "out"), "--recipe", "tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Read-only file system" in err[0] and str(fs / "out") in err[0]
 
@@ -280,7 +280,7 @@ def test_unreadable_source_file_is_one_line(tiny_copy, tmp_path, monkeypatch, ca
         return real_open(file, *a, **kw)
 
     monkeypatch.setattr("builtins.open", refusing_open)
-    assert main(["run", str(tiny_copy), "-o", str(tmp_path / "out"), "--recipe", "tiny", "--no-validate"]) == 1
+    assert main(["run", str(tiny_copy), "-o", str(tmp_path / "out"), "--recipe", "tiny", "--no-validate"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {victim}: Permission denied"]
 

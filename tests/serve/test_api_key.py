@@ -132,15 +132,21 @@ def test_the_key_is_in_no_argv_and_no_shown_environment(artifact, engine):
     assert plan.base_url == "http://127.0.0.1:8000/v1"
 
 
-def test_dry_run_shows_where_the_key_is_and_generates_none(artifact, tmp_path, capsys):
+def test_dry_run_shows_where_the_key_is_and_its_line_works_as_printed(artifact, tmp_path, capsys):
     base = ["serve", str(artifact), "--profile", "dense", "--recipe", "qwen3.5-122b-a10b", "--dry-run"]
     state = tmp_path / "state" / "hybrid-build"
     assert main(base) == 0  # loopback: as before
     assert "VLLM_API_KEY" not in capsys.readouterr().out
     assert main(base + ["--host", "0.0.0.0"]) == 0
     out = capsys.readouterr().out
-    assert f'export VLLM_API_KEY="$(cat {state / KEY_FILE})"' in out.splitlines()
-    assert "generated when serving starts" in out and not state.exists()
+    line = f'export VLLM_API_KEY="$(cat {state / KEY_FILE})"'
+    assert line in out.splitlines() and "(generated now;" in out
+    # pasted into a shell, the line gives vLLM the key serving would use: the file is there, 0600
+    shown = subprocess.run(["sh", "-c", f'{line} && printf %s "$VLLM_API_KEY"'], capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout == (state / KEY_FILE).read_text().strip() and shown.stdout
+    assert stat.S_IMODE((state / KEY_FILE).stat().st_mode) == 0o600
+    assert main(base + ["--host", "0.0.0.0"]) == 0  # the next run (dry or not) reuses it
+    assert "(generated earlier, reused;" in capsys.readouterr().out
     keyfile = tmp_path / "mine.key"
     keyfile.write_text(KEY)
     keyfile.chmod(0o600)

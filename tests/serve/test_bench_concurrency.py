@@ -351,9 +351,11 @@ def test_compare_saved_results_of_the_same_concurrency(monkeypatch, tmp_path, ca
 
 def test_concurrency_out_of_range_is_one_line(capsys):
     for n in ("0", str(bench_mod.MAX_CONCURRENCY + 1)):
-        assert main(["bench", "http://127.0.0.1:9/v1", "--concurrency", n]) == 2
+        with pytest.raises(SystemExit) as e:  # argparse's type refuses it before anything starts
+            main(["bench", "http://127.0.0.1:9/v1", "--concurrency", n])
+        assert e.value.code == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "--concurrency must be between 1 and" in err
+        assert err.count("\n") == 1 and "argument --concurrency: must be between 1 and" in err
 
 
 # ---- N = 1, 2, 4 against the stand-in server ------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_serve_cli_without_vllm_exits_with_one_line(tiny_artifact, monkeypatch, 
     monkeypatch.setenv("PATH", "/nonexistent")
     rc = main(["serve", str(tiny_artifact), "--profile", "dense", "--drafter", "some/drafter"])
     err = capsys.readouterr().err
-    assert rc == 1 and err.count("\n") == 1 and "'vllm' was not found" in err
+    assert rc == 3 and err.count("\n") == 1 and "'vllm' was not found" in err  # no engine: could not run
 
 
 # ---- bench
@@ -298,6 +298,6 @@ def test_bench_cli_errors(capsys):
     assert main(["bench", "127.0.0.1:9/v1"]) == 2
     assert main(["bench"]) == 2
     assert main(["bench", "http://a/v1", "http://b/v1", "http://c/v1"]) == 2
-    assert main(["bench", f"http://127.0.0.1:{free_port()}/v1", "--runs", "1"]) == 1
+    assert main(["bench", f"http://127.0.0.1:{free_port()}/v1", "--runs", "1"]) == 3  # no server: could not run
     err = capsys.readouterr().err
     assert "cannot reach" in err and err.count("\n") == 4

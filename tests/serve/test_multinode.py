@@ -99,6 +99,23 @@ def test_local_nodes_are_the_addresses_this_machine_can_bind():
         mn.resolve_nodes(["127.0.0.2", "x@127.0.0.2"])
 
 
+def test_a_dry_run_plans_names_that_do_not_resolve_here(artifact, capsys):
+    """README's `--nodes spark1,spark2` shape: a dry run shows the plan with the names (said in a
+    note); serving refuses a name that does not resolve. ``.invalid`` never resolves (RFC 6761)."""
+    names = "spark1.invalid,me@spark2.invalid"
+    argv = ["serve", str(artifact), "--profile", "dense", "--recipe", "qwen3.5-122b-a10b", "--nodes", names,
+            "--ifname", "IFACE"]
+    assert main(argv + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "ray start --block --head --port 6379" in out and "--node-ip-address spark1.invalid" in out
+    assert "# spark1.invalid, me@spark2.invalid: not resolved on this machine" in out
+    assert main(argv + ["--dry-run", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [n["ip"] for n in data["nodes"]] == ["spark1.invalid", "spark2.invalid"]
+    assert main(argv) == 2  # serving resolves them
+    assert "spark1.invalid: cannot resolve 'spark1.invalid'" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- plans
 
 
@@ -389,7 +406,7 @@ def test_a_head_elsewhere_reads_the_served_key_from_its_file(artifact, home, fak
 def test_the_served_key_is_never_shown_and_goes_where_vllm_listens_beyond_loopback(artifact, home, tmp_path, capsys,
                                                                                     monkeypatch):
     """``--nodes`` resolves the key as one node does, for the address the head's vLLM listens on:
-    none on a head here on loopback, one (generated when serving starts) on a head elsewhere; a given
+    none on a head here on loopback, one (generated, as a dry run does) on a head elsewhere; a given
     one is named by its origin or file in --dry-run and --json, never shown."""
     state = tmp_path / "state"
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
@@ -405,8 +422,8 @@ def test_the_served_key_is_never_shown_and_goes_where_vllm_listens_beyond_loopba
     assert "# no API key: vLLM listens on loopback (127.0.0.1)\n" in capsys.readouterr().out
     assert main(elsewhere) == 0
     out = capsys.readouterr().out
-    assert f"# API key: {state / 'hybrid-build' / 'serve-api-key'} (generated when serving starts;" in out
-    assert "--host 198.51.100.12 " in out and not state.exists()  # a dry run generates nothing
+    assert f"# API key: {state / 'hybrid-build' / 'serve-api-key'} (generated now;" in out
+    assert "--host 198.51.100.12 " in out and (state / "hybrid-build" / "serve-api-key").is_file()
     assert main(elsewhere + ["--engine", "docker"]) == 0
     assert ('VLLM_API_KEY="$(cat "$HOME"/.cache/hybrid-build/api-key-6379-node1)" && export VLLM_API_KEY && exec '
             'docker exec -e RAY_ADDRESS=198.51.100.12:6379 -e VLLM_API_KEY hybrid-build-ray-1 vllm serve /model ') \

@@ -353,7 +353,11 @@ def test_cli_json_table_and_plot(tiny_checkpoint, tmp_path, capsys):
 @pytest.mark.parametrize("extra", [["--bandwidth", "0"], ["--accept", "0.5"], ["--efficiency", "1.5"],
                                    ["--accept", "9", "--verify-block", "5"], ["--context", "-1"]])
 def test_cli_user_mistakes_exit_2(tiny_checkpoint, extra, capsys):
-    assert main(["plan", str(tiny_checkpoint), *extra]) == 2
+    try:
+        code = main(["plan", str(tiny_checkpoint), *extra])
+    except SystemExit as e:  # a value out of range: argparse's type refuses it before the source is read
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
 
@@ -560,3 +564,21 @@ def test_cli_bad_streams_and_contexts_exit_2(tiny_checkpoint, extra, says, capsy
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1 and says in err
+
+
+def test_concurrency_table_columns_are_aligned(tiny_checkpoint, capsys):
+    """Every heading of `plan --concurrency` ends where its column's numbers end, two spaces at least
+    from the next: the profiles' names (int8_head) are longer than the numbers under them."""
+    import re
+
+    assert main(["plan", str(tiny_checkpoint), "--concurrency", "1", "2", "--accept", "2", "4", "--context", "512"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("concurrent streams")) + 1
+    table = [ln for ln in lines[start:] if ln and not ln.startswith(("rests on", "note:"))]
+    header, rows = table[0], table[1:]
+    names = re.split(r"\s{2,}", header.strip())
+    assert names[:4] == ["context", "accept", "streams", "experts/layer"] and "int8_head /stream" in names
+    ends = [m.end() for m in re.finditer(r"\S+(?: /stream)?", header)]
+    assert len(ends) == len(names)
+    for row in rows:
+        assert len(row) == len(header) and [m.end() for m in re.finditer(r"\S+", row)] == ends, (header, row)

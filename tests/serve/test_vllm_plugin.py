@@ -92,6 +92,28 @@ def test_stock_vllm_misreads_the_fp8_shared_experts(version, tiny_artifact, tmp_
 
 
 @pytest.mark.vllm
+def test_what_the_card_says_stock_vllm_does_is_what_its_code_does(tiny_artifact, tmp_path):
+    """The model card's serving note (``inc_hybrid.serving_note``) states, for vLLM 0.25.1 and 0.33.0,
+    how stock INC resolves the FP8 shared experts and the int8 head: the real INCConfig of each
+    version, on the artifact's quantization_config, resolves them so."""
+    from hybrid_build.core.formats import inc_hybrid
+
+    note = inc_hybrid.FORMAT.serving_note(int8_head=True)
+    assert "In vLLM 0.25.1 and 0.33.0" in note
+    assert "resolve to 8-bit integer GPTQ layers with group size 128" in note
+    assert "0.25.1 resolves it as an unquantized layer, 0.33.0 as an 8-bit integer GPTQ layer" in note
+    head = {"0.25.1": "UnquantizedLinearMethod", "0.33.0": "INCWNA16LinearScheme"}
+    for version in ("0.25.1", "0.33.0"):
+        layers = _probe(version, tiny_artifact, "stock", tmp_path)["layers"]
+        shared = [v for k, v in layers.items() if ".shared_expert." in k]
+        assert shared and all((v.get("scheme"), v.get("bits"), v.get("group_size")) == ("INCWNA16LinearScheme", 8, 128)
+                              for v in shared), (version, shared)
+        lm = layers["language_model.lm_head"]
+        assert head[version] in (lm.get("scheme"), lm["method"]), (version, lm)
+        assert lm.get("bits", 8) == 8
+
+
+@pytest.mark.vllm
 def test_switched_off_fp8_dispatch_leaves_the_shared_experts_to_stock_inc(tiny_artifact, tmp_path):
     """HYBRID_BUILD_DISABLE_FIXES=inc_fp8_dispatch through the real INCConfig of 0.33.0: the shared
     experts resolve as stock vLLM resolves them, the int8 head (another fix) as with the plugin."""

@@ -319,7 +319,7 @@ def test_one_line_errors(built_artifact, standin, capsys, tmp_path):
                                   r"the bundled offline tasks are hybrid_build, hybrid_build_gen", line)
     port = _free_port()
     code, line = _error(capsys, ["eval", "--source-url", f"http://127.0.0.1:{port}/v1", "--hybrid-url", url, *out])
-    assert code == 1 and line.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1 (")
+    assert code == 3 and line.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1 (")  # could not run
     code, line = _error(capsys, ["eval", "--url", url, "--source-model", "base", "--hybrid-model", "hybrid", *out])
     assert code == 2
     assert line == f"error: {url} serves 'source', 'hybrid', not 'base' (--source-model): is it the source server?"
@@ -342,3 +342,22 @@ def test_a_task_that_needs_the_network_offline():
     with pytest.raises(UserError, match=r"^task gsm8k needs its dataset from the Hugging Face Hub and HF_HUB_OFFLINE "
                                         r"is set .*use the bundled offline tasks \(--tasks hybrid_build\)$"):
         task_eval.check_tasks(["gsm8k"], manager, "hf")
+
+
+def test_eval_says_what_it_does_before_the_slow_parts_and_does_not_promise_a_resume(built_artifact, tiny_checkpoint,
+                                                                                     tmp_path, monkeypatch, capsys):
+    """Its first lines come before lm-eval is imported or its task index built (tens of seconds, with no
+    progress bar off a terminal); stopped there, it says that it starts over, for it keeps nothing."""
+    def stop(_tasks):  # where lm-eval's task index would be built: the first slow step
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(task_eval, "task_manager", stop)
+    code = main(["eval", str(built_artifact), "--source", str(tiny_checkpoint), "--limit", "2",
+                 "--out", str(tmp_path / "e.json")])
+    assert code == 130
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"eval: hf backend, tasks hybrid_build, 2 example(s) per task; report {tmp_path / 'e.json'}"
+    assert err[1] == "eval: loading lm-eval's task index"
+    assert err[-1] == "interrupted: nothing of this run is kept: the same command starts over"
+    assert "resume" not in "\n".join(err)
+    assert list(tmp_path.iterdir()) == []

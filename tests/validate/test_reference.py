@@ -48,6 +48,20 @@ def test_validate_writes_a_current_reference(validated):
     assert set(data["texts"]) == set(report.end_to_end["texts"])
 
 
+def test_the_reference_has_the_mode_of_every_other_file(validated):
+    """Every file validate and the build wrote has the mode the umask gives (the reference was
+    written 0600 by safetensors' writer while the others were 0644)."""
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    art, _ = validated
+    modes = {str(p.relative_to(art)): stat.S_IMODE(p.stat().st_mode) for p in art.rglob("*") if p.is_file()}
+    assert any(f.endswith("reference.safetensors") for f in modes)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
 def test_shapes_dtypes_and_probabilities(validated):
     art, report = validated
     ref = read_reference(art)
