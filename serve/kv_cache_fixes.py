@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 class Anchor:
     """What a fix assumes about one vLLM function's source text."""
 
-    module: str
+    modules: tuple[str, ...]        # where the function may live (the first that has it is checked)
     qualname: str
     needs: tuple[str, ...]          # each must occur in the function's source
     upstream: tuple[str, ...] = ()  # any of these: the version already does what the fix does
@@ -71,11 +71,12 @@ class Anchor:
         return "apply" if all(n in source for n in self.needs) else "differs"
 
 
-UNIFY = "vllm.v1.core.kv_cache_utils"
-SCHEDULER = "vllm.v1.core.sched.scheduler"
+UNIFY = ("vllm.v1.core.kv_cache_utils",)
+PLANNING = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")  # 0.33 plans in the latter
+SCHEDULER = ("vllm.v1.core.sched.scheduler",)
 
 # vLLM 0.25.1's unify: the ratio branch that cannot grow a GDN page, and the assert it trips
-KV_UNIFY = Anchor(UNIFY, "unify_kv_cache_spec_page_size", needs=(
+KV_UNIFY = Anchor(PLANNING, "unify_kv_cache_spec_page_size", needs=(
     "new_spec = replace(layer_spec, block_size=new_block_size)",
     "assert new_spec.page_size_bytes == max_page_size",
 ), upstream=("elif isinstance(layer_spec, MambaSpec):",))
@@ -114,15 +115,18 @@ def _resolve(anchor: Anchor):
     """The live object an anchor names (None when the module or attribute is missing)."""
     import importlib
 
-    try:
-        obj = importlib.import_module(anchor.module)
-    except ImportError:
-        return None
-    for part in anchor.qualname.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return getattr(obj, "stock", obj) if getattr(obj, "hybrid_build_fix", False) else obj
+    for module in anchor.modules:
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            continue
+        for part in anchor.qualname.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        else:
+            return getattr(obj, "stock", obj) if getattr(obj, "hybrid_build_fix", False) else obj
+    return None
 
 
 # ------------------------------------------------------------------------------ page layouts
@@ -280,7 +284,8 @@ def install(enabled: frozenset[str]) -> dict[str, str]:
         found = verdicts(fix_id)
         if "differs" in found:
             missing = [f"{a.qualname}" for a, v in zip(ANCHORS[fix_id], found) if v == "differs"]
-            state[fix_id] = f"refused: {', '.join(missing)} is not the source it was written against"
+            state[fix_id] = (f"refused: this vLLM's {', '.join(missing)} is not the source the fix was written "
+                             "against (vLLM 0.25.1 / 0.26.0)")
         elif all(v == "upstream" for v in found):
             state[fix_id] = "upstream"
         else:
