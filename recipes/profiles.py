@@ -47,6 +47,9 @@ class ServeProfile(BaseModel):
     max_model_len: int = Field(262144, ge=256)
     max_num_seqs: int = Field(4, ge=1)
     enable_prefix_caching: bool = True
+    prefix_caching_note: str | None = Field(
+        None, description="why this profile cannot cache a warm prefix well (or has caching off): `serve` prints "
+                          "it, and `plan` / the model card claim no warm-prefix TTFT for it")
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's --kv-cache-dtype: 'fp8' halves the bytes each decode step reads per token of "
                             "context in the full-attention layers (plan --kv-dtype fp8 shows the effect); check "

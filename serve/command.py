@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {plan.api_key.announce()}")
         return 0
     check_prerequisites(plan)
-    warn_if_untested(plan)  # an untested vLLM still runs: verify checks what it serves
+    version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
+    warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
@@ -176,6 +177,29 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+
+
+def _check_engine(args: argparse.Namespace, plan) -> str | None:
+    """The engine's vLLM version, once the DFlash drafter's config has been checked against it
+    (``engine_check``): a combination that will not start raises (exit 3: another vLLM is needed; 2:
+    a switch of this command line stops it); notes (a drafter that could not be read, a warm prefix
+    that will not be claimed) are printed."""
+    from . import engine_check
+    from .engine import fixes_off
+    from .launcher import served_vllm_version
+
+    version = served_vllm_version(plan)
+    if plan.drafter is None:
+        return version
+    drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
+    target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
+    notes = [f"the DFlash drafter was not checked against the engine: {why}"] if drafter is None else \
+        engine_check.check(version, plan.engine, engine_check.shapes(drafter, target), fixes_off(args.disable_fix),
+                           engine_check.server_env(plan.env), plan.prefix_caching).notes
+    if not args.quiet:
+        for note in notes:  # stdout stays JSON with --json
+            print(f"note: {note}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    return version
 
 
 def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
