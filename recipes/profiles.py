@@ -54,7 +54,10 @@ class ServeProfile(BaseModel):
         "auto", description="vLLM's --kv-cache-dtype: 'fp8' halves the bytes each decode step reads per token of "
                             "context in the full-attention layers (plan --kv-dtype fp8 shows the effect); check "
                             "the served numerics with `hybrid-build verify` before relying on it (docs/serve.md)")
-    tool_call_parser: str | None = "qwen3_coder"
+    # Qwen3.5 emits <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>: in vLLM
+    # 0.25.1-0.33.0 `qwen3_xml` and `qwen3_coder` are one parser of that format; in 0.23.0 they are two,
+    # and only qwen3_xml works without those tags being tokens of the vocabulary (docs/serve.md, Tool calls)
+    tool_call_parser: str | None = "qwen3_xml"
     reasoning_parser: str | None = "qwen3"
     load_format: str | None = None
     served_model_name: str = "qwen"
