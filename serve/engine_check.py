@@ -44,15 +44,18 @@ class SourceFact:
 # vLLM 0.25.1 refuses a drafter that mixes sliding-window and full attention layers
 MIXED_RAISES = SourceFact(("0.25.1",), "vllm/model_executor/models/qwen3_dflash.py",
                           "DFlash does not yet support mixed sliding/full attention via")
-# 0.26.0 and 0.33.0 accept it on the V2 model runner, which they force for it unless told otherwise
+# 0.26.0 and 0.33.0 accept it on the V2 model runner, which they force for it unless told otherwise,
+# and want a window for its sliding layers
 MIXED_NEEDS_V2 = SourceFact(("0.26.0", "0.33.0"), "vllm/model_executor/models/qwen3_dflash.py",
                             "DFlash drafters with mixed sliding/full attention require")
 MIXED_FORCES_V2 = SourceFact(("0.26.0", "0.33.0"), "vllm/config/vllm.py", "if self._dflash_needs_multi_kv_group():")
+WINDOW_READ = SourceFact(("0.25.1", "0.26.0", "0.33.0"), "vllm/model_executor/models/qwen3_dflash.py",
+                         '"swa_window_size", getattr(config, "sliding_window", None)')
 # 0.25.1 grows every smaller page by a block-size ratio and asserts; a GDN page cannot grow
 PAGE_ASSERT = SourceFact(("0.25.1", "0.26.0"), "vllm/v1/core/kv_cache_utils.py",
                          "assert new_spec.page_size_bytes == max_page_size", only=False)
 PAGE_PADS_GDN = SourceFact(("0.26.0",), "vllm/v1/core/kv_cache_utils.py", "elif isinstance(layer_spec, MambaSpec):")
-FACTS = (MIXED_RAISES, MIXED_NEEDS_V2, MIXED_FORCES_V2, PAGE_ASSERT, PAGE_PADS_GDN)
+FACTS = (MIXED_RAISES, MIXED_NEEDS_V2, MIXED_FORCES_V2, WINDOW_READ, PAGE_ASSERT, PAGE_PADS_GDN)
 # 0.23.0 (PyPI) builds every drafter layer as full attention: its qwen3_dflash.py reads neither
 # layer_types nor a sliding window (a test checks that absence)
 CHECKED = ("0.23.0", "0.25.1", "0.26.0", "0.33.0")
@@ -65,6 +68,7 @@ class Shapes:
     """What the rules read from the two configs (None: not known)."""
 
     drafter_types: list[str] | None = None
+    drafter_window: int | None = None     # what vLLM's DFlash reads for its sliding layers
     drafter_kv_bytes: int | None = None   # per token and layer, before the KV dtype (x2 bytes)
     target_kv_bytes: int | None = None
     target_hybrid: bool | None = None     # has linear-attention (GDN) layers
@@ -97,7 +101,12 @@ def shapes(drafter: dict | None, target: dict | None) -> Shapes:
         hybrid = "linear_attention" in text["layer_types"]
     elif "full_attention_interval" in text or "linear_num_value_heads" in text:
         hybrid = True
-    return Shapes(drafter_types=list(types) if isinstance(types, list) else None,
+    d = drafter or {}
+    # transformers' Qwen3Config keeps sliding_window only with use_sliding_window; vLLM's DFlash reads
+    # dflash_config.swa_window_size first, then that attribute
+    window = (d.get("dflash_config") or {}).get("swa_window_size") or \
+        (d.get("sliding_window") if d.get("use_sliding_window") else None)
+    return Shapes(drafter_types=list(types) if isinstance(types, list) else None, drafter_window=window,
                   drafter_kv_bytes=kv_bytes(drafter) if drafter else None,
                   target_kv_bytes=kv_bytes(text) if text else None, target_hybrid=hybrid)
 
@@ -122,7 +131,7 @@ def check(version: str | None, engine: str, spec: Shapes, off: frozenset[str], e
             out.caching = "unclaimed"
         return out
     if spec.mixed:
-        _mixed(v, engine, env, out)
+        _mixed(v, engine, spec, env, out)
     if spec.target_hybrid and spec.larger_drafter_pages:
         if v == "0.25.1" and "kv_unify" in off:
             raise UserError("vLLM 0.25.1 cannot place this DFlash drafter's KV pages beside the hybrid target's (its "
@@ -136,11 +145,15 @@ def check(version: str | None, engine: str, spec: Shapes, off: frozenset[str], e
     return out
 
 
-def _mixed(v: str, engine: str, env: dict[str, str], out: Verdict) -> None:
+def _mixed(v: str, engine: str, spec: Shapes, env: dict[str, str], out: Verdict) -> None:
     if v == "0.25.1":
         raise EngineCannotRun("vLLM 0.25.1 cannot run a DFlash drafter with mixed sliding/full layer_types (its "
                               "qwen3_dflash.py raises NotImplementedError); use vLLM 0.26.0 or later, or the docker "
                               "engine")
+    if v in ("0.26.0", "0.33.0") and spec.drafter_window is None:
+        raise UserError(f"vLLM {v} gives this DFlash drafter's sliding-window layers no window: its config sets neither "
+                        "dflash_config.swa_window_size nor use_sliding_window with sliding_window (transformers drops "
+                        "sliding_window without it), so qwen3_dflash.py raises ValueError; fix the drafter's config.json")
     if v in ("0.26.0", "0.33.0") and env.get(V2_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         raise UserError(f"vLLM {v} runs a DFlash drafter with mixed sliding/full layer_types only on its V2 model "
                         f"runner, and {V2_ENV}={env[V2_ENV]} turns that off: unset it")

@@ -18,6 +18,7 @@ There (``run.sh`` -> ``driver.py --steps starts,ttft --floor $HOME/floor --agent
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -79,21 +80,27 @@ def parse_cases(text: str) -> list[Case]:
     for item in (x.strip() for x in text.split(",") if x.strip()):
         parts = item.split(":")
         if len(parts) != 3 or parts[0] not in PROFILES or parts[1] not in SHAPES or parts[2] not in ("on", "off"):
-            raise ValueError(f"--agent-cases {item!r}: write PROFILE:SHAPE:CACHING with PROFILE in {PROFILES}, "
+            raise argparse.ArgumentTypeError(f"{item!r}: write PROFILE:SHAPE:CACHING with PROFILE in {PROFILES}, "
                              f"SHAPE in {tuple(SHAPES)}, CACHING on|off")
         out.append(Case(parts[0], parts[1], parts[2] == "on"))
     return out
 
 
 def parse_contexts(text: str) -> list[int]:
-    out = [int(x) for x in text.split(",") if x.strip()]
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
     if not out or any(c < 64 for c in out):
-        raise ValueError(f"--contexts {text!r}: token counts of at least 64, comma-separated")
+        raise argparse.ArgumentTypeError(f"{text!r}: token counts of at least 64, comma-separated")
     return out
 
 
 def drafter_config(shape: str) -> dict:
-    return dict(REAL_DRAFTER, layer_types=list(SHAPES[shape]))
+    """The drafter's config.json. transformers' Qwen3Config drops ``sliding_window`` unless
+    ``use_sliding_window`` is true, and vLLM's DFlash then has no window for the sliding layers
+    (ValueError in 0.26.0's ``_resolve_layer_attention``): the mixed shape sets it."""
+    return dict(REAL_DRAFTER, layer_types=list(SHAPES[shape]), use_sliding_window=shape == "mixed")
 
 
 def write_drafters(out: Path) -> list[Path]:
@@ -286,8 +293,6 @@ def run(steps: list[str], record, out: Path, floor: Path, work: Path, cases: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(description="config-only DFlash drafters of the real 122B drafter's shape")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("drafters", help="write drafter-mixed/ and drafter-full6/ into FOLDER")

@@ -175,3 +175,15 @@ def test_serve_starts_what_the_version_runs_and_prints_its_notes(served, monkeyp
     monkeypatch.setenv("STANDIN_VERSION", "0.33.0")
     assert _serve(tmp, "mixed") == 1 and mark.exists()
     assert "note: prefix caching with this drafter" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_mixed_drafter_without_a_window_is_refused(version):
+    """transformers drops sliding_window unless use_sliding_window is true; vLLM's DFlash then raises
+    ValueError for the sliding layers (seen on CPU in test_agent_harness)."""
+    bare = dict(drafter_config("mixed"), use_sliding_window=False)
+    with pytest.raises(UserError, match="no window"):
+        engine_check.check(version, "local", engine_check.shapes(bare, TARGET_122B), frozenset(), {}, False)
+    given = dict(bare, dflash_config=dict(bare["dflash_config"], swa_window_size=4096))
+    assert engine_check.check(version, "local", engine_check.shapes(given, TARGET_122B), frozenset(), {},
+                              False).notes == []
