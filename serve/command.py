@@ -189,13 +189,14 @@ def _check_engine(args: argparse.Namespace, plan) -> str | None:
     from .launcher import served_vllm_version
 
     version = served_vllm_version(plan)
-    if plan.drafter is None:
-        return version
-    drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
-    target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
-    notes = [f"the DFlash drafter was not checked against the engine: {why}"] if drafter is None else \
-        engine_check.check(version, plan.engine, engine_check.shapes(drafter, target), fixes_off(args.disable_fix),
-                           engine_check.server_env(plan.env), plan.prefix_caching).notes
+    notes = [n for n in plan.notes if n.startswith("prefix caching (")]  # the profile's own
+    if plan.drafter is not None:
+        drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
+        target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
+        notes += [f"the DFlash drafter was not checked against the engine: {why}"] if drafter is None else \
+            engine_check.check(version, plan.engine, engine_check.shapes(drafter, target),
+                               fixes_off(args.disable_fix), engine_check.server_env(plan.env),
+                               plan.prefix_caching).notes
     if not args.quiet:
         for note in notes:  # stdout stays JSON with --json
             print(f"note: {note}", file=sys.stderr if args.json else sys.stdout, flush=True)

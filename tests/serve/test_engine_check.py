@@ -187,3 +187,23 @@ def test_mixed_drafter_without_a_window_is_refused(version):
     given = dict(bare, dflash_config=dict(bare["dflash_config"], swa_window_size=4096))
     assert engine_check.check(version, "local", engine_check.shapes(given, TARGET_122B), frozenset(), {},
                               False).notes == []
+
+
+def test_a_profiles_caching_note_is_printed_at_start(served, monkeypatch, capsys, tmp_path):
+    import yaml
+
+    from hybrid_build.recipes.schema import load_recipe
+
+    tmp, mark = served
+    data = load_recipe("qwen3.5-122b-a10b").model_dump(mode="json")
+    data["serve"]["profiles"]["dflash"]["prefix_caching_note"] = "the drafter's pages are not aligned here"
+    path = tmp / "noted.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    monkeypatch.setenv("STANDIN_VERSION", "0.26.0")
+    from test_multinode import free_port
+
+    assert main(["serve", str(tmp / "target"), "--profile", "dflash", "--recipe", str(path), "--drafter",
+                 str(tmp / "drafter-mixed"), "--no-smoke", "--no-verify", "--ready-timeout", "5",
+                 "--port", str(free_port())]) == 1
+    assert "note: prefix caching ('dflash' profile): the drafter's pages are not aligned here" in \
+        capsys.readouterr().out
