@@ -468,7 +468,20 @@ def _serve_section(inp: CardInputs) -> list[str]:
     if local:
         lines += ["Without a drafter (the recipe's is not published): add `--speculative-config` with a DFlash "
                   "drafter of your own to speculate.", ""]
+    if spec.get("method") == "dflash":
+        lines += [_drafter_engine_note(dense), ""]
     return lines
+
+
+def _drafter_engine_note(dense: dict) -> str:
+    """What plain vLLM lacks for the DFlash drafter (docs/serve.md, Agents): no warm-prefix claim."""
+    note = ("With plain vLLM the DFlash drafter needs vLLM 0.26.0 or later when its layers mix sliding-window and "
+            "full attention (0.25.1 raises NotImplementedError), and a prefix-cache hit with the drafter falls back "
+            "to an earlier chunk end on 0.25.1 / 0.26.0 (`hybrid-build serve` adds the runtime fixes `kv_unify` and "
+            "`prefix_align`); no warm-prefix time to first token is claimed for plain vLLM.")
+    if dense.get("prefix_caching_note"):
+        note += f" Prefix caching: {dense['prefix_caching_note']}"
+    return note
 
 
 def render_body(inp: CardInputs) -> str:

@@ -52,11 +52,17 @@ class ServeProfile(BaseModel):
     max_model_len: int = Field(262144, ge=256)
     max_num_seqs: int = Field(4, ge=1)
     enable_prefix_caching: bool = True
+    prefix_caching_note: str | None = Field(
+        None, description="why this profile cannot cache a warm prefix well (or has caching off): `serve` prints "
+                          "it, and `plan` / the model card claim no warm-prefix TTFT for it")
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's --kv-cache-dtype: 'fp8' halves the bytes each decode step reads per token of "
                             "context in the full-attention layers (plan --kv-dtype fp8 shows the effect); check "
                             "the served numerics with `hybrid-build verify` before relying on it (docs/serve.md)")
-    tool_call_parser: str | None = "qwen3_coder"
+    # Qwen3.5 emits <tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>: in vLLM
+    # 0.25.1-0.33.0 `qwen3_xml` and `qwen3_coder` are one parser of that format; in 0.23.0 they are two,
+    # and only qwen3_xml works without those tags being tokens of the vocabulary (docs/serve.md, Tool calls)
+    tool_call_parser: str | None = "qwen3_xml"
     reasoning_parser: str | None = "qwen3"
     load_format: str | None = None
     served_model_name: str = "qwen"

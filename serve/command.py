@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     check_prerequisites(plan)
     check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
-    warn_if_untested(plan)  # an untested vLLM still runs: verify checks what it serves
+    version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
+    warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
@@ -233,6 +234,30 @@ def _check_artifact(args: argparse.Namespace) -> None:
         raise ArtifactError(f"{artifact}: {problem}; not served (fix it, or --force to serve it anyway: verify "
                             "still runs)")
     print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
+
+
+def _check_engine(args: argparse.Namespace, plan) -> str | None:
+    """The engine's vLLM version, once the DFlash drafter's config has been checked against it
+    (``engine_check``): a combination that will not start raises (exit 3: another vLLM is needed; 2:
+    a switch of this command line stops it); notes (a drafter that could not be read, a warm prefix
+    that will not be claimed) are printed."""
+    from . import engine_check
+    from .engine import fixes_off
+    from .launcher import served_vllm_version
+
+    version = served_vllm_version(plan)
+    notes = [n for n in plan.notes if n.startswith("prefix caching (")]  # the profile's own
+    if plan.drafter is not None:
+        drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
+        target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
+        notes += [f"the DFlash drafter was not checked against the engine: {why}"] if drafter is None else \
+            engine_check.check(version, plan.engine, engine_check.shapes(drafter, target),
+                               fixes_off(args.disable_fix), engine_check.server_env(plan.env),
+                               plan.prefix_caching).notes
+    if not args.quiet:
+        for note in notes:  # stdout stays JSON with --json
+            print(f"note: {note}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    return version
 
 
 def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:

@@ -45,6 +45,11 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
     smoke_expect: str | None = SMOKE_EXPECT  # the recipe's serve.smoke_expect
     image: str | None = None  # the docker engine's image (its vLLM is the one served)
+    # what the drafter-vs-engine check reads (engine_check): the DFlash drafter as this machine names
+    # it (a folder or a Hub id), its revision, and whether the profile caches prefixes
+    drafter: str | None = None
+    drafter_revision: str | None = None
+    prefix_caching: bool = False
     # the served API's key (``served_key``): in the child's environment only, never in argv or env
     api_key: ApiKey | None = field(default=None, repr=False)
 
@@ -309,12 +314,15 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         gain = _lever_note(Path(artifact), hardware or detect_hardware())
         if gain:
             notes.append(gain)
+    checked = _drafter_fields(profile, drafter)
+    if profile.prefix_caching_note:
+        notes.append(f"prefix caching ({name!r} profile): {profile.prefix_caching_note}")
     if engine == "local":
         env.update(PLUGIN_ENV)
         local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
         argv = ["vllm"] + vllm_args(profile, local_model, port, host, drafter) + pin
         return LaunchPlan(argv, env, profile.served_model_name, port, host, name, engine, local_model, notes,
-                          rec.serve.smoke_expect, api_key=api_key)
+                          rec.serve.smoke_expect, api_key=api_key, **checked)
 
     # docker: the container serves on 8000 inside; our patches are mounted read-only and applied
     # to the image's vLLM before `vllm serve` starts
@@ -343,7 +351,17 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
              "-v", "hf-cache:/root/.cache/huggingface"] + mounts + env_flags +
             [image, "bash", "-c", script])
     return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes,
-                      rec.serve.smoke_expect, image=image, api_key=api_key)
+                      rec.serve.smoke_expect, image=image, api_key=api_key, **checked)
+
+
+def _drafter_fields(profile: ServeProfile, drafter: str | None) -> dict:
+    """The plan's drafter (``--drafter`` or the resolved ``{source}`` folder, else the profile's own
+    Hub id) and whether its profile caches prefixes."""
+    spec = profile.speculative
+    if spec is None or spec.method != "dflash":
+        return {"prefix_caching": profile.enable_prefix_caching}
+    return {"drafter": drafter or spec.model, "drafter_revision": None if drafter else spec.revision,
+            "prefix_caching": profile.enable_prefix_caching}
 
 
 def _kv_cache_note(name: str, profile: ServeProfile, model: str) -> str | None:

@@ -82,12 +82,13 @@ def served_vllm_version(plan: LaunchPlan) -> str | None:
     return version_in(r.stdout) if r.returncode == 0 else None
 
 
-def warn_if_untested(plan: LaunchPlan) -> str | None:
-    """Log one warning line when the vLLM to be served is outside the tested set; serving goes on
-    (``hybrid-build verify`` is what checks its numerics). Returns the line, if any."""
+def warn_if_untested(plan: LaunchPlan, version: str | None = None) -> str | None:
+    """Log one warning line when the vLLM to be served (``version``, else asked) is outside the
+    tested set; serving goes on (``hybrid-build verify`` is what checks its numerics). Returns the
+    line, if any."""
     from .runtime_fixes import untested_warning
 
-    line = untested_warning(served_vllm_version(plan))
+    line = untested_warning(version or served_vllm_version(plan))
     if line:
         log.warning(line)
     return line

@@ -32,28 +32,33 @@ class Fix:
     fixes: str                 # what goes wrong in stock vLLM without it
     upstream: str              # vLLM issue(s) where known, else ""
     needed_on: tuple[str, ...]  # the tested versions it is applied on
-    plugin: bool               # applied by the plugin's register() (local engine)
+    plugin: bool               # applied by the plugin's register() (local engine), where its source anchors hold
     patch: str | None = None   # module in patches/ (docker engine, vLLM 0.23.0)
 
 
 FIXES: tuple[Fix, ...] = (
     Fix("inc_fp8_dispatch", "FP8 layers (the shared experts) inside an auto-round INT4 checkpoint are read as "
         "8-bit integers: INC takes data_type from the global config; the fix gives them the block-FP8 method",
-        "46311 (fix PR 46322)", ("0.23.0", "0.25.1", "0.33.0"), plugin=True, patch="inc_fp8_dispatch"),
+        "46311 (fix PR 46322)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"), plugin=True, patch="inc_fp8_dispatch"),
     Fix("int8_lm_head", "the int8 lm-head: a stored 8-bit head under the bare `lm_head` key reaches the VL "
         "model's nested head, a BF16 head is quantized at load (HYBRID_BUILD_LM_HEAD=quantize-at-load) and runs "
         "the int8 GEMV; off, the head is served as stock vLLM reads it",
-        "53896 (review: the head may never get quant_config)", ("0.23.0", "0.25.1", "0.33.0"), plugin=True,
+        "53896 (review: the head may never get quant_config)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"), plugin=True,
         patch="int8_lm_head"),
     Fix("marlin_moe_scale", "Marlin MoE gate/up (w13) scales get the channel-wise layout when "
         "moe_intermediate_size <= group_size < hidden_size: the routed experts compute garbage (the tiny "
         "fixture; not the 122B, so the docker image does without it)",
-        "50196", ("0.25.1", "0.33.0"), plugin=True),
-    Fix("kv_unify", "a DFlash drafter's KV pages that do not divide the hybrid target's raise "
-        "NotImplementedError (0.25.1 and 0.33.0 pad them themselves)",
-        "43626, 46480", ("0.23.0",), plugin=False, patch="kv_unify"),
-    Fix("prefix_align", "prefix caching with a drafter on a hybrid model: mamba_block_size not a multiple of "
-        "the attention block size, so cached prefixes never line up", "", ("0.23.0",), plugin=False,
+        "50196", ("0.25.1", "0.26.0", "0.33.0"), plugin=True),
+    Fix("kv_unify", "a DFlash drafter whose KV page is larger than the hybrid target's: vLLM 0.25.1 grows every "
+        "smaller page by a ratio of block sizes, which cannot grow a GDN state page, and stops at `assert "
+        "new_spec.page_size_bytes == max_page_size` (the 122B with its real drafter); the fix pads the GDN pages "
+        "as vLLM 0.26.0 does (0.23.0: pads pages that do not divide instead of raising NotImplementedError)",
+        "43626, 46480", ("0.23.0", "0.25.1"), plugin=True, patch="kv_unify"),
+    Fix("prefix_align", "prefix caching with a DFlash drafter on a hybrid model: the groups' blocks differ (the "
+        "target's attention grows to 2x the GDN block) and DFlash drops the last matching block as EAGLE does, so "
+        "a warm prefix hits an earlier chunk end (53,760 of 65,568 tokens at 64k); the fix keeps every group at the "
+        "GDN block with padded pages and keeps the last block for DFlash, as vLLM 0.33 does (0.23.0: rounds "
+        "mamba_block_size up to the attention block)", "", ("0.23.0", "0.25.1", "0.26.0"), plugin=True,
         patch="prefix_align"),
     Fix("fla_smem_sm121", "FLA chunk kernels on GB10 (sm121, 99 KiB shared memory per block) pick the small "
         "tiles (speed only); threshold from HYBRID_BUILD_FLA_SMEM_BYTES", "", ("0.23.0",), plugin=False,
@@ -76,8 +81,12 @@ TESTED_VERSIONS: tuple[TestedVersion, ...] = (
                   "the real 0.23.0 source)",
                   ("kv_unify", "prefix_align", "inc_fp8_dispatch", "int8_lm_head", "fla_smem_sm121"),
                   image="ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"),
-    TestedVersion("0.25.1", "local", "served on the H200 with the plugin (docs/gpu.md)",
-                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale")),
+    TestedVersion("0.25.1", "local", "served on the H200 with the plugin (docs/gpu.md); a DFlash drafter with mixed "
+                  "sliding/full layers does not start on it (docs/serve.md, Start table)",
+                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "kv_unify", "prefix_align")),
+    TestedVersion("0.26.0", "local", "the full-depth 122B with the real drafter's shape started on the H200 (prefix "
+                  "caching on); the plugin checked against its source on CPU",
+                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "prefix_align")),
     TestedVersion("0.33.0", "local", "the plugin checked against its source on CPU (layer dispatch, Marlin "
                   "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale")),
 )

@@ -15,8 +15,11 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
   in fp16) and returns logits in that dtype; any other dtype (a float32 engine) is cast to bf16
   for the kernel and the logits back;
 - everything else: INC's own answer, unchanged.
-``register()`` also installs the upstream bug fixes in ``upstream_fixes`` (Marlin MoE scale layout).
-Each part is a fix of ``runtime_fixes`` (``inc_fp8_dispatch``, ``int8_lm_head``, ``marlin_moe_scale``)
+``register()`` also installs the upstream bug fixes in ``upstream_fixes`` (Marlin MoE scale layout)
+and the KV-cache fixes in ``kv_cache_fixes`` (``kv_unify``, ``prefix_align``: a DFlash drafter beside
+the hybrid target; each only where the vLLM source is the one it was written against).
+Each part is a fix of ``runtime_fixes`` (``inc_fp8_dispatch``, ``int8_lm_head``, ``marlin_moe_scale``,
+``kv_unify``, ``prefix_align``)
 that ``HYBRID_BUILD_DISABLE_FIXES`` can turn off: that part is then not installed (the INC method is
 not replaced at all when both of its parts are off) and the process logs one line saying so.
 It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
@@ -275,8 +278,19 @@ def register() -> None:
         log.warning(off_line(fix_id))
     if "marlin_moe_scale" not in off:
         fix_marlin_moe_scale_layout()
+    _install_kv_cache_fixes(off)
     _registered = _register_inc(off)
     _done = True
+
+
+def _install_kv_cache_fixes(off: frozenset[str]) -> dict[str, str]:
+    """``kv_unify`` and ``prefix_align`` (``kv_cache_fixes``), each where this vLLM's source is the
+    one it was written against; what each came to."""
+    from hybrid_build.serve import kv_cache_fixes
+
+    state = kv_cache_fixes.install(frozenset(kv_cache_fixes.ANCHORS) - off)
+    log.info("hybrid-build plugin: KV-cache fixes %s", ", ".join(f"{k} {v}" for k, v in sorted(state.items())))
+    return state
 
 
 def _register_inc(off: frozenset[str]) -> type | None:

@@ -912,7 +912,7 @@ def ab_stop(out: Path, work: Path) -> None:
 # ------------------------------------------------------------------------------ main
 
 
-def main() -> int:
+def build_parser():
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -936,7 +936,20 @@ def main() -> int:
                     help="agent needs a server with a tool-call parser, which the tiny recipe's profiles lack")
     ap.add_argument("--bench-max-tokens", type=int, default=128)
     ap.add_argument("--eval-tasks", default="hybrid_build,hybrid_build_gen")
-    a = ap.parse_args()
+    import agent_steps  # the real drafter's shape (starts / ttft / tools)
+
+    ap.add_argument("--agent-cases", type=agent_steps.parse_cases, default="dense:full6:on,dense:mixed:on",
+                    help="starts: PROFILE:SHAPE:CACHING,... (dense|dflash : mixed|full6 : on|off), or all")
+    ap.add_argument("--contexts", type=agent_steps.parse_contexts, default="8192,32768,65536",
+                    help="ttft: prefix lengths in tokens")
+    ap.add_argument("--ttft-runs", type=int, default=3, help="ttft: cold/warm pairs per context (median)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import agent_steps
+
+    a = build_parser().parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
     steps = a.steps.split(",")
@@ -1076,6 +1089,12 @@ def main() -> int:
                 if not (a.out / seq.name).exists():
                     shutil.copy(seq, a.out / seq.name)
 
+    agent = [s for s in steps if s in ("starts", "ttft", "tools")]
+    if agent:  # each case served by hybrid-build serve at full depth (agent_steps.py)
+        agent_steps.run(agent, record, a.out, a.floor, a.work, a.agent_cases, a.contexts, a.ttft_runs, left)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
     multinode = [s for s in steps if s in ("nccl_lo", "tp2", "tp1", "pp2", "tp2s", "tp2mp")]
     if multinode:  # on a machine with two GPUs (multinode_steps.py)
         import multinode_steps

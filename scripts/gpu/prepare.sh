@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
 # Run HERE, in the repository root (needs the venv and network access to PyPI):
-#   bash scripts/gpu/prepare.sh
-# 1. vLLM 0.25.1 (built for torch 2.11 + CUDA 13, what the H200 image has) and the wheels it
-#    needs, packed into .gpu1/ .gpu2/ ... of at most 60 MB each (a device call carries 64 MiB);
+#   bash scripts/gpu/prepare.sh                       # vLLM 0.25.1
+#   VLLM_VERSION=0.26.0 bash scripts/gpu/prepare.sh   # vLLM 0.26.0 instead (also pins torch 2.11)
+# 1. vLLM (built for torch 2.11 + CUDA 13, what the H200 image has) and the wheels it needs
+#    (requirements-gpu.txt; for 0.26.0 with apache-tvm-ffi 0.1.10 and pydantic-extra-types, which
+#    mistral_common imports there), packed into .gpu1/ .gpu2/ ... of at most 60 MB each (a device
+#    call carries 64 MiB);
 # 2. .gpuev/: lm-eval and the wheels it needs (requirements-eval.txt), for the eval step;
 # 3. .gpuhb/: the tiny inc-hybrid and compressed-tensors artifacts, the CPU reference logprobs,
 #    a random tiny DFlash drafter and the hybrid-build wheel; .gpusrc/: the tiny source checkpoint.
 # All these folders are git-ignored (/.gpu*/). docs/gpu.md says which calls carry which folder.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-cache=${HYBRID_BUILD_GPU_CACHE:-${TMPDIR:-/tmp}/hybrid-build-gpu}; mkdir -p "$cache/whl"
+vllm_version=${VLLM_VERSION:-0.25.1}
+case "$vllm_version" in 0.25.1|0.26.0) ;; *) echo "VLLM_VERSION: 0.25.1 or 0.26.0 (the two that pin torch 2.11)" >&2; exit 2;; esac
+cache=${HYBRID_BUILD_GPU_CACHE:-${TMPDIR:-/tmp}/hybrid-build-gpu}/vllm-$vllm_version; mkdir -p "$cache"
+rm -rf "$cache/whl"; mkdir -p "$cache/whl"  # only this version's wheels go into the parts
 plat="--only-binary=:all: --python-version 3.12 --implementation cp"
 for n in 17 24 26 27 28 31; do plat="$plat --platform manylinux_2_${n}_x86_64"; done
 plat="$plat --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-ls "$cache"/vllm-0.25.1-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d "$cache" vllm==0.25.1
-python3 -m pip download -q --no-deps $plat -d "$cache/whl" -r "$here/requirements-gpu.txt"
+ls "$cache"/vllm-$vllm_version-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps $plat -d "$cache" vllm==$vllm_version
+reqs="$here/requirements-gpu.txt"
+if [ "$vllm_version" = 0.26.0 ]; then
+  reqs="$cache/requirements-gpu.txt"
+  sed 's/^apache-tvm-ffi==0.1.9$/apache-tvm-ffi==0.1.10/' "$here/requirements-gpu.txt" > "$reqs"
+  echo "pydantic-extra-types==2.11.1" >> "$reqs"
+fi
+python3 -m pip download -q --no-deps $plat -d "$cache/whl" -r "$reqs"
 if [ ! -f "$cache/vllm.tar.xz" ]; then
-  rm -rf "$cache/site"; mkdir "$cache/site"; (cd "$cache/site" && unzip -q "$cache"/vllm-0.25.1-*.whl)
+  rm -rf "$cache/site"; mkdir "$cache/site"; (cd "$cache/site" && unzip -q "$cache"/vllm-$vllm_version-*.whl)
   # Hopper runs FA3; the FA2 library and DeepGEMM builds for other Pythons only cost carry space
   # (and the optional Rust frontend binary, which vllm.LLM never starts)
   rm -f "$cache"/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$cache"/site/vllm/third_party/deep_gemm/_C.cpython-3{10,11,13,14}-*.so \
     "$cache"/site/vllm/vllm-rs
-  tar -C "$cache/site" -cf - vllm vllm-0.25.1.dist-info | xz -T0 -7 > "$cache/vllm.tar.xz"
+  tar -C "$cache/site" -cf - vllm vllm-$vllm_version.dist-info | xz -T0 -7 > "$cache/vllm.tar.xz"
 fi
 rm -f "$cache"/vllm.tar.xz.part*; (cd "$cache" && split -b 41000000 vllm.tar.xz vllm.tar.xz.part)
 rm -rf .gpu[0-9]*
@@ -47,6 +59,8 @@ for i, (_, fs) in enumerate(bins, 1):
     with open(os.path.join(d, "MANIFEST"), "w") as m:
         m.write("\n".join(os.path.basename(f) for f in files) + "\n")
 print("vLLM parts:", " ".join(f".gpu{i}" for i in range(1, len(bins) + 1)))
+with open(".gpu1/VLLM_VERSION", "w") as v:  # which vLLM these parts carry (assemble.sh copies it along)
+    v.write(os.environ.get("VLLM_VERSION", "0.25.1") + "\n")
 PY
 # lm-eval for the eval step (requirements-eval.txt; the three sdists built into wheels here)
 rm -rf .gpuev; mkdir .gpuev

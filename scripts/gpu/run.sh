@@ -5,6 +5,8 @@
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME [--steps build,correct,profiles,graphs,eager] [--layers N]
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME --floor $HOME/floor --steps warm,vcompare,floor,mix,eagerprof
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME --steps ab_start,ab_bench   (then ab_eval,ab_stop: the servers stay up)
+#   bash scripts/gpu/run.sh --deadline UNIX_TIME --floor $HOME/floor --steps starts,ttft,tools --agent-cases dense:mixed:on
+#     (the 122B at full depth with the real drafter's shape: agent_steps.py, docs/gpu.md)
 # VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning (the linear-attention prefill kernels
 # otherwise compile every candidate config on a cold cache: minutes per engine); set it to 0 to tune.
 set -euo pipefail

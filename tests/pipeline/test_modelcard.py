@@ -242,6 +242,8 @@ def test_a_local_drafter_is_not_put_into_the_plain_vllm_command(artifact):
     vllm_line = next(line for line in body.splitlines() if line.startswith("vllm serve"))
     assert "--speculative-config" not in vllm_line and "{source}" not in vllm_line
     assert "a DFlash drafter that was a folder on the build machine and is not in this repository" in body
+    # and what plain vLLM lacks for a drafter: no warm-prefix claim
+    assert "no warm-prefix time to first token is claimed for plain vLLM" in body
 
 
 @pytest.mark.parametrize("old_id", [".hybrid-build/demo-source", "/home/someone/models/tiny-int4"])

@@ -95,3 +95,49 @@ def test_patched_module_must_compile(tmp_path):
     with pytest.raises(AnchorError, match="does not compile"):
         apply_patch(p, tmp_path)
     assert (tmp_path / "m.py").read_text() == "x = 1\n"
+
+
+UNIFY_RUN = '''
+import ast, json, sys
+import torch
+from vllm.v1.core import kv_cache_utils as k
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+patched = open(sys.argv[1]).read()
+fn = next(n for n in ast.parse(patched).body if isinstance(n, ast.FunctionDef) and n.name == "unify_kv_cache_spec_page_size")
+if sys.argv[2] == "patched":
+    exec(compile(ast.Module([fn], []), "patched", "exec"), k.__dict__)
+# the 122B (block 2240, GDN page padded to the attention page) and its real drafter (8 kv x 128)
+gdn = ((12288, 15), (64, 128, 128))
+spec = {"attn": FullAttentionSpec(block_size=2240, num_kv_heads=2, head_size=256, dtype=torch.bfloat16),
+        "gdn": MambaSpec(shapes=gdn, dtypes=(torch.bfloat16, torch.float32), block_size=2240,
+                         page_size_padded=2240 * 2048),
+        "draft": FullAttentionSpec(block_size=2240, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)}
+try:
+    out = k.unify_kv_cache_spec_page_size(spec)
+    print(json.dumps({n: [s.block_size, s.page_size_bytes] for n, s in out.items()}))
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__}))
+'''
+
+
+@pytest.mark.vllm
+def test_kv_unify_lets_0230_place_the_real_drafters_pages(site):
+    """vLLM 0.23.0's own unify, stock and with the edit, on the 122B's pages and its drafter's."""
+    kv = next(p for p in PATCHES if p.name == "kv-unify-drafter")
+    stock_file = site / kv.path
+    apply_patch(kv, site)
+    pp = vllm_sources.cpu_pythonpath("0.23.0")
+    if pp is None:
+        pytest.skip("vLLM 0.23.0 CPU imports not prepared (run .ci/vllm_sources.sh)")
+    import json
+    import os
+
+    got = {}
+    for mode in ("stock", "patched"):
+        r = subprocess.run([sys.executable, "-c", UNIFY_RUN, str(stock_file), mode], capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["stock"] == {"error": "AssertionError"}
+    page = 2 * 2240 * 2048
+    assert got["patched"] == {"attn": [4480, page], "gdn": [2240, page], "draft": [2240, page]}

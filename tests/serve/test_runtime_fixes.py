@@ -40,7 +40,8 @@ def test_registry_names_every_patch_and_plugin_fix_once():
     assert len(set(FIX_IDS)) == len(FIX_IDS)
     assert {f.patch for f in FIXES if f.patch} == set(apply_mod.PATCH_MODULES)
     assert all(f.patch in (None, f.id) for f in FIXES)  # a patch's id is its module's name
-    assert {f.id for f in FIXES if f.plugin} == {"inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale"}
+    assert {f.id for f in FIXES if f.plugin} == {"inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "kv_unify",
+                                                 "prefix_align"}
     assert all(f.fixes and f.needed_on for f in FIXES)
 
 
@@ -182,7 +183,7 @@ def test_all_off_leaves_vllm_as_it_is(fake_vllm, monkeypatch, caplog):
     monkeypatch.setenv(ENV_DISABLE, "all")
     vllm_plugin.register()
     assert fake_vllm.registered == [] and fake_vllm.int_wna16.marlin_moe_permute_scales is fake_vllm.stock_permute
-    assert len(_off_lines(caplog)) == 3  # only the plugin's own fixes are named in its process
+    assert len(_off_lines(caplog)) == 5  # only the plugin's own fixes are named in its process
 
 
 def test_register_refuses_an_unknown_id(fake_vllm, monkeypatch):
@@ -215,10 +216,11 @@ def test_unknown_disable_fix_is_one_line_and_exit_2(artifact, capsys):
 
 
 def test_disable_fix_shows_in_the_dry_run(artifact, capsys):
-    assert _serve(artifact, "--disable-fix", "marlin_moe_scale", "--disable-fix", "kv-unify") == 0
+    assert _serve(artifact, "--disable-fix", "marlin_moe_scale", "--disable-fix", "kv-unify", "--disable-fix",
+                  "fla_smem_sm121") == 0
     out = capsys.readouterr().out
-    assert f"export {ENV_DISABLE}=kv_unify,marlin_moe_scale\n" in out
-    assert "the local engine does not apply kv_unify anyway" in out
+    assert f"export {ENV_DISABLE}=fla_smem_sm121,kv_unify,marlin_moe_scale\n" in out
+    assert "the local engine does not apply fla_smem_sm121 anyway" in out
     assert _serve(artifact, "--engine", "docker", "--disable-fix", "kv_unify", "--json") == 0
     argv = json.loads(capsys.readouterr().out)["argv"]
     assert argv[argv.index(f"{ENV_DISABLE}=kv_unify") - 1] == "-e"  # reaches apply.py in the container
@@ -294,7 +296,7 @@ def _plan(engine: str = "local", image: str | None = None) -> LaunchPlan:
 
 
 @pytest.mark.parametrize("printed, warns", [
-    ("0.26.0\n", True),
+    ("0.27.0\n", True),
     ("0.0.0-standin\n", True),
     ("0.25.2.dev3+g1234\n", True),
     ("0.25.1\n", False),

