@@ -20,6 +20,7 @@ per position), ``write_reference`` and ``read_reference``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 
 from hybrid_build.core.artifact import REPORTS, provenance_sha256
 from hybrid_build.core.errors import ArtifactError, UserError
-from hybrid_build.core.safetensors_io import write_bytes_atomic, write_text_atomic
+from hybrid_build.core.safetensors_io import TMP_SUFFIX, write_bytes_atomic, write_text_atomic
 
 REFERENCE = REPORTS["reference"]  # its files, named by core.artifact
 SCHEMA_VERSION = 1
