@@ -654,6 +654,70 @@ def serve_profile(out: Path, hb: Path, src: Path, recipe: Path, profile: str, po
         record(out, key, res)
 
 
+# ------------------------------------------------------------------------------ integrity
+
+
+def integrity_step(out: Path, hb: Path, src: Path, recipe: Path, work: Path, left) -> None:
+    """``serve`` against the artifact's files: a copy of the tiny artifact with one shard byte
+    changed in place (size and mtime put back) is refused before vLLM starts (no vLLM process, no
+    engine log); and what the check costs: ``serve --dry-run`` cold (hash cache removed) and warm,
+    alternated, 5 each, beside the check alone in one process (``core.integrity``), cold and warm."""
+    res: dict = {}
+    copy = work / "integrity-inc"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(hb / "inc", copy)
+    time.sleep(2.5)  # files younger than the check's racy window are not cached (core/integrity.py)
+    cache = copy / ".hybrid-build" / "artifact-sha256.json"
+
+    def dry() -> tuple[float, int, str]:
+        cmd = ["hybrid-build", "serve", str(copy), "--profile", "base", "--recipe", str(recipe), "--source", str(src),
+               "--dry-run", "-q"]
+        t0 = now()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        return now() - t0, p.returncode, (p.stdout + p.stderr)[-400:]
+
+    times: dict[str, list[float]] = {"warm": [], "cold": []}
+    for _ in range(5):
+        if left() < 60:
+            break
+        cache.unlink(missing_ok=True)
+        for state in ("cold", "warm"):
+            t, rc, tail = dry()
+            times[state].append(t)
+            res.setdefault(f"{state}_rc", rc)
+            res.setdefault(f"{state}_tail", tail)
+    res["dry_run_s"] = {k: {"best": round(min(v), 3), "median": round(statistics.median(v), 3), "runs": len(v)}
+                        for k, v in times.items() if v}
+    alone = ("import json, sys; from pathlib import Path; from hybrid_build.core.integrity import check_artifact; "
+             "a = Path(sys.argv[1]); (a / '.hybrid-build' / 'artifact-sha256.json').unlink(missing_ok=True); "
+             "print(json.dumps([check_artifact(a).to_json(), check_artifact(a).to_json()]))")
+    p = subprocess.run([sys.executable, "-c", alone, str(copy)], capture_output=True, text=True, timeout=120)
+    try:
+        res["check_alone"] = dict(zip(("cold", "warm"), json.loads(p.stdout)))
+    except ValueError:
+        res["check_alone_error"] = (p.stdout + p.stderr)[-600:]
+    shard = sorted(copy.glob("model-*.safetensors"))[-1]
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # one byte changed in place, size and mtime put back
+        f.seek(st.st_size - 1)
+        b = f.read(1)
+        f.seek(st.st_size - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    log = out / "integrity_serve.log"
+    cmd = ["hybrid-build", "serve", str(copy), "--profile", "base", "--recipe", str(recipe), "--source", str(src),
+           "--port", "8290", "--no-smoke", "--log", str(log), "--json"]
+    before = subprocess.run(["pgrep", "-fc", "vllm.entrypoints"], capture_output=True, text=True).stdout.strip()
+    t0 = now()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res["changed_shard"] = {"file": shard.name, "serve_rc": p.returncode, "seconds": round(now() - t0, 2),
+                            "stderr": p.stderr[-600:], "stdout": p.stdout[-600:], "engine_log_written": log.exists(),
+                            "vllm_processes_before": before,
+                            "vllm_processes_after": subprocess.run(["pgrep", "-fc", "vllm.entrypoints"],
+                                                                   capture_output=True, text=True).stdout.strip()}
+    record(out, "integrity", res)
+
+
 # ------------------------------------------------------------------------------ verify
 
 
@@ -1113,6 +1177,11 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0
+    if "integrity" in steps:  # serve refuses a changed artifact before vLLM starts; the check's time
+        integrity_step(a.out, a.hb, a.src, recipe, a.work, left)
+        save(a.out)
+        if steps == ["integrity"]:
+            return 0
     if "verify" in steps or "verify_broken" in steps:  # verify before READY against real vLLM
         verify_step(a.out, a.hb, a.src, recipe, left, None if "verify" in steps else "verify_dense_without_marlin_fix")
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
