@@ -23,9 +23,9 @@ from hybrid_build.core.cli_support import (
     int_range,
 )
 from hybrid_build.core.user_paths import check_output_path
-from hybrid_build.serve import bandwidth as bw
-from hybrid_build.serve import multinode_plan as mnp
-from hybrid_build.serve.speed_plan import (
+from hybrid_build.serve.speed import bandwidth as bw
+from hybrid_build.serve.speed import multinode_plan as mnp
+from hybrid_build.serve.speed.speed_plan import (
     DEFAULT_ACCEPT,
     KV_DTYPES,
     STATE_DTYPES,

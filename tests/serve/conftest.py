@@ -47,9 +47,9 @@ def standin(tmp_path):
     probe); its base URL once it answers. Stopped after the test."""
     from test_multinode import free_port
 
-    from hybrid_build.serve.engine import LaunchPlan
-    from hybrid_build.serve.launcher import start, wait_ready
-    from hybrid_build.serve.served_key import ApiKey
+    from hybrid_build.serve.launch.engine import LaunchPlan
+    from hybrid_build.serve.launch.launcher import start, wait_ready
+    from hybrid_build.serve.launch.served_key import ApiKey
 
     servers = []
 

@@ -20,9 +20,9 @@ from test_multinode import CliRun, free_port
 
 from hybrid_build.core.errors import KeyRefused, UserError
 from hybrid_build.pipeline.cli import main
-from hybrid_build.serve.engine import LaunchPlan, docker_publish, plan_launch
-from hybrid_build.serve.launcher import smoke_test, start, wait_ready
-from hybrid_build.serve.served_key import KEY_FILE, ApiKey, is_loopback, resolve
+from hybrid_build.serve.launch.engine import LaunchPlan, docker_publish, plan_launch
+from hybrid_build.serve.launch.launcher import smoke_test, start, wait_ready
+from hybrid_build.serve.launch.served_key import KEY_FILE, ApiKey, is_loopback, resolve
 
 STANDIN = Path(__file__).resolve().parent / "standin_server.py"
 sys.path.insert(0, str(STANDIN.parent))
@@ -205,7 +205,7 @@ def test_a_server_that_refuses_serves_key_ends_the_wait_at_once(tmp_path):
     with open(log, "wb") as out:  # the server has another key than the plan says
         proc = subprocess.Popen(_plan(port, KEY).argv, stdout=out, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, VLLM_API_KEY=WRONG))
-    from hybrid_build.serve.launcher import Server
+    from hybrid_build.serve.launch.launcher import Server
 
     server = Server(proc, _plan(port, KEY), log)
     try:

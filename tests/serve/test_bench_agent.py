@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.serve import bench as bench_mod
-from hybrid_build.serve.bench_agent import MAX_TOKENS, parse_contexts
+from hybrid_build.serve.bench import bench as bench_mod
+from hybrid_build.serve.bench.bench_agent import MAX_TOKENS, parse_contexts
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

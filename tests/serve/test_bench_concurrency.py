@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.serve import bench as bench_mod
+from hybrid_build.serve.bench import bench as bench_mod
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

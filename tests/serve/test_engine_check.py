@@ -1,4 +1,4 @@
-"""serve's drafter-vs-engine check (``serve/engine_check.py``): the source texts its rules rest on,
+"""serve's drafter-vs-engine check (``serve/launch/engine_check.py``): the source texts its rules rest on,
 read from each checked version's unpacked wheel, the verdict for each combination, and ``serve``
 refusing before anything starts (stand-in ``vllm`` / ``nvidia-smi`` executables on PATH: the version
 is what the stand-in prints; a started ``vllm serve`` would leave a mark)."""
@@ -13,8 +13,8 @@ import pytest
 
 from hybrid_build.core.errors import UserError
 from hybrid_build.pipeline.cli import main
-from hybrid_build.serve import engine_check
-from hybrid_build.serve.engine_check import CHECKED, FACTS, EngineCannotRun, Shapes
+from hybrid_build.serve.launch import engine_check
+from hybrid_build.serve.launch.engine_check import CHECKED, FACTS, EngineCannotRun, Shapes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -16,17 +16,17 @@ import pytest
 
 from hybrid_build.core.errors import SourceMismatch, UserError
 from hybrid_build.pipeline.cli import main
-from hybrid_build.serve.engine import plan_launch
+from hybrid_build.serve.launch.engine import plan_launch
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 PROFILES = ("dense", "dflash", "base", "mtp")
 
 
 def _render(plan, art: Path) -> str:
-    from hybrid_build.serve import patches
+    from hybrid_build.serve.launch.engine import runtime_dir
 
     text = json.dumps(plan.to_json(), indent=1, sort_keys=True)
-    return (text.replace(str(Path(patches.__file__).parent.parent.resolve()), "<SERVE>")
+    return (text.replace(str(runtime_dir()), "<RUNTIME>")
                 .replace(str(art.resolve()), "<ARTIFACT>")) + "\n"
 
 

@@ -170,8 +170,8 @@ def demo_cwd(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench_server(tmp_path_factory):
     """The stand-in OpenAI server on the port the bench examples name, or None if it is taken."""
-    from hybrid_build.serve.engine import LaunchPlan
-    from hybrid_build.serve.launcher import start, wait_ready
+    from hybrid_build.serve.launch.engine import LaunchPlan
+    from hybrid_build.serve.launch.launcher import start, wait_ready
 
     ports = {int(m) for _, e in EXAMPLES for m in re.findall(r"http://127\.0\.0\.1:(\d+)/", e)}
     assert len(ports) == 1, ports

@@ -1,4 +1,4 @@
-"""The int8 lm-head GEMV kernel (serve/int8_gemv.py) under Triton's CPU interpreter.
+"""The int8 lm-head GEMV kernel (serve/runtime/int8_gemv.py) under Triton's CPU interpreter.
 
 Every check runs for bf16 and fp16 activations and compares against float64 arithmetic with a
 bound derived from how the kernel rounds: products x_k * q_k are exact in fp32 (bf16 8 / fp16 11
@@ -33,7 +33,7 @@ triton = pytest.importorskip("triton")
 # runtime loop bound (seen on the GPU machine), so interpreter runs need a newer one.
 INTERPRETER_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
 
-from hybrid_build.serve import int8_gemv as g  # noqa: E402
+from hybrid_build.serve.runtime import int8_gemv as g  # noqa: E402
 
 U32 = 2.0**-24
 # (relative, absolute) error of the final store, per output dtype (module docstring)

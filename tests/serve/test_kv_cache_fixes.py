@@ -1,4 +1,4 @@
-"""The KV-cache fixes (``serve/kv_cache_fixes.py``) against vLLM's real sources and code, on CPU.
+"""The KV-cache fixes (``serve/runtime/kv_cache_fixes.py``) against vLLM's real sources and code, on CPU.
 
 The anchors are read from the unpacked sources of each version: a fix installs only where the
 function still says what it assumes. ``kv_probe.py`` then runs, in a subprocess with a version's
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.serve import kv_cache_fixes
-from hybrid_build.serve.kv_cache_fixes import ANCHORS
+from hybrid_build.serve.runtime import kv_cache_fixes
+from hybrid_build.serve.runtime.kv_cache_fixes import ANCHORS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

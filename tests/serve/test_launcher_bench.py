@@ -14,9 +14,9 @@ import pytest
 
 from hybrid_build.core.errors import ArtifactError, ExternalToolError
 from hybrid_build.pipeline.cli import main
-from hybrid_build.serve import bench as bench_mod
-from hybrid_build.serve.engine import LaunchPlan
-from hybrid_build.serve.launcher import check_prerequisites, smoke_test, start, wait_ready
+from hybrid_build.serve.bench import bench as bench_mod
+from hybrid_build.serve.launch.engine import LaunchPlan
+from hybrid_build.serve.launch.launcher import check_prerequisites, smoke_test, start, wait_ready
 
 STANDIN = Path(__file__).resolve().parent / "standin_server.py"
 sys.path.insert(0, str(STANDIN.parent))
@@ -98,7 +98,7 @@ def test_smoke_test_refuses_an_empty_answer_even_from_random_weights(running):
 
 def test_the_tiny_recipe_expects_no_paris_and_the_real_ones_do(tiny_artifact):
     from hybrid_build.recipes import load_recipe
-    from hybrid_build.serve.engine import plan_launch
+    from hybrid_build.serve.launch.engine import plan_launch
 
     assert plan_launch(str(tiny_artifact), "dense").smoke_expect is None
     for name in ("qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3.5-moe", "qwen3.5-397b-a17b"):
@@ -142,7 +142,7 @@ def test_missing_gpu_is_reported(monkeypatch, tmp_path):
     (fake / "vllm").write_text("#!/bin/sh\n")
     (fake / "vllm").chmod(0o755)
     monkeypatch.setenv("PATH", str(fake))
-    monkeypatch.setattr("hybrid_build.serve.launcher.Path.exists", lambda self: False)
+    monkeypatch.setattr("hybrid_build.serve.launch.launcher.Path.exists", lambda self: False)
     with pytest.raises(ExternalToolError, match="no NVIDIA GPU"):
         check_prerequisites(LaunchPlan(["vllm"], {}, "qwen", 1, "127.0.0.1", "base", "local", "m"))
 

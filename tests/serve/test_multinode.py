@@ -1,4 +1,4 @@
-"""Serving across several nodes (serve/multinode.py) and its speed model (serve/multinode_plan.py).
+"""Serving across several nodes (serve/launch/multinode.py) and its speed model (serve/speed/multinode_plan.py).
 
 The bring-up runs for real here: a Ray head and a worker node on loopback addresses of this
 machine (127.0.0.2 and 127.0.0.3, their own ports and temp folders), a stand-in for ``vllm``
@@ -37,13 +37,13 @@ import pytest
 
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from hybrid_build.pipeline.cli import main
-from hybrid_build.serve import bandwidth as bw
-from hybrid_build.serve import multinode as mn
-from hybrid_build.serve import multinode_plan as mnp
-from hybrid_build.serve import ray_auth
-from hybrid_build.serve.engine import plan_launch
-from hybrid_build.serve.launcher import plan_key
-from hybrid_build.serve.served_key import ApiKey
+from hybrid_build.serve.launch import multinode as mn
+from hybrid_build.serve.launch import ray_auth
+from hybrid_build.serve.launch.engine import plan_launch
+from hybrid_build.serve.launch.launcher import plan_key
+from hybrid_build.serve.launch.served_key import ApiKey
+from hybrid_build.serve.speed import bandwidth as bw
+from hybrid_build.serve.speed import multinode_plan as mnp
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"
@@ -127,10 +127,10 @@ def _plan(artifact: Path, engine: str = "local", **kw) -> mn.MultiNodePlan:
 
 
 def _render(plan: mn.MultiNodePlan, art: Path) -> str:
-    from hybrid_build.serve import patches
+    from hybrid_build.serve.launch.engine import runtime_dir
 
     text = json.dumps(plan.to_json(), indent=1, sort_keys=True)
-    return (text.replace(str(Path(patches.__file__).parent.parent.resolve()), "<SERVE>")
+    return (text.replace(str(runtime_dir()), "<RUNTIME>")
                 .replace(str(art.resolve()), "<ARTIFACT>").replace(str(Path.home()), "<HOME>")) + "\n"
 
 
@@ -192,7 +192,7 @@ def test_docker_plan_runs_ray_in_the_patched_image_on_every_node(artifact):
         assert argv[:5] == ["docker", "run", "--rm", "--name", f"hybrid-build-ray-{i + 1}"]
         assert ["--network", "host"] == argv[5:7] and "/dev/infiniband" in argv
         assert f"{artifact.resolve()}:/model:ro" in argv and "VLLM_PLUGINS=hybrid_build" not in " ".join(argv)
-        assert argv[-1].startswith("python3 /opt/hybrid-build/serve/patches/apply.py --site-packages")
+        assert argv[-1].startswith("python3 /opt/hybrid-build/runtime/patches/apply.py --site-packages")
         assert " && exec ray start --block " in argv[-1]
     assert plan.vllm.argv[:5] == ["docker", "exec", "-e", "RAY_ADDRESS=127.0.0.2:6379", "hybrid-build-ray-1"]
     assert plan.vllm.argv[5:8] == ["vllm", "serve", "/model"]
@@ -238,7 +238,7 @@ def test_every_ray_process_runs_with_the_token_file_of_its_node(artifact, home):
     assert [(f.node, f.path, f.holds) for f in files] == [(n, plan.token_files[n.index], "the Ray token")
                                                           for n in plan.nodes]  # no key: none for vLLM either
     assert plan.file_write(files[1]).local_argv(None)[-1] == \
-        'exec python3 -m hybrid_build.serve.ray_auth write "$HOME"/.cache/hybrid-build/ray-token-6379-node2'
+        'exec python3 -m hybrid_build.serve.launch.ray_auth write "$HOME"/.cache/hybrid-build/ray-token-6379-node2'
     assert [w for w, _ in plan.teardown()][-2:] == [plan.file_remove(f).what for f in files]
     docker = _plan(artifact, "docker", ray_port=7000)
     for c in docker.ray:
@@ -348,7 +348,7 @@ def test_another_node_gets_the_token_on_stdin_and_loses_it_at_teardown(artifact,
     for f in files:
         assert f.read_text() == token + "\n" and stat.S_IMODE(f.stat().st_mode) == 0o600
     assert token in stdin.read_text() and token not in record.read_text()
-    assert "hybrid_build.serve.ray_auth write" in record.read_text()
+    assert "hybrid_build.serve.launch.ray_auth write" in record.read_text()
     cluster.stop()
     assert not any(f.exists() for f in files)
     assert 'exec rm -f "$HOME"/.cache/hybrid-build/ray-token-7001-node2' in record.read_text()
@@ -870,7 +870,7 @@ def test_397b_headers_inspect_and_run_dry_run_with_its_recipe(synthetic, tmp_pat
 
 
 def _nodes_plan(ckpt, **kw) -> dict:
-    from hybrid_build.serve.speed_plan import PlanOptions, build_plan
+    from hybrid_build.serve.speed.speed_plan import PlanOptions, build_plan
 
     return build_plan(ckpt, PlanOptions(accept=[1.0], nodes=2, **kw))
 
@@ -916,7 +916,7 @@ def test_397b_needs_two_sparks(synthetic, capsys):
 
 
 def _nodes_plan_n(ckpt, n: int) -> dict:
-    from hybrid_build.serve.speed_plan import PlanOptions, build_plan
+    from hybrid_build.serve.speed.speed_plan import PlanOptions, build_plan
 
     return build_plan(ckpt, PlanOptions(accept=[1.0], nodes=n))
 

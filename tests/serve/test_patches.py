@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.serve.patches import apply as apply_mod
-from hybrid_build.serve.patches.anchors import AnchorError, Edit, Patch, apply_patch, apply_to_text
+from hybrid_build.serve.runtime.patches import apply as apply_mod
+from hybrid_build.serve.runtime.patches.anchors import AnchorError, Edit, Patch, apply_patch, apply_to_text
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -66,18 +66,22 @@ def test_changed_source_fails_naming_the_anchor(patch, site):
 
 
 @pytest.mark.vllm
-def test_apply_entry_point_checks_everything_before_writing(site):
+def test_apply_entry_point_checks_everything_before_writing(site, tmp_path_factory):
     kv = site / PATCHES[0].path
     before = {p.path: (site / p.path).read_text() for p in PATCHES}
     fla = next(p for p in PATCHES if p.name == "fla-smem-sm121")
     (site / fla.path).write_text(before[fla.path].replace(fla.edits[0].anchor, "        return True\n"))
-    r = subprocess.run([sys.executable, "-m", "hybrid_build.serve.patches.apply", "--site-packages", str(site)],
+    r = subprocess.run([sys.executable, "-m", "hybrid_build.serve.runtime.patches.apply", "--site-packages", str(site)],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "fla-smem-threshold" in r.stderr and r.stderr.count("\n") == 1
     assert kv.read_text() == before[PATCHES[0].path], "no file may change when one anchor is missing"
     (site / fla.path).write_text(before[fla.path])
-    script = Path(apply_mod.__file__)
-    r = subprocess.run([sys.executable, str(script), "--site-packages", str(site)], capture_output=True, text=True)
+    # as in the container: the runtime folder alone, run as a script by a Python without site-packages
+    # (no hybrid-build installed)
+    mounted = tmp_path_factory.mktemp("opt") / "runtime"
+    shutil.copytree(Path(apply_mod.__file__).parent.parent, mounted, ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([sys.executable, "-I", "-S", str(mounted / "patches" / "apply.py"), "--site-packages", str(site)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("applied") == len(PATCHES)
     assert (site / apply_mod.GEMV_TARGET).exists()

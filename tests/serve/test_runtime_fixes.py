@@ -22,16 +22,18 @@ import pytest
 
 from hybrid_build.pipeline.cli import main
 from hybrid_build.recipes.profiles import DOCKER_IMAGE
-from hybrid_build.serve import launcher, runtime_fixes, vllm_plugin
-from hybrid_build.serve.engine import LaunchPlan
-from hybrid_build.serve.patches import apply as apply_mod
-from hybrid_build.serve.runtime_fixes import ENV_DISABLE, FIX_IDS, FIXES, TESTED_VERSIONS, UnknownFixError
+from hybrid_build.serve.launch import launcher
+from hybrid_build.serve.launch.engine import LaunchPlan
+from hybrid_build.serve.runtime import fixes as runtime_fixes
+from hybrid_build.serve.runtime import plugin as vllm_plugin
+from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIX_IDS, FIXES, TESTED_VERSIONS, UnknownFixError
+from hybrid_build.serve.runtime.patches import apply as apply_mod
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 
-PLUGIN_LOG = "hybrid_build.serve.vllm_plugin"
+PLUGIN_LOG = "hybrid_build.serve.runtime.plugin"
 
 
 # ---- the registry

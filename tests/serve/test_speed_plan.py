@@ -17,8 +17,8 @@ from hybrid_build.pipeline.generators.synthetic import (
     write_synthetic_checkpoint,
 )
 from hybrid_build.recipes.inventory import build_report, bytes_per_token
-from hybrid_build.serve import bandwidth as bw
-from hybrid_build.serve.speed_plan import PlanOptions, build_plan
+from hybrid_build.serve.speed import bandwidth as bw
+from hybrid_build.serve.speed.speed_plan import PlanOptions, build_plan
 
 # ----------------------------------------------------------------------------- hand formulas
 

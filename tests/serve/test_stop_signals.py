@@ -41,7 +41,7 @@ def test_a_signal_while_vllm_starts_still_stops_it(tiny_artifact, serve_env, mon
     import os
 
     from hybrid_build.pipeline.cli import main
-    from hybrid_build.serve import launcher
+    from hybrid_build.serve.launch import launcher
 
     c = serve_env
     started = []

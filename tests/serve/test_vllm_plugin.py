@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.serve import vllm_plugin
+from hybrid_build.serve.runtime import plugin as vllm_plugin
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -194,7 +194,7 @@ def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
     And, as a statistic, per-row int8 of a Gaussian head stays under the 0.01 the issue sets."""
     import torch
 
-    from hybrid_build.serve.int8_gemv import kernel_available
+    from hybrid_build.serve.runtime.int8_gemv import kernel_available
 
     result = _run_probe("head_probe.py", version, tmp_path / "head.json", timeout=600)
     # tiled once at load where the kernel runs (here: the Triton interpreter, which the probe inherits)

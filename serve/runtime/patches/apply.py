@@ -1,11 +1,11 @@
 """Apply every runtime patch to the vLLM under ``--site-packages`` (what the docker engine runs
 before ``vllm serve``). Idempotent; the first failing anchor stops it with exit code 1 and one
 line naming the patch, the anchor and the file. A patch whose fix ``HYBRID_BUILD_DISABLE_FIXES``
-names (``runtime_fixes``: the ids are the module names below) is neither checked nor applied, with
+names (``fixes``: the ids are the module names below) is neither checked nor applied, with
 one line saying it is off; an unknown id stops it with exit code 2 before anything is written.
 
-    python -m hybrid_build.serve.patches.apply --site-packages DIR
-    python /opt/hybrid-build/serve/patches/apply.py --site-packages DIR    # in the container
+    python -m hybrid_build.serve.runtime.patches.apply --site-packages DIR
+    python /opt/hybrid-build/runtime/patches/apply.py --site-packages DIR    # in the container
 """
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import shutil
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script from the mounted folder
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-    __package__ = "serve.patches"  # noqa: A001
+if __package__ in (None, ""):  # run as a script from the runtime folder, mounted alone (named as it is)
+    _runtime = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(_runtime.parent))
+    __package__ = f"{_runtime.name}.patches"  # noqa: A001
     importlib.import_module(__package__)
 
-from ..runtime_fixes import UnknownFixError, disabled_fixes, off_line  # noqa: E402
+from ..fixes import UnknownFixError, disabled_fixes, off_line  # noqa: E402
 from .anchors import AnchorError, apply_patch, check_patch  # noqa: E402
 
 PATCH_MODULES = ("kv_unify", "prefix_align", "inc_fp8_dispatch", "int8_lm_head", "fla_smem_sm121")

@@ -65,7 +65,7 @@ def check_prerequisites(plan: LaunchPlan) -> None:
 def served_vllm_version(plan: LaunchPlan) -> str | None:
     """The vLLM version the plan would serve: ``vllm --version`` (local), or the image's (a tested
     image by its name, any other by asking it); None when it cannot be read."""
-    from .runtime_fixes import tested_image, version_in
+    from hybrid_build.serve.runtime.fixes import tested_image, version_in
 
     if plan.engine == "docker":
         known = tested_image(plan.image or "")
@@ -86,7 +86,7 @@ def warn_if_untested(plan: LaunchPlan, version: str | None = None) -> str | None
     """Log one warning line when the vLLM to be served (``version``, else asked) is outside the
     tested set; serving goes on (``hybrid-build verify`` is what checks its numerics). Returns the
     line, if any."""
-    from .runtime_fixes import untested_warning
+    from hybrid_build.serve.runtime.fixes import untested_warning
 
     line = untested_warning(version or served_vllm_version(plan))
     if line:

@@ -10,7 +10,7 @@ nodes are given only the path of a file that holds the token: one per node, writ
 before that node's Ray starts, readable by its owner only (``core.private_file``: created 0600
 under a temporary name, then linked to its name, so it is never readable by others nor
 half-written), and removed when the cluster is taken down. On another machine the file is written
-by ``python3 -m hybrid_build.serve.ray_auth write FILE``, which reads the secret from its stdin
+by ``python3 -m hybrid_build.serve.launch.ray_auth write FILE``, which reads the secret from its stdin
 (ssh carries it; no command line holds it). A head on another machine gets the served API's key
 (``served_key``) the same way, in a file its vLLM's shell reads into ``$VLLM_API_KEY``.
 
@@ -132,9 +132,9 @@ def _exists(path: Path) -> UserError:
                      "once no Ray of that run is left")
 
 
-if __name__ == "__main__":  # on a node: `python3 -m hybrid_build.serve.ray_auth write FILE`, the secret on stdin
+if __name__ == "__main__":  # on a node: `python3 -m hybrid_build.serve.launch.ray_auth write FILE`, the secret on stdin
     if len(sys.argv) != 3 or sys.argv[1] != "write":
-        sys.exit("usage: python3 -m hybrid_build.serve.ray_auth write FILE (the token or key on stdin)")
+        sys.exit("usage: python3 -m hybrid_build.serve.launch.ray_auth write FILE (the token or key on stdin)")
     try:
         write_node_file(Path(sys.argv[2]).expanduser(), sys.stdin.readline().strip())
     except (UserError, OSError) as e:

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.errors import ExternalToolError, UserError
-
-from .runtime_fixes import base_version
+from hybrid_build.serve.runtime.fixes import base_version
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"

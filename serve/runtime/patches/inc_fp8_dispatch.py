@@ -1,6 +1,6 @@
 """Per-layer FP8 in vLLM 0.23's INC (a single ``inc.py``): a linear whose ``extra_config`` entry
 (or every fused sub-entry) says ``bits 8, data_type fp`` gets the block-FP8 linear method, which
-reads ``weight`` + ``weight_scale_inv``. Same rule as ``serve/vllm_plugin.py`` for 0.25+."""
+reads ``weight`` + ``weight_scale_inv``. Same rule as ``serve/runtime/plugin.py`` for 0.25+."""
 from .anchors import Edit, Patch
 
 S = "# hybrid-build patch: inc-fp8-dispatch"

@@ -2,7 +2,7 @@
 change off, and the vLLM versions this project has tested with what each needs.
 
 Two mechanisms apply the fixes: the plugin's ``register()`` (local engine, every vLLM process:
-``vllm_plugin`` and ``upstream_fixes``) and the source patches of ``patches/`` (docker engine,
+``plugin`` and ``upstream_fixes``) and the source patches of ``patches/`` (docker engine,
 ``patches/apply.py`` inside the image before ``vllm serve``). One fix may have both (the same rule
 written for 0.25+ and as an anchor edit on 0.23). Either way it has one id here and one switch:
 

@@ -17,8 +17,8 @@ from hybrid_build.core import formats
 from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_recipe_data
 from hybrid_build.core.errors import UserError
 from hybrid_build.recipes.serve_names import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER
+from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
 
-from .runtime_fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
 from .served_key import SERVER_ENV, ApiKey, is_loopback
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 ENGINES = ("local", "docker")
 CONTAINER_MODEL = "/model"
 CONTAINER_DRAFTER = "/drafter"
-CONTAINER_SERVE = "/opt/hybrid-build/serve"  # serve/ is mounted: patches/ plus int8_gemv.py
+CONTAINER_RUNTIME = "/opt/hybrid-build/runtime"  # serve/runtime/ alone is mounted: patches/, int8_gemv.py
 PLUGIN_ENV = {"VLLM_PLUGINS": "hybrid_build"}
 
 
@@ -214,11 +214,18 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
     return str(ckpt.root.resolve()), None
 
 
+def runtime_dir() -> Path:
+    """The folder of the code that runs inside vLLM (``serve/runtime``): what the docker engine mounts."""
+    import hybrid_build.serve.runtime as runtime
+
+    return Path(runtime.__file__).resolve().parent
+
+
 def apply_patches_command() -> str:
-    """The shell command that applies serve/patches (mounted at CONTAINER_SERVE) to the image's vLLM."""
+    """The shell command that applies serve/runtime/patches (mounted at CONTAINER_RUNTIME) to the image's vLLM."""
     site = ("$(python3 -c 'import importlib.util,os;"
             "print(os.path.dirname(os.path.dirname(importlib.util.find_spec(\"vllm\").origin)))')")
-    return f"python3 {CONTAINER_SERVE}/patches/apply.py --site-packages \"{site}\""
+    return f"python3 {CONTAINER_RUNTIME}/patches/apply.py --site-packages \"{site}\""
 
 
 def fixes_off(given: tuple[str, ...] | list[str]) -> frozenset[str]:
@@ -265,8 +272,7 @@ def _lever_note(artifact: Path, hardware: str | None) -> str | None:
         return None
     from hybrid_build.core.checkpoint import Checkpoint
     from hybrid_build.core.errors import HybridBuildError
-
-    from .speed_plan import lever_gain_note
+    from hybrid_build.serve.speed.speed_plan import lever_gain_note
 
     try:
         return lever_gain_note(Checkpoint.read_folder(artifact), hardware)
@@ -326,9 +332,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
 
     # docker: the container serves on 8000 inside; our patches are mounted read-only and applied
     # to the image's vLLM before `vllm serve` starts
-    from . import patches as patches_pkg
-
-    sdir = Path(patches_dir or Path(patches_pkg.__file__).parent).resolve().parent
+    sdir = Path(patches_dir).resolve().parent if patches_dir else runtime_dir()
     mounts: list[str] = []
     model_in = model
     if Path(model).expanduser().exists():
@@ -338,7 +342,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if drafter and Path(drafter).exists():  # a local drafter folder is mounted like the model
         mounts += ["-v", f"{drafter}:{CONTAINER_DRAFTER}:ro"]
         drafter_in = CONTAINER_DRAFTER
-    mounts += ["-v", f"{sdir}:{CONTAINER_SERVE}:ro"]
+    mounts += ["-v", f"{sdir}:{CONTAINER_RUNTIME}:ro"]
     inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter_in) + pin
     script = f"{apply_patches_command()} && exec vllm {shlex.join(inner)}"
     env_flags: list[str] = []

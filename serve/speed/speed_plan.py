@@ -48,7 +48,7 @@ class PlanOptions:
     verify_block: int | None = None
     published: bool = False
     recipe: str | None = None
-    nodes: int | None = None  # predict for N nodes too (TP=N, PP=N): serve/multinode_plan.py
+    nodes: int | None = None  # predict for N nodes too (TP=N, PP=N): serve/speed/multinode_plan.py
     contexts: list[int] | None = None  # "concurrency" rows for each; the per-token tables use ``context``
     concurrency: list[int] | None = None  # streams sharing each verify step: a row set per count
     profile: list[str] | None = None  # the profiles whose speculative and concurrency rows are shown

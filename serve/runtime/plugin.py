@@ -18,7 +18,7 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
 ``register()`` also installs the upstream bug fixes in ``upstream_fixes`` (Marlin MoE scale layout)
 and the KV-cache fixes in ``kv_cache_fixes`` (``kv_unify``, ``prefix_align``: a DFlash drafter beside
 the hybrid target; each only where the vLLM source is the one it was written against).
-Each part is a fix of ``runtime_fixes`` (``inc_fp8_dispatch``, ``int8_lm_head``, ``marlin_moe_scale``,
+Each part is a fix of ``fixes`` (``inc_fp8_dispatch``, ``int8_lm_head``, ``marlin_moe_scale``,
 ``kv_unify``, ``prefix_align``)
 that ``HYBRID_BUILD_DISABLE_FIXES`` can turn off: that part is then not installed (the INC method is
 not replaced at all when both of its parts are off) and the process logs one line saying so.
@@ -146,7 +146,7 @@ def _apply_int8_rows(layer, x, bias=None):
     weight)."""
     import torch
 
-    from hybrid_build.serve.int8_gemv import ACTIVATION_DTYPES, int8_linear
+    from .int8_gemv import ACTIVATION_DTYPES, int8_linear
 
     if x.dtype in ACTIVATION_DTYPES:
         out = int8_linear(x, layer.weight_int8, layer.weight_scale_row)
@@ -170,7 +170,7 @@ def _triton_int8_head_method(inner):
             if not (hasattr(layer, "qweight") and hasattr(layer, "scales")):
                 raise RuntimeError(f"hybrid-build: the int8 head's GPTQ method ({type(inner).__name__}) did not "
                                    f"create qweight/scales; unset {ENV_HEAD_KERNEL} to use vLLM's own kernel")
-            from hybrid_build.serve.int8_gemv import prepare_weight
+            from .int8_gemv import prepare_weight
 
             rows, scale = gptq_int8_rows(layer.qweight.data, layer.scales.data)
             for name in ("qweight", "qzeros", "scales", "g_idx"):
@@ -196,7 +196,7 @@ def _load_time_int8_head_method():
         def process_weights_after_loading(self, layer) -> None:
             import torch
 
-            from hybrid_build.serve.int8_gemv import prepare_weight
+            from .int8_gemv import prepare_weight
 
             w = layer.weight.data
             scale = (w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
@@ -270,8 +270,8 @@ def register() -> None:
     global _registered, _done
     if _done:
         return
-    from hybrid_build.serve.runtime_fixes import FIXES, disabled_fixes, off_line
-    from hybrid_build.serve.upstream_fixes import fix_marlin_moe_scale_layout
+    from .fixes import FIXES, disabled_fixes, off_line
+    from .upstream_fixes import fix_marlin_moe_scale_layout
 
     off = disabled_fixes() & {f.id for f in FIXES if f.plugin}
     for fix_id in sorted(off):
@@ -286,7 +286,7 @@ def register() -> None:
 def _install_kv_cache_fixes(off: frozenset[str]) -> dict[str, str]:
     """``kv_unify`` and ``prefix_align`` (``kv_cache_fixes``), each where this vLLM's source is the
     one it was written against; what each came to."""
-    from hybrid_build.serve import kv_cache_fixes
+    from . import kv_cache_fixes
 
     state = kv_cache_fixes.install(frozenset(kv_cache_fixes.ANCHORS) - off)
     log.info("hybrid-build plugin: KV-cache fixes %s", ", ".join(f"{k} {v}" for k, v in sorted(state.items())))

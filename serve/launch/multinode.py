@@ -29,7 +29,7 @@ Ctrl-C (or SIGTERM, SIGHUP), stops what was started, last started first: vLLM, t
 (``Cluster.stop``; a ``ray start --block`` that ends takes the Ray processes of its node with it),
 then removes those files.
 
-Run as ``python -m hybrid_build.serve.multinode probe JSON`` on a node, it prints that node's
+Run as ``python -m hybrid_build.serve.launch.multinode probe JSON`` on a node, it prints that node's
 check as JSON (what ``bring_up`` compares).
 """
 from __future__ import annotations
@@ -56,7 +56,14 @@ from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError
 from hybrid_build.core.stop_signals import stop_signals_held
 
 from . import ray_auth
-from .engine import CONTAINER_DRAFTER, CONTAINER_MODEL, CONTAINER_SERVE, LaunchPlan, apply_patches_command
+from .engine import (
+    CONTAINER_DRAFTER,
+    CONTAINER_MODEL,
+    CONTAINER_RUNTIME,
+    LaunchPlan,
+    apply_patches_command,
+    runtime_dir,
+)
 from .served_key import SERVER_ENV, is_loopback
 
 log = logging.getLogger(__name__)
@@ -66,8 +73,9 @@ CONTAINER_PREFIX = "hybrid-build-ray"
 SSH = ["ssh", "-o", "BatchMode=yes"]
 PARALLEL = ("tp", "pp")
 DASHBOARD_HOST = "127.0.0.1"  # Ray's dashboard (and its job API) on the head's loopback only
-# the hybrid-build code that changes vLLM at run time: every node must run the same
-RUNTIME_FILES = ("patches/*.py", "vllm_plugin.py", "upstream_fixes.py", "runtime_fixes.py", "int8_gemv.py")
+# the hybrid-build code that changes vLLM at run time (the runtime package, all of it): every node
+# must run the same
+RUNTIME_FILES = ("**/*.py",)
 # asked on the head: the nodes Ray knows, by address (the Ray API, as a driver that leaves at once)
 NODES_SCRIPT = ('import json,sys,ray;ray.init(address=sys.argv[1],logging_level="ERROR",log_to_driver=False);'
                 'print(json.dumps([{"ip":n["NodeManagerAddress"],"alive":n["Alive"],'
@@ -259,7 +267,7 @@ class MultiNodePlan:
     def file_write(self, f: NodeFile) -> Command:
         """Writes the secret, read from stdin, into ``f`` (another machine's; this machine's are
         written in this process)."""
-        return Command(f.node, [sys_python(), "-m", "hybrid_build.serve.ray_auth", "write", f.path],
+        return Command(f.node, [sys_python(), "-m", "hybrid_build.serve.launch.ray_auth", "write", f.path],
                        what=f"hand {f.node.describe()} {f.holds}: into {f.path} (0600)"
                             + (", in this process" if f.node.local else ", read from stdin over ssh"))
 
@@ -451,7 +459,7 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
                   else artifact, "model": serve.model if model_local.is_dir() else None,
                   "engine": serve.engine if image is None else "docker", "image": image}
 
-    probes = [Command(node, [sys_python(), "-m", "hybrid_build.serve.multinode", "probe",
+    probes = [Command(node, [sys_python(), "-m", "hybrid_build.serve.launch.multinode", "probe",
                              json.dumps(probe_args, separators=(",", ":"))],
                       what=f"check {node.describe()}: artifact content, vLLM, Ray and runtime patches"
                            + (" (in this process)" if node.local else ""))
@@ -474,9 +482,7 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
                             RAY_ADDRESS=address),
                        f"vLLM on the head: TP={tp} x PP={pp} over Ray", tty=True, env_files=key_env)
     else:
-        from . import patches as patches_pkg
-
-        serve_dir = str(Path(patches_pkg.__file__).resolve().parent.parent)
+        serve_dir = str(runtime_dir())
         mounts = ["-v", "hf-cache:/root/.cache/huggingface"]
         model_in = serve.model
         if model_local.exists():
@@ -484,7 +490,7 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
             model_in = CONTAINER_MODEL
         if drafter and Path(drafter).exists():
             mounts += ["-v", f"{drafter}:{CONTAINER_DRAFTER}:ro"]
-        mounts += ["-v", f"{serve_dir}:{CONTAINER_SERVE}:ro"]
+        mounts += ["-v", f"{serve_dir}:{CONTAINER_RUNTIME}:ro"]
         rdma = ["--device", "/dev/infiniband", "--ulimit", "memlock=-1"] if ib_hca else []
         for node in nodes:
             name = f"{CONTAINER_PREFIX}-{node.index + 1}"
@@ -551,7 +557,7 @@ def sys_python() -> str:
 
 def runtime_fingerprint() -> str:
     """sha256 over the hybrid-build files that change vLLM at run time (patches, plugin, fixes, kernel)."""
-    root = Path(__file__).resolve().parent
+    root = runtime_dir()
     h = hashlib.sha256()
     for pattern in RUNTIME_FILES:
         for p in sorted(root.glob(pattern)):
@@ -852,7 +858,7 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
     on_event(f"checked {len(plan.nodes)} nodes: same artifact, vLLM {answers[0]['vllm']}, Ray {answers[0]['ray']}, "
              f"runtime patches {answers[0]['runtime'][:12]}")
     if plan.engine == "local":  # an untested vLLM still runs (the docker image's is the one tested)
-        from .runtime_fixes import untested_warning, version_in
+        from hybrid_build.serve.runtime.fixes import untested_warning, version_in
 
         untested = untested_warning(version_in(answers[0]["vllm"] or ""))
         if untested:
@@ -890,7 +896,7 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
         raise
 
 
-if __name__ == "__main__":  # on a node: `python -m hybrid_build.serve.multinode probe JSON`
+if __name__ == "__main__":  # on a node: `python -m hybrid_build.serve.launch.multinode probe JSON`
     if len(sys.argv) != 3 or sys.argv[1] != "probe":
-        sys.exit("usage: python -m hybrid_build.serve.multinode probe JSON")
+        sys.exit("usage: python -m hybrid_build.serve.launch.multinode probe JSON")
     print(json.dumps(probe(json.loads(sys.argv[2]))))
