@@ -21,10 +21,10 @@ from hybrid_build.core.cli_support import (
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_held
 from hybrid_build.core.user_paths import check_output_path
-from hybrid_build.recipes.serve_names import DOCKER_IMAGE, PROFILE_NAMES
+from hybrid_build.recipes.serve_names import DOCKER_IMAGE, shipped_profile_names
+from hybrid_build.serve.speed.bandwidth import HARDWARE
 
 from . import ray_auth, served_key
-from .engine import GPU_PRESETS
 
 
 def register(sub, common) -> None:
@@ -46,7 +46,9 @@ def register(sub, common) -> None:
                "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
                "--ray-token-file ray-token --dry-run   # your Ray token (a 0600 file)")
     p.add_argument("artifact", help="artifact folder (or a Hub id, with --recipe)")
-    p.add_argument("--profile", choices=PROFILE_NAMES, help="serve profile (default: the recipe's default)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="one of the recipe's serve profiles (shipped recipes: "
+                        f"{', '.join(shipped_profile_names())}; default: the recipe's default)")
     p.add_argument("--engine", choices=("local", "docker"), default="local",
                    help="local: pip-installed vLLM with the hybrid-build plugin; docker: the sm121 image")
     p.add_argument("--port", type=PORT, default=8000, help="port of the OpenAI-compatible server (default 8000)")
@@ -65,7 +67,7 @@ def register(sub, common) -> None:
     p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
                                     "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder beside it")
     p.add_argument("--image", default=DOCKER_IMAGE, help="docker image (docker engine)")
-    p.add_argument("--hardware", choices=sorted(dict(GPU_PRESETS).values()),
+    p.add_argument("--hardware", choices=sorted(HARDWARE),
                    help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
                         "levers are predicted to gain little there")
     p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
@@ -270,7 +272,6 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     from hybrid_build.validate.verify import load_reference, render, verify_server
     from hybrid_build.validate.verify_paths import PathOptions, checker
 
-    from .engine import recipe_for_serving
     from .launcher import plan_key
 
     if args.no_verify:
@@ -285,8 +286,7 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     except CannotVerify as e:
         say(redact(f"{e}; serving without the check"))
         return {"outcome": "could not run", "reason": redact(str(e))}
-    recipe, _ = recipe_for_serving(args.artifact, args.recipe)
-    profile = recipe.serve.profiles[plan.profile]
+    recipe, profile = plan.recipe, plan.vllm.profile  # as the plan resolved them
     side = profile.artifact  # the dense profile serves the hybrid, the others the source
     try:
         report = verify_server(base_url, artifact, side=side, model=plan.model_name, timeout=300,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,31 @@ CONTAINER_RUNTIME = "/opt/hybrid-build/runtime"  # serve/runtime/ alone is mount
 PLUGIN_ENV = {"VLLM_PLUGINS": "hybrid_build"}
 
 
+@dataclass(frozen=True)
+class VllmServe:
+    """What ``vllm serve`` is asked for one profile. ``argv`` is built from it once, where it runs:
+    this machine, a container (``docker_mounts`` names the model and drafter as the container sees
+    them) or the Ray head (its host and parallel flags, ``extra``)."""
+
+    profile: ServeProfile
+    model: str
+    port: int
+    host: str
+    drafter: str | None = None   # --drafter or the resolved ``{source}`` folder; None: the profile's own
+    revision: str | None = None  # the Hub commit a recorded Hub source is pinned to
+    extra: tuple[str, ...] = ()  # after the profile's arguments (several nodes: their parallel flags)
+
+    def argv(self) -> list[str]:
+        pin = ["--revision", self.revision] if self.revision else []
+        return vllm_args(self.profile, self.model, self.port, self.host, self.drafter) + pin + list(self.extra)
+
+    @property
+    def drafter_model(self) -> str | None:
+        """The DFlash drafter the argv loads (a folder or a Hub id), if any."""
+        spec = _speculative(self.profile, self.drafter)
+        return spec.get("model") if spec else None
+
+
 @dataclass
 class LaunchPlan:
     argv: list[str]
@@ -52,6 +77,10 @@ class LaunchPlan:
     prefix_caching: bool = False
     # the served API's key (``served_key``): in the child's environment only, never in argv or env
     api_key: ApiKey | None = field(default=None, repr=False)
+    # what the plan was made from, resolved once: the recipe (verify's thresholds) and vLLM's request
+    # on this machine (several nodes build theirs from it)
+    recipe: Recipe | None = field(default=None, repr=False)
+    vllm: VllmServe | None = field(default=None, repr=False)
 
     @property
     def base_url(self) -> str:
@@ -221,6 +250,32 @@ def runtime_dir() -> Path:
     return Path(runtime.__file__).resolve().parent
 
 
+@dataclass(frozen=True)
+class DockerMounts:
+    """What a container of the docker engine sees of this machine (one node's or each of several):
+    ``docker run``'s volume flags, and vLLM's request as the container names the model and drafter."""
+
+    flags: list[str]
+    vllm: VllmServe
+
+
+def docker_mounts(vllm: VllmServe) -> DockerMounts:
+    """The Hugging Face cache, a local model and a local drafter folder (read-only, at fixed paths),
+    and the runtime folder alone, whose patches the container applies before vLLM starts."""
+    flags = ["-v", "hf-cache:/root/.cache/huggingface"]
+    inside: dict[str, str] = {}
+    model = Path(vllm.model).expanduser()
+    if model.exists():
+        flags += ["-v", f"{model.resolve()}:{CONTAINER_MODEL}:ro"]
+        inside["model"] = CONTAINER_MODEL
+    drafter = vllm.drafter_model
+    if drafter and Path(drafter).exists():
+        flags += ["-v", f"{drafter}:{CONTAINER_DRAFTER}:ro"]
+        inside["drafter"] = CONTAINER_DRAFTER
+    flags += ["-v", f"{runtime_dir()}:{CONTAINER_RUNTIME}:ro"]
+    return DockerMounts(flags, replace(vllm, **inside))
+
+
 def apply_patches_command() -> str:
     """The shell command that applies serve/runtime/patches (mounted at CONTAINER_RUNTIME) to the image's vLLM."""
     site = ("$(python3 -c 'import importlib.util,os;"
@@ -249,13 +304,12 @@ def fixes_off_note(off: frozenset[str], engine: str) -> str:
     return note + "; `hybrid-build verify` shows whether this vLLM needs them (docs/serve.md)"
 
 
-GPU_PRESETS = (("GB10", "gb10"), ("H200", "h200"), ("H100", "h100"), ("RTX PRO 6000", "rtx-pro-6000"))
-
-
 def detect_hardware() -> str | None:
     """The ``plan`` preset of this machine's first GPU, from ``nvidia-smi``; None if unknown."""
     import shutil
     import subprocess
+
+    from hybrid_build.serve.speed.bandwidth import HARDWARE
 
     if not shutil.which("nvidia-smi"):
         return None
@@ -264,7 +318,7 @@ def detect_hardware() -> str | None:
                               text=True, timeout=20).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
-    return next((preset for key, preset in GPU_PRESETS if key in name), None)
+    return next((hw.name for hw in HARDWARE.values() if hw.gpu_name and hw.gpu_name in name), None)
 
 
 def _lever_note(artifact: Path, hardware: str | None) -> str | None:
@@ -282,8 +336,7 @@ def _lever_note(artifact: Path, hardware: str | None) -> str | None:
 
 def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,
                 host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
-                source: str | None = None, image: str = DOCKER_IMAGE,
-                patches_dir: Path | None = None, hardware: str | None = None,
+                source: str | None = None, image: str = DOCKER_IMAGE, hardware: str | None = None,
                 disable_fixes: tuple[str, ...] | list[str] = (), api_key: ApiKey | None = None) -> LaunchPlan:
     """``hardware`` (a ``plan`` preset; default: the GPU ``nvidia-smi`` names, if it is one) is
     only used to say when the profile's levers are predicted to gain little there. ``disable_fixes``
@@ -302,7 +355,6 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     profile = profiles[name]
     model, revision = _served_model(artifact, config, profile, source)
     drafter = resolve_drafter(name, profile, drafter, artifact, config, source)
-    pin = ["--revision", revision] if revision else []
     env = dict(profile.extra_env)
     if off:
         env[ENV_DISABLE] = ",".join(sorted(off))
@@ -323,39 +375,27 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     checked = _drafter_fields(profile, drafter)
     if profile.prefix_caching_note:
         notes.append(f"prefix caching ({name!r} profile): {profile.prefix_caching_note}")
+    local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
+    vllm = VllmServe(profile, local_model, port, host, drafter, revision)
     if engine == "local":
         env.update(PLUGIN_ENV)
-        local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
-        argv = ["vllm"] + vllm_args(profile, local_model, port, host, drafter) + pin
-        return LaunchPlan(argv, env, profile.served_model_name, port, host, name, engine, local_model, notes,
-                          rec.serve.smoke_expect, api_key=api_key, **checked)
+        return LaunchPlan(["vllm"] + vllm.argv(), env, profile.served_model_name, port, host, name, engine,
+                          local_model, notes, rec.serve.smoke_expect, api_key=api_key, recipe=rec, vllm=vllm,
+                          **checked)
 
-    # docker: the container serves on 8000 inside; our patches are mounted read-only and applied
-    # to the image's vLLM before `vllm serve` starts
-    sdir = Path(patches_dir).resolve().parent if patches_dir else runtime_dir()
-    mounts: list[str] = []
-    model_in = model
-    if Path(model).expanduser().exists():
-        mounts += ["-v", f"{Path(model).expanduser().resolve()}:{CONTAINER_MODEL}:ro"]
-        model_in = CONTAINER_MODEL
-    drafter_in = drafter
-    if drafter and Path(drafter).exists():  # a local drafter folder is mounted like the model
-        mounts += ["-v", f"{drafter}:{CONTAINER_DRAFTER}:ro"]
-        drafter_in = CONTAINER_DRAFTER
-    mounts += ["-v", f"{sdir}:{CONTAINER_RUNTIME}:ro"]
-    inner = vllm_args(profile, model_in, 8000, "0.0.0.0", drafter_in) + pin
-    script = f"{apply_patches_command()} && exec vllm {shlex.join(inner)}"
+    # docker: the container serves on 8000 inside; the runtime folder is mounted read-only and its
+    # patches applied to the image's vLLM before `vllm serve` starts
+    mounts = docker_mounts(replace(vllm, port=8000, host="0.0.0.0"))
+    script = f"{apply_patches_command()} && exec vllm {shlex.join(mounts.vllm.argv())}"
     env_flags: list[str] = []
     for k, v in sorted(env.items()):
         env_flags += ["-e", f"{k}={v}"]
     if api_key is not None:
         env_flags += ["-e", SERVER_ENV]  # docker copies the value from its own environment
     argv = (["docker", "run", "--rm", "--name", f"hybrid-build-{name}", "--gpus", "all", "--ipc", "host",
-             "-p", docker_publish(host, port),
-             "-v", "hf-cache:/root/.cache/huggingface"] + mounts + env_flags +
-            [image, "bash", "-c", script])
+             "-p", docker_publish(host, port)] + mounts.flags + env_flags + [image, "bash", "-c", script])
     return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes,
-                      rec.serve.smoke_expect, image=image, api_key=api_key, **checked)
+                      rec.serve.smoke_expect, image=image, api_key=api_key, recipe=rec, vllm=vllm, **checked)
 
 
 def _drafter_fields(profile: ServeProfile, drafter: str | None) -> dict:

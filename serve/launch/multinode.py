@@ -56,14 +56,7 @@ from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError
 from hybrid_build.core.stop_signals import stop_signals_held
 
 from . import ray_auth
-from .engine import (
-    CONTAINER_DRAFTER,
-    CONTAINER_MODEL,
-    CONTAINER_RUNTIME,
-    LaunchPlan,
-    apply_patches_command,
-    runtime_dir,
-)
+from .engine import LaunchPlan, apply_patches_command, docker_mounts, runtime_dir
 from .served_key import SERVER_ENV, is_loopback
 
 log = logging.getLogger(__name__)
@@ -442,19 +435,18 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
     if host != serve.host:
         notes.append(f"the head is another machine: vLLM listens on its link address {head.ip}")
     url_plan = replace(serve, host=host, notes=notes)  # keeps the key: serve's requests send it
-    vllm_tail = serve.argv[1:]  # serve MODEL ... (with --host rewritten below)
-    if "--host" in vllm_tail:
-        vllm_tail[vllm_tail.index("--host") + 1] = host
+    flags: list[str] = []
     sharing = sum(node.local for node in nodes)
-    if parallel == "tp" and sharing > 1 and "--disable-custom-all-reduce" not in vllm_tail:
+    if parallel == "tp" and sharing > 1 and "--disable-custom-all-reduce" not in serve.vllm.argv():
         # vLLM finds the ranks of nodes on one machine "in the same node" (shared memory works) and
         # sets up its custom all-reduce as over one node's GPUs: rank 1 then asks for a second GPU
         # that its node does not have (IndexError, vLLM 0.25.1 on 2 H200s, docs/multinode.md)
-        vllm_tail.append("--disable-custom-all-reduce")
+        flags.append("--disable-custom-all-reduce")
         notes.append(f"{sharing} nodes share this machine: vLLM's custom all-reduce is off (it would take their "
                      "ranks for GPUs of one node); the all-reduce goes through NCCL")
+    # the head's vLLM request: where it listens, and its parallel flags after the profile's arguments
+    head_vllm = replace(serve.vllm, host=host, extra=tuple(flags + _parallel_args(tp, pp)))
     model_local = Path(serve.model).expanduser()
-    drafter = _drafter_of(serve.argv)
     probe_args = {"artifact": str(Path(artifact).expanduser().resolve()) if Path(artifact).expanduser().exists()
                   else artifact, "model": serve.model if model_local.is_dir() else None,
                   "engine": serve.engine if image is None else "docker", "image": image}
@@ -477,20 +469,12 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
         head_auth = ray_auth.auth_env(token_files[0])
         query = Command(head, ["python3", "-c", NODES_SCRIPT, address], head_auth,
                         what="the nodes Ray lists (Ray API, on the head)")
-        vllm = Command(head, ["vllm"] + vllm_tail + _parallel_args(tp, pp),
+        vllm = Command(head, ["vllm"] + head_vllm.argv(),
                        dict(serve_env, **link_env(head, ifname, ib_hca), **extra(head), **head_auth,
                             RAY_ADDRESS=address),
                        f"vLLM on the head: TP={tp} x PP={pp} over Ray", tty=True, env_files=key_env)
     else:
-        serve_dir = str(runtime_dir())
-        mounts = ["-v", "hf-cache:/root/.cache/huggingface"]
-        model_in = serve.model
-        if model_local.exists():
-            mounts += ["-v", f"{model_local.resolve()}:{CONTAINER_MODEL}:ro"]
-            model_in = CONTAINER_MODEL
-        if drafter and Path(drafter).exists():
-            mounts += ["-v", f"{drafter}:{CONTAINER_DRAFTER}:ro"]
-        mounts += ["-v", f"{serve_dir}:{CONTAINER_RUNTIME}:ro"]
+        mounts = docker_mounts(head_vllm)  # the same folders in every node's container
         rdma = ["--device", "/dev/infiniband", "--ulimit", "memlock=-1"] if ib_hca else []
         for node in nodes:
             name = f"{CONTAINER_PREFIX}-{node.index + 1}"
@@ -502,34 +486,21 @@ def plan_multinode(serve: LaunchPlan, specs: list[str], artifact: str, ifname: s
             ray_argv = _ray_argv(node, head, ray_port, gpus_per_node, None)
             script = f"{apply_patches_command()} && exec {shlex.join(ray_argv)}"
             argv = (["docker", "run", "--rm", "--name", name, "--network", "host", "--ipc", "host", "--gpus", "all"]
-                    + rdma + mounts + token_mount + flags + [image, "bash", "-c", script])
+                    + rdma + mounts.flags + token_mount + flags + [image, "bash", "-c", script])
             ray_cmds.append(Command(node, argv, what=f"Ray {node.role} on {node.describe()}, in the image with "
                                                      "the runtime patches applied", tty=True))
             stops.append(Command(node, ["docker", "stop", name], what=f"stop the container of {node.describe()}"))
         head_name = f"{CONTAINER_PREFIX}-1"
         query = Command(head, ["docker", "exec", head_name, "python3", "-c", NODES_SCRIPT, address],
                         what="the nodes Ray lists (Ray API, in the head's container)")
-        inner = [model_in if a == serve.model else a for a in vllm_tail]
-        if drafter and Path(drafter).exists() and "--speculative-config" in inner:
-            i = inner.index("--speculative-config") + 1
-            spec = json.loads(inner[i])
-            if spec.get("model") == drafter:
-                inner[i] = json.dumps(dict(spec, model=CONTAINER_DRAFTER), separators=(",", ":"))
         # the key's name alone, as for one node (engine.plan_launch): docker exec copies its value
         key_flag = ["-e", SERVER_ENV] if serve.api_key is not None else []
-        vllm = Command(head, ["docker", "exec", "-e", f"RAY_ADDRESS={address}", *key_flag, head_name, "vllm"] + inner
-                       + _parallel_args(tp, pp), what=f"vLLM in the head's container: TP={tp} x PP={pp} over Ray",
+        vllm = Command(head, ["docker", "exec", "-e", f"RAY_ADDRESS={address}", *key_flag, head_name, "vllm"]
+                       + mounts.vllm.argv(), what=f"vLLM in the head's container: TP={tp} x PP={pp} over Ray",
                        tty=True, env_files=key_env)
     return MultiNodePlan(nodes, "docker" if image else "local", tp, pp, gpus_per_node, address, probes, ray_cmds,
                          query, vllm, stops, url_plan, remote_venv, ray_temp_dir, notes, probe_args, token, token_files,
                          key_file)
-
-
-def _drafter_of(argv: list[str]) -> str | None:
-    """The DFlash drafter a ``vllm serve`` argv loads, if any."""
-    if "--speculative-config" not in argv:
-        return None
-    return json.loads(argv[argv.index("--speculative-config") + 1]).get("model")
 
 
 def check_tools(plan: MultiNodePlan) -> None:

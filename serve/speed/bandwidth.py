@@ -82,6 +82,7 @@ class Hardware:
     calibration: str
     calibrated: bool
     floor: StepFloor = NO_FLOOR
+    gpu_name: str = ""  # what `nvidia-smi --query-gpu=name` prints of it (serve tells the GPU by it)
 
 
 # Efficiency on GB10, calibrated on ONE published number: Intel's INT4 Qwen3.5-122B-A10B decodes
@@ -113,15 +114,18 @@ _NOT_CALIBRATED = "not calibrated: GB10's factor (no published single-stream num
 
 HARDWARE: dict[str, Hardware] = {
     "gb10": Hardware("gb10", "NVIDIA DGX Spark (GB10, LPDDR5X)", 273.0, GB10_EFFICIENCY,
-                     "calibrated: Qwen3.5-122B-A10B INT4 base decode 28.2 tok/s (vLLM, c=1)", True, GB10_FLOOR),
+                     "calibrated: Qwen3.5-122B-A10B INT4 base decode 28.2 tok/s (vLLM, c=1)", True, GB10_FLOOR,
+                     gpu_name="GB10"),
     "h200": Hardware("h200", "NVIDIA H200 (HBM3e)", 4800.0, H200_EFFICIENCY,
-                     "measured: read ceiling 4,426 GB/s (4 GiB fp32 sum on the H200)", True, H200_FLOOR),
+                     "measured: read ceiling 4,426 GB/s (4 GiB fp32 sum on the H200)", True, H200_FLOOR, gpu_name="H200"),
     "h100": Hardware("h100", "NVIDIA H100 SXM (HBM3)", 3350.0, H200_EFFICIENCY, _NOT_CALIBRATED.replace(
         "GB10's factor", "the H200's read efficiency"), False, StepFloor(
-        H200_FLOOR.fixed_ms, H200_FLOOR.per_layer_ms, _FLOOR_CARRIED + " (same Hopper architecture)", False)),
+        H200_FLOOR.fixed_ms, H200_FLOOR.per_layer_ms, _FLOOR_CARRIED + " (same Hopper architecture)", False),
+        gpu_name="H100"),
     "rtx-pro-6000": Hardware("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (GDDR7)", 1792.0, GB10_EFFICIENCY,
                              _NOT_CALIBRATED, False, StepFloor(
-        H200_FLOOR.fixed_ms, H200_FLOOR.per_layer_ms, _FLOOR_CARRIED + " (another architecture: a guess)", False)),
+        H200_FLOOR.fixed_ms, H200_FLOOR.per_layer_ms, _FLOOR_CARRIED + " (another architecture: a guess)", False),
+        gpu_name="RTX PRO 6000"),
 }
 
 # Published GB10 figures (single stream, vLLM, temperature 0) that docs/plan.md compares with.
