@@ -22,6 +22,7 @@ from hybrid_build.core.errors import UserError
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_held
 from hybrid_build.core.user_paths import check_output_path
 from hybrid_build.recipes.serve_names import DOCKER_IMAGE, shipped_profile_names
+from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIX_IDS
 from hybrid_build.serve.speed.bandwidth import HARDWARE
 
 from . import ray_auth, served_key
@@ -61,11 +62,13 @@ def register(sub, common) -> None:
                         f"$XDG_STATE_HOME/{served_key.STATE_FOLDER}/{served_key.KEY_FILE} (default ~/.local/state/...; "
                         "0600; the path is printed, never the key). A flag shows in `ps`: prefer the file or the "
                         "variable")
-    p.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the API key from FILE (one line; a file of yours, mode 0600)")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE",
+                   help="read the API key from FILE (one line; a file of yours, mode 0600)")
     p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
     p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
     p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
-                                    "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder beside it")
+                                    "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder "
+                                    "beside it")
     p.add_argument("--image", default=DOCKER_IMAGE, help="docker image (docker engine)")
     p.add_argument("--hardware", choices=sorted(HARDWARE),
                    help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
@@ -79,7 +82,7 @@ def register(sub, common) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the exact command and environment, start nothing")
     p.add_argument("--disable-fix", action="append", default=[], metavar="ID",
                    help="leave this runtime fix or patch out (repeatable; `all` for every one), to see whether "
-                        "your vLLM still needs it: sets HYBRID_BUILD_DISABLE_FIXES (ids: docs/serve.md)")
+                        f"your vLLM still needs it: sets {ENV_DISABLE} (ids: {', '.join(FIX_IDS)}; docs/serve.md)")
     g = p.add_argument_group(
         "several nodes (vLLM on a Ray cluster; docs/multinode.md)",
         "Ray runs with token authentication: a token generated per run (or --ray-token-file,\n"
@@ -220,7 +223,8 @@ def _check_artifact(args: argparse.Namespace) -> None:
     problem = None
     if prov is None:
         if (artifact / META_DIR).is_dir():
-            problem = f"no {PROVENANCE}: the build did not finish (`hybrid-build status {artifact}` says where it stopped)"
+            problem = (f"no {PROVENANCE}: the build did not finish (`hybrid-build status {artifact}` says where it "
+                       "stopped)")
     else:
         found = check_artifact(artifact, prov, lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
         if not found.intact:

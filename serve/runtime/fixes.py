@@ -1,10 +1,12 @@
 """The registry of what hybrid-build changes inside vLLM at run time, the switch that turns each
 change off, and the vLLM versions this project has tested with what each needs.
 
-Two mechanisms apply the fixes: the plugin's ``register()`` (local engine, every vLLM process:
-``plugin`` and ``upstream_fixes``) and the source patches of ``patches/`` (docker engine,
-``patches/apply.py`` inside the image before ``vllm serve``). One fix may have both (the same rule
-written for 0.25+ and as an anchor edit on 0.23). Either way it has one id here and one switch:
+``FIXES`` is the one list: the plugin, the docker patches and the CLI switch are derived from it.
+Two mechanisms apply a fix: the plugin's ``register()`` (local engine, every vLLM process) calls its
+``hook`` (``module:function`` in this package), and ``patches/apply.py`` applies its ``patch``
+(a module of ``patches/``: docker engine, inside the image before ``vllm serve``). One fix may have
+both (the same rule written for 0.25+ and as an anchor edit on 0.23). Adding a fix is one entry
+here plus its module. Either way it has one id here and one switch:
 
     HYBRID_BUILD_DISABLE_FIXES=marlin_moe_scale,kv_unify     (or ``all``)
 
@@ -32,39 +34,61 @@ class Fix:
     fixes: str                 # what goes wrong in stock vLLM without it
     upstream: str              # vLLM issue(s) where known, else ""
     needed_on: tuple[str, ...]  # the tested versions it is applied on
-    plugin: bool               # applied by the plugin's register() (local engine), where its source anchors hold
+    # ``module:function`` in this package that the plugin's register() calls (local engine) with the
+    # enabled ids of the fixes sharing that hook; it installs them where their source anchors hold
+    hook: str | None = None
     patch: str | None = None   # module in patches/ (docker engine, vLLM 0.23.0)
+
+    @property
+    def plugin(self) -> bool:
+        """Applied by the plugin (local engine)."""
+        return self.hook is not None
 
 
 FIXES: tuple[Fix, ...] = (
     Fix("inc_fp8_dispatch", "FP8 layers (the shared experts) inside an auto-round INT4 checkpoint are read as "
         "8-bit integers: INC takes data_type from the global config; the fix gives them the block-FP8 method",
-        "46311 (fix PR 46322)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"), plugin=True, patch="inc_fp8_dispatch"),
+        "46311 (fix PR 46322)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"), hook="plugin:install_inc",
+        patch="inc_fp8_dispatch"),
     Fix("int8_lm_head", "the int8 lm-head: a stored 8-bit head under the bare `lm_head` key reaches the VL "
         "model's nested head, a BF16 head is quantized at load (HYBRID_BUILD_LM_HEAD=quantize-at-load) and runs "
         "the int8 GEMV; off, the head is served as stock vLLM reads it",
-        "53896 (review: the head may never get quant_config)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"), plugin=True,
-        patch="int8_lm_head"),
+        "53896 (review: the head may never get quant_config)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"),
+        hook="plugin:install_inc", patch="int8_lm_head"),
     Fix("marlin_moe_scale", "Marlin MoE gate/up (w13) scales get the channel-wise layout when "
         "moe_intermediate_size <= group_size < hidden_size: the routed experts compute garbage (the tiny "
         "fixture; not the 122B, so the docker image does without it)",
-        "50196", ("0.25.1", "0.26.0", "0.33.0"), plugin=True),
+        "50196", ("0.25.1", "0.26.0", "0.33.0"), hook="upstream_fixes:install"),
     Fix("kv_unify", "a DFlash drafter whose KV page is larger than the hybrid target's: vLLM 0.25.1 grows every "
         "smaller page by a ratio of block sizes, which cannot grow a GDN state page, and stops at `assert "
         "new_spec.page_size_bytes == max_page_size` (the 122B with its real drafter); the fix pads the GDN pages "
         "as vLLM 0.26.0 does (0.23.0: pads pages that do not divide instead of raising NotImplementedError)",
-        "43626, 46480", ("0.23.0", "0.25.1"), plugin=True, patch="kv_unify"),
+        "43626, 46480", ("0.23.0", "0.25.1"), hook="kv_cache_fixes:install", patch="kv_unify"),
     Fix("prefix_align", "prefix caching with a DFlash drafter on a hybrid model: the groups' blocks differ (the "
         "target's attention grows to 2x the GDN block) and DFlash drops the last matching block as EAGLE does, so "
         "a warm prefix hits an earlier chunk end (53,760 of 65,568 tokens at 64k); the fix keeps every group at the "
         "GDN block with padded pages and keeps the last block for DFlash, as vLLM 0.33 does (0.23.0: rounds "
-        "mamba_block_size up to the attention block)", "", ("0.23.0", "0.25.1", "0.26.0"), plugin=True,
-        patch="prefix_align"),
+        "mamba_block_size up to the attention block)", "", ("0.23.0", "0.25.1", "0.26.0"),
+        hook="kv_cache_fixes:install", patch="prefix_align"),
     Fix("fla_smem_sm121", "FLA chunk kernels on GB10 (sm121, 99 KiB shared memory per block) pick the small "
-        "tiles (speed only); threshold from HYBRID_BUILD_FLA_SMEM_BYTES", "", ("0.23.0",), plugin=False,
+        "tiles (speed only); threshold from HYBRID_BUILD_FLA_SMEM_BYTES", "", ("0.23.0",),
         patch="fla_smem_sm121"),
 )
 FIX_IDS: tuple[str, ...] = tuple(f.id for f in FIXES)
+
+
+def hooks() -> dict[str, tuple[str, ...]]:
+    """The plugin's hooks, each with the ids of the fixes it installs (``FIXES`` order)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for f in FIXES:
+        if f.hook:
+            out[f.hook] = out.get(f.hook, ()) + (f.id,)
+    return out
+
+
+def patches() -> dict[str, str]:
+    """The docker engine's patch modules (``patches/``) by fix id, in ``FIXES`` order."""
+    return {f.id: f.patch for f in FIXES if f.patch}
 
 
 @dataclass(frozen=True)

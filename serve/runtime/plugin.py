@@ -15,13 +15,12 @@ INT4 checkpoint would be read as 8-bit integers. ``register()`` (entry point
   in fp16) and returns logits in that dtype; any other dtype (a float32 engine) is cast to bf16
   for the kernel and the logits back;
 - everything else: INC's own answer, unchanged.
-``register()`` also installs the upstream bug fixes in ``upstream_fixes`` (Marlin MoE scale layout)
-and the KV-cache fixes in ``kv_cache_fixes`` (``kv_unify``, ``prefix_align``: a DFlash drafter beside
-the hybrid target; each only where the vLLM source is the one it was written against).
-Each part is a fix of ``fixes`` (``inc_fp8_dispatch``, ``int8_lm_head``, ``marlin_moe_scale``,
-``kv_unify``, ``prefix_align``)
-that ``HYBRID_BUILD_DISABLE_FIXES`` can turn off: that part is then not installed (the INC method is
-not replaced at all when both of its parts are off) and the process logs one line saying so.
+``register()`` installs every fix of ``fixes.FIXES`` that has a plugin hook: the two parts above
+(``install_inc``), the upstream bug fixes in ``upstream_fixes`` (Marlin MoE scale layout) and the
+KV-cache fixes in ``kv_cache_fixes`` (a DFlash drafter beside the hybrid target; each only where
+the vLLM source is the one it was written against). ``HYBRID_BUILD_DISABLE_FIXES`` can turn each
+off: it is then not installed (the INC method is not replaced at all when both of its parts are
+off) and the process logs one line saying so.
 It is inert (pure delegation) unless the checkpoint's config declares FP8 layers, an int8
 head, or the launcher set ``HYBRID_BUILD_LM_HEAD=quantize-at-load``. Works with vLLM 0.25.x and
 0.33.x; nothing here is imported before vLLM calls ``register``.
@@ -36,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ENV_LM_HEAD = "HYBRID_BUILD_LM_HEAD"  # "quantize-at-load": set by `hybrid-build serve`
 ENV_HEAD_KERNEL = "HYBRID_BUILD_INT8_HEAD_KERNEL"  # "triton": the project's GEMV for a stored int8 head
+FP8_DISPATCH, INT8_HEAD = "inc_fp8_dispatch", "int8_lm_head"  # this module's two fixes (``fixes.FIXES``)
 FP8_BLOCK = (128, 128)
 _REGEX_CHARS = set(r"*+?^$()[]{}|\\")
 
@@ -238,7 +238,7 @@ def make_config_class(base: type, off: frozenset[str] = frozenset()) -> type:
             extra = self.extra_config or {}
             packed = getattr(self, "packed_modules_mapping", None) or {}
             if isinstance(layer, ParallelLMHead):
-                if "int8_lm_head" in off:
+                if INT8_HEAD in off:
                     return None
                 if is_int8_entry(exact_entry(extra, prefix)):
                     method = _int8_head_method(self, layer, prefix)
@@ -248,7 +248,7 @@ def make_config_class(base: type, off: frozenset[str] = frozenset()) -> type:
                 if os.environ.get(ENV_LM_HEAD) == "quantize-at-load":
                     return _load_time_int8_head_method()
                 return None
-            if isinstance(layer, LinearBase) and "inc_fp8_dispatch" not in off:
+            if isinstance(layer, LinearBase) and FP8_DISPATCH not in off:
                 block = layer_fp8_block(extra, prefix, packed)
                 if block is not None:
                     log.debug("hybrid-build: %s -> FP8 block %s", prefix, block)
@@ -264,52 +264,53 @@ _done = False
 
 
 def register() -> None:
-    """vLLM entry point: replace the ``inc`` method with the hybrid-aware subclass and install the
-    upstream fixes, each unless ``HYBRID_BUILD_DISABLE_FIXES`` turns it off (idempotent). An unknown
-    id in that variable stops vLLM with one line: a typo must not leave a fix on."""
-    global _registered, _done
+    """vLLM entry point: call the hook of every fix in ``fixes.FIXES`` that has one, with the ids it
+    installs less those ``HYBRID_BUILD_DISABLE_FIXES`` turns off (idempotent). An unknown id in that
+    variable stops vLLM with one line: a typo must not leave a fix on."""
+    global _done
     if _done:
         return
-    from .fixes import FIXES, disabled_fixes, off_line
-    from .upstream_fixes import fix_marlin_moe_scale_layout
+    from .fixes import FIXES, disabled_fixes, hooks, off_line
 
     off = disabled_fixes() & {f.id for f in FIXES if f.plugin}
     for fix_id in sorted(off):
         log.warning(off_line(fix_id))
-    if "marlin_moe_scale" not in off:
-        fix_marlin_moe_scale_layout()
-    _install_kv_cache_fixes(off)
-    _registered = _register_inc(off)
+    state: dict[str, str] = {}
+    for hook, ids in hooks().items():
+        enabled = frozenset(ids) - off
+        if enabled:
+            state.update(_hook(hook)(enabled))
+    log.info("hybrid-build plugin: runtime fixes %s", ", ".join(f"{k} {v}" for k, v in sorted(state.items())))
     _done = True
 
 
-def _install_kv_cache_fixes(off: frozenset[str]) -> dict[str, str]:
-    """``kv_unify`` and ``prefix_align`` (``kv_cache_fixes``), each where this vLLM's source is the
-    one it was written against; what each came to."""
-    from . import kv_cache_fixes
+def _hook(name: str):
+    """``module:function`` of this package (a ``fixes.Fix.hook``)."""
+    import importlib
 
-    state = kv_cache_fixes.install(frozenset(kv_cache_fixes.ANCHORS) - off)
-    log.info("hybrid-build plugin: KV-cache fixes %s", ", ".join(f"{k} {v}" for k, v in sorted(state.items())))
-    return state
+    module, function = name.split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
-def _register_inc(off: frozenset[str]) -> type | None:
-    """Replace the ``inc`` method unless both of its parts are off; the class now registered, if any."""
-    if {"inc_fp8_dispatch", "int8_lm_head"} <= off:
-        return None  # stock INC stays as it is
+def install_inc(enabled: frozenset[str]) -> dict[str, str]:
+    """The hook of ``inc_fp8_dispatch`` and ``int8_lm_head``: replace the ``inc`` method with the
+    subclass that does the enabled parts. ``applied``, or ``absent`` on a vLLM without INC."""
+    global _registered
+    off = frozenset({FP8_DISPATCH, INT8_HEAD}) - enabled
     try:
         from vllm.model_executor.layers.quantization import register_quantization_config
         from vllm.model_executor.layers.quantization.inc import INCConfig
     except ImportError as e:  # a vLLM without the INC package: nothing to teach
         log.warning("hybrid-build plugin: vLLM's INC quantization is not importable (%s); plugin inactive", e)
-        return None
+        return dict.fromkeys(enabled, "absent")
     if getattr(INCConfig, "hybrid_build", False):
-        return INCConfig
-    cls = make_config_class(INCConfig, off)
-    register_quantization_config("inc")(cls)
+        _registered = INCConfig
+        return dict.fromkeys(enabled, "applied")
+    _registered = make_config_class(INCConfig, off)
+    register_quantization_config("inc")(_registered)
     log.info("hybrid-build plugin: per-layer FP8 and int8 lm-head enabled for auto-round checkpoints")
-    return cls
+    return dict.fromkeys(enabled, "applied")
 
 
-__all__ = ["register", "make_config_class", "layer_fp8_block", "exact_entry", "declares_hybrid",
+__all__ = ["register", "install_inc", "make_config_class", "layer_fp8_block", "exact_entry", "declares_hybrid",
            "ENV_LM_HEAD", "ENV_HEAD_KERNEL", "gptq_int8_rows"]

@@ -60,3 +60,8 @@ def fix_marlin_moe_scale_layout() -> bool:
     marlin_moe_permute_scales.fired = False  # set (and logged once) when the fix changed a layout
     int_wna16.marlin_moe_permute_scales = marlin_moe_permute_scales
     return True
+
+
+def install(enabled: frozenset[str]) -> dict[str, str]:
+    """The plugin's hook (``fixes.FIXES``): ``applied``, or ``absent`` on a vLLM without the function."""
+    return dict.fromkeys(enabled, "applied" if fix_marlin_moe_scale_layout() else "absent")

@@ -80,11 +80,12 @@ def test_apply_entry_point_checks_everything_before_writing(site, tmp_path_facto
     # (no hybrid-build installed)
     mounted = tmp_path_factory.mktemp("opt") / "runtime"
     shutil.copytree(Path(apply_mod.__file__).parent.parent, mounted, ignore=shutil.ignore_patterns("__pycache__"))
-    r = subprocess.run([sys.executable, "-I", "-S", str(mounted / "patches" / "apply.py"), "--site-packages", str(site)],
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-I", "-S", str(mounted / "patches" / "apply.py"),
+                        "--site-packages", str(site)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("applied") == len(PATCHES)
-    assert (site / apply_mod.GEMV_TARGET).exists()
+    assert all((site / target).exists() for p in PATCHES for _, target in p.copies)
+    assert any(p.copies for p in PATCHES)
 
 
 def test_edit_without_sentinel_is_refused():
@@ -107,7 +108,8 @@ import torch
 from vllm.v1.core import kv_cache_utils as k
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 patched = open(sys.argv[1]).read()
-fn = next(n for n in ast.parse(patched).body if isinstance(n, ast.FunctionDef) and n.name == "unify_kv_cache_spec_page_size")
+fn = next(n for n in ast.parse(patched).body
+          if isinstance(n, ast.FunctionDef) and n.name == "unify_kv_cache_spec_page_size")
 if sys.argv[2] == "patched":
     exec(compile(ast.Module([fn], []), "patched", "exec"), k.__dict__)
 # the 122B (block 2240, GDN page padded to the attention page) and its real drafter (8 kv x 128)

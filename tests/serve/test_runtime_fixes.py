@@ -38,13 +38,71 @@ PLUGIN_LOG = "hybrid_build.serve.runtime.plugin"
 
 # ---- the registry
 
-def test_registry_names_every_patch_and_plugin_fix_once():
+def test_every_fix_has_its_hook_or_its_patch():
+    """Each entry of FIXES is a fix some mechanism applies: a plugin hook that exists in the runtime
+    package, a patch module of patches/ that holds a PATCH, or both; and nothing else is applied."""
     assert len(set(FIX_IDS)) == len(FIX_IDS)
-    assert {f.patch for f in FIXES if f.patch} == set(apply_mod.PATCH_MODULES)
-    assert all(f.patch in (None, f.id) for f in FIXES)  # a patch's id is its module's name
-    assert {f.id for f in FIXES if f.plugin} == {"inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "kv_unify",
-                                                 "prefix_align"}
-    assert all(f.fixes and f.needed_on for f in FIXES)
+    assert all(f.fixes and f.needed_on and (f.hook or f.patch) for f in FIXES)
+    for hook, ids in runtime_fixes.hooks().items():
+        assert callable(vllm_plugin._hook(hook)), hook
+        assert set(ids) <= set(FIX_IDS)
+    for fix_id, module in runtime_fixes.patches().items():
+        assert apply_mod.patch_of(fix_id).edits, module
+    runtime = Path(apply_mod.__file__).parent
+    assert {p.stem for p in runtime.glob("*.py")} - {"__init__", "anchors", "apply"} == \
+        set(runtime_fixes.patches().values()), "a patch module no fix names is never applied"
+    assert [p.name for p in apply_mod.all_patches()] == [apply_mod.patch_of(i).name for i in runtime_fixes.patches()]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("calibration", "core", "pipeline", "recipes", "serve", "validate", "scripts", "benchmarks")
+
+
+def _listed_ids(path: Path) -> list[tuple[int, list[str]]]:
+    """The literal collections in a file (tuple, list, set, dict keys) that hold two fix ids or more."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, (ast.Tuple, ast.List,
+                                                                                           ast.Set)) else []
+        ids = [i.value for i in items if isinstance(i, ast.Constant) and i.value in FIX_IDS]
+        if len(ids) > 1:
+            out.append((node.lineno, ids))
+    return out
+
+
+def _owners() -> dict[str, set[str]]:
+    """The module (file name in serve/runtime) that implements each fix: its hook's or its patch's."""
+    owners: dict[str, set[str]] = {}
+    for f in FIXES:
+        if f.hook:
+            owners.setdefault(f"serve/runtime/{f.hook.split(':')[0]}.py", set()).add(f.id)
+        if f.patch:
+            owners.setdefault(f"serve/runtime/patches/{f.patch}.py", set()).add(f.id)
+    return owners
+
+
+def test_no_module_lists_fix_ids_but_the_registry():
+    """The ids live in FIXES alone: elsewhere a module names together only the fixes it implements
+    (its own parts); the plugin, the patches and the CLI switch derive theirs from FIXES."""
+    owners = _owners()
+    found = {}
+    for folder in PRODUCT:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel == "serve/runtime/fixes.py":
+                continue
+            bad = [(line, ids) for line, ids in _listed_ids(path) if not set(ids) <= owners.get(rel, set())]
+            if bad:
+                found[rel] = bad
+    assert found == {}
+
+
+def test_a_second_list_of_ids_is_caught(tmp_path):
+    planted = tmp_path / "m.py"
+    planted.write_text(f"PATCH_MODULES = {FIX_IDS[:3]!r}\n")
+    assert _listed_ids(planted) == [(1, list(FIX_IDS[:3]))]
 
 
 def test_tested_versions_are_the_checked_sources_and_the_docker_image():
@@ -272,14 +330,14 @@ def test_apply_skips_a_disabled_patch_and_applies_the_others(tmp_path):
     assert (tmp_path / kv.path).read_text() == broken
     head = next(p for p in patches if p.name == "int8-lm-head")
     assert (tmp_path / head.path).read_text() == (src / head.path).read_text()
-    assert not (tmp_path / apply_mod.GEMV_TARGET).exists()
+    assert not any((tmp_path / target).exists() for _, target in head.copies)
     applied = {p.name for p in patches} - {kv.name, head.name}
     for p in patches:
         if p.name in applied:
             assert all(e.sentinel in (tmp_path / p.path).read_text() for e in p.edits), p.name
     lines = r.stdout.splitlines()
-    assert [x for x in lines if "is off" in x] == [runtime_fixes.off_line("kv_unify"),
-                                                   runtime_fixes.off_line("int8_lm_head")]
+    assert [x for x in lines if "is off" in x] == [runtime_fixes.off_line("int8_lm_head"),
+                                                   runtime_fixes.off_line("kv_unify")]  # FIXES order
     assert sum("applied" in x for x in lines) == len(applied)
 
 

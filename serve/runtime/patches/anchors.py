@@ -31,6 +31,9 @@ class Patch:
     path: str        # relative to site-packages, e.g. "vllm/v1/core/kv_cache_utils.py"
     edits: tuple[Edit, ...]
     why: str = ""
+    # files of the runtime folder the patched code imports, copied beside it: (source relative to
+    # the runtime folder, target relative to site-packages)
+    copies: tuple[tuple[str, str], ...] = ()
 
 
 def apply_to_text(patch: Patch, text: str, where: str) -> tuple[str, list[str]]:

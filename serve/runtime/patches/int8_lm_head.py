@@ -10,6 +10,7 @@ PATCH = Patch(
     name="int8-lm-head",
     path="vllm/model_executor/layers/logits_processor.py",
     why="halve the lm-head bytes per decoded token",
+    copies=(("int8_gemv.py", "vllm/hybrid_build_int8_gemv.py"),),
     edits=(Edit(
         name="int8-lm-head",
         anchor=("        # Get the logits for the next tokens.\n"
