@@ -880,7 +880,8 @@ def compare(a: dict, b: dict, interleaved: bool = False) -> dict:
             notes.append(f"A and B ran with different {key} ({a.get(key)} vs {b.get(key)}): not like for like")
     by_name = {row_name(r): r for r in b["results"]}
     a_names = [row_name(r) for r in a["results"]]
-    for side, names in (("A", [n for n in a_names if n not in by_name]), ("B", [n for n in by_name if n not in a_names])):
+    for side, names in (("A", [n for n in a_names if n not in by_name]),
+                        ("B", [n for n in by_name if n not in a_names])):
         if names:
             notes.append(f"only {side} ran {', '.join(names)}: left out")
     workloads, flags = [], []

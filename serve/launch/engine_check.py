@@ -150,9 +150,10 @@ def _mixed(v: str, engine: str, spec: Shapes, env: dict[str, str], out: Verdict)
                               "qwen3_dflash.py raises NotImplementedError); use vLLM 0.26.0 or later, or the docker "
                               "engine")
     if v in ("0.26.0", "0.33.0") and spec.drafter_window is None:
-        raise UserError(f"vLLM {v} gives this DFlash drafter's sliding-window layers no window: its config sets neither "
-                        "dflash_config.swa_window_size nor use_sliding_window with sliding_window (transformers drops "
-                        "sliding_window without it), so qwen3_dflash.py raises ValueError; fix the drafter's config.json")
+        raise UserError(f"vLLM {v} gives this DFlash drafter's sliding-window layers no window: its config sets "
+                        "neither dflash_config.swa_window_size nor use_sliding_window with sliding_window "
+                        "(transformers drops sliding_window without it), so qwen3_dflash.py raises ValueError; fix "
+                        "the drafter's config.json")
     if v in ("0.26.0", "0.33.0") and env.get(V2_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         raise UserError(f"vLLM {v} runs a DFlash drafter with mixed sliding/full layer_types only on its V2 model "
                         f"runner, and {V2_ENV}={env[V2_ENV]} turns that off: unset it")

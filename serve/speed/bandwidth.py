@@ -117,7 +117,8 @@ HARDWARE: dict[str, Hardware] = {
                      "calibrated: Qwen3.5-122B-A10B INT4 base decode 28.2 tok/s (vLLM, c=1)", True, GB10_FLOOR,
                      gpu_name="GB10"),
     "h200": Hardware("h200", "NVIDIA H200 (HBM3e)", 4800.0, H200_EFFICIENCY,
-                     "measured: read ceiling 4,426 GB/s (4 GiB fp32 sum on the H200)", True, H200_FLOOR, gpu_name="H200"),
+                     "measured: read ceiling 4,426 GB/s (4 GiB fp32 sum on the H200)", True, H200_FLOOR,
+                     gpu_name="H200"),
     "h100": Hardware("h100", "NVIDIA H100 SXM (HBM3)", 3350.0, H200_EFFICIENCY, _NOT_CALIBRATED.replace(
         "GB10's factor", "the H200's read efficiency"), False, StepFloor(
         H200_FLOOR.fixed_ms, H200_FLOOR.per_layer_ms, _FLOOR_CARRIED + " (same Hopper architecture)", False),

@@ -175,7 +175,8 @@ def _hybrid_build_imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.split(".")[0] == "hybrid_build")
-        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "hybrid_build":
+        elif isinstance(node, ast.ImportFrom) and not node.level and \
+                (node.module or "").split(".")[0] == "hybrid_build":
             out.add(node.module)
     return out
 

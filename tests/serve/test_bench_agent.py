@@ -58,7 +58,7 @@ def test_cold_and_warm_ttft_and_the_hit_rate_are_the_servers(monkeypatch, capsys
     assert report["kind"] == "hybrid-build bench agent" and [r["context"] for r in report["results"]] == [512, 2048]
     bodies = net.servers["a:1"].requests
     assert all(b["max_tokens"] == MAX_TOKENS and b["stream"] for b in bodies)
-    calibration, measured = bodies[:2], bodies[2:]
+    measured = bodies[2:]  # the first two calibrate the prefix size
     assert len(measured) == 2 * (2 + 1) + 2 * 2  # per context: runs x (cold, warm), one warm-up run at the first
     for r, turns in zip(report["results"], (measured[2:6], measured[6:])):
         colds, warms = turns[0::2], turns[1::2]

@@ -212,7 +212,8 @@ def test_example_runs_on_the_demo_output(demo_cwd, request, command, example):
     if shlex.split(example)[1] == "bench" and request.getfixturevalue("bench_server") is None:
         pytest.skip("the bench examples' port is taken on this machine")
     proc = run_once(example, cwd)
-    assert proc.returncode == 0, f"`{example}` (from `{command} --help`) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, \
+        f"`{example}` (from `{command} --help`) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
 
 
 @pytest.mark.slow

@@ -512,7 +512,8 @@ def test_node_identity_is_the_provenance_and_the_bytes_here(tiny_artifact, tmp_p
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))  # same size, other bytes: the cache key (mtime, inode) changes too
-    assert mn.node_identity(copy)["problem"].startswith(f"{shard.name} has other bytes than hybrid_build/provenance.json")
+    problem = mn.node_identity(copy)["problem"]
+    assert problem.startswith(f"{shard.name} has other bytes than hybrid_build/provenance.json")
     assert mn.runtime_fingerprint() == mn.runtime_fingerprint() and len(mn.runtime_fingerprint()) == 64
 
 

@@ -571,7 +571,8 @@ def test_concurrency_table_columns_are_aligned(tiny_checkpoint, capsys):
     from the next: the profiles' names (int8_head) are longer than the numbers under them."""
     import re
 
-    assert main(["plan", str(tiny_checkpoint), "--concurrency", "1", "2", "--accept", "2", "4", "--context", "512"]) == 0
+    assert main(["plan", str(tiny_checkpoint), "--concurrency", "1", "2", "--accept", "2", "4",
+                 "--context", "512"]) == 0
     lines = capsys.readouterr().out.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("concurrent streams")) + 1
     table = [ln for ln in lines[start:] if ln and not ln.startswith(("rests on", "note:"))]
