@@ -67,7 +67,7 @@ def _candidates() -> dict[int, list[tuple[str, object]]]:
     # candidates are wgmma shapes: x as the left operand with the weight staged through shared
     # memory (block_m 64, also padding B = 17-32 to 64), or the weight as the left operand from
     # registers (swap), with 4 or 8 warps and 2-4 stages; every one checked for sm_121's 99 KiB
-    # first (tests/serve/test_int8_gemv.py compiles the shipped ones for sm_121).
+    # first (tests/serve/runtime/test_int8_gemv.py compiles the shipped ones for sm_121).
     E = "evict_last"
     wide = [
         ("tiled", G(128, 128, 4, 3, block_m=64, o_evict=E)),

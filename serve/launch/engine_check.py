@@ -3,7 +3,7 @@ before ``serve`` starts anything, from the drafter's and the target's config.jso
 vLLM version.
 
 Each rule rests on a text in the vLLM source of the versions it names (``SourceFact``);
-``tests/serve/test_engine_check.py`` fails when a checked version's source no longer says it. A
+``tests/serve/launch/test_engine_check.py`` fails when a checked version's source no longer says it. A
 combination that will not start is one line and an exit code: 3 when the installed vLLM is what
 must change (``EngineCannotRun``), 2 when a switch of the command line stops it (``UserError``).
 What can start but not cache a warm prefix well is a note serve prints, and ``caching_claim`` says

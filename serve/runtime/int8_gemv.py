@@ -274,7 +274,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The runtime's quantize-at-load of a float head [N, K]: (int8 codes [N, K] in [-127, 127],
     float32 scales [N]), scale = row absmax / 127, round half to even. The build's quantizer is
     ``calibration/int8_rows.py``'s ``quantize_int8_rows``; this is the same arithmetic, bit for bit
-    (tests/serve/test_int8_gemv.py compares the two), written here because this file runs inside
+    (tests/serve/runtime/test_int8_gemv.py compares the two), written here because this file runs inside
     vLLM on its own (the docker path copies it alone) and imports nothing else of hybrid_build."""
     w = weight.float()
     scale = (w.abs().amax(dim=1) / ROW_QMAX).clamp_min(torch.finfo(torch.float32).tiny)

@@ -4,7 +4,7 @@ Installed by the plugin's ``register()`` in every vLLM process (the engine core 
 plans the KV cache and runs the scheduler). Each is a wrapper around one vLLM function, installed
 only when that function's source still says what the fix assumes (``Anchor``: texts that must be
 there, and texts whose presence means upstream already does it); otherwise it is left out with one
-log line, never applied blind. ``tests/serve/test_kv_cache_fixes.py`` checks every anchor against
+log line, never applied blind. ``tests/serve/runtime/test_kv_cache_fixes.py`` checks every anchor against
 the real source of each version and runs the wrappers on vLLM's own KV-cache code on CPU.
 
 The numbers (vLLM 0.25.1 / 0.26.0, Qwen3.5-122B-A10B, bf16, FLASH_ATTN, 12 speculative tokens):

@@ -493,7 +493,7 @@ SEED_CONTEXT = 256
 # expert reads. The share of steps they are in step (``batch_experts``' overlap), calibrated on ONE
 # figure: code at 2 streams (55.3 tok/s), the workload whose single-stream figure the model meets
 # (66.9 published, 67.9 predicted), so the overlap does not absorb a single-stream error. It also
-# absorbs any per-stream cost the model lacks (compute, sampling). tests/serve/test_speed_plan.py
+# absorbs any per-stream cost the model lacks (compute, sampling). tests/serve/speed/test_speed_plan.py
 # recomputes it from the synthetic 122B headers.
 SEED_STREAM_OVERLAP = 0.596
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from test_multinode import CliRun, _processes_mentioning
+from serve_cli import CliRun, _processes_mentioning
 
 
 def _ignore_sigint() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from hybrid_build.recipes.profiles import ServeProfile
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent / "scripts" / "gpu"))
 import vllm_sources  # noqa: E402

@@ -18,7 +18,7 @@ from hybrid_build.serve.bench import bench as bench_mod
 from hybrid_build.serve.launch.engine import LaunchPlan
 from hybrid_build.serve.launch.launcher import check_prerequisites, smoke_test, start, wait_ready
 
-STANDIN = Path(__file__).resolve().parent / "standin_server.py"
+STANDIN = Path(__file__).resolve().parents[1] / "standin_server.py"
 sys.path.insert(0, str(STANDIN.parent))
 from standin_server import Engine, FakeNetwork, FakeServer  # noqa: E402
 

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_multinode import CliRun
+from serve_cli import CliRun
 
 
 def _serve(art: Path, c: dict, flags: str = "", *extra: str) -> CliRun:

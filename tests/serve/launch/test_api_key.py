@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_multinode import CliRun, free_port
+from serve_cli import CliRun, free_port
 
 from hybrid_build.core.errors import KeyRefused, UserError
 from hybrid_build.pipeline.cli import main
@@ -24,7 +24,7 @@ from hybrid_build.serve.launch.engine import LaunchPlan, docker_publish, plan_la
 from hybrid_build.serve.launch.launcher import smoke_test, start, wait_ready
 from hybrid_build.serve.launch.served_key import KEY_FILE, ApiKey, is_loopback, resolve
 
-STANDIN = Path(__file__).resolve().parent / "standin_server.py"
+STANDIN = Path(__file__).resolve().parents[1] / "standin_server.py"
 sys.path.insert(0, str(STANDIN.parent))
 from standin_server import authorized  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 from hybrid_build.serve.runtime.patches import apply as apply_mod
 from hybrid_build.serve.runtime.patches.anchors import AnchorError, Edit, Patch, apply_patch, apply_to_text
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 

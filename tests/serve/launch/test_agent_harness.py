@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 GPU = HERE.parent.parent / "scripts" / "gpu"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(GPU))

@@ -29,7 +29,7 @@ from hybrid_build.serve.runtime import plugin as vllm_plugin
 from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIX_IDS, FIXES, TESTED_VERSIONS, UnknownFixError
 from hybrid_build.serve.runtime.patches import apply as apply_mod
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_every_fix_has_its_hook_or_its_patch():
     assert [p.name for p in apply_mod.all_patches()] == [apply_mod.patch_of(i).name for i in runtime_fixes.patches()]
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PRODUCT = ("calibration", "core", "pipeline", "recipes", "serve", "validate", "scripts", "benchmarks")
 
 

@@ -24,7 +24,7 @@ import pytest
 from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.bench import bench as bench_mod
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from standin_server import Engine, FakeNetwork, FakeServer, _Body  # noqa: E402
 

@@ -17,7 +17,6 @@ import importlib.util
 import ipaddress
 import json
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -27,13 +26,13 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from serve_cli import CliRun, _processes_mentioning, free_port
 
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, UserError
 from hybrid_build.pipeline.cli import main
@@ -45,16 +44,10 @@ from hybrid_build.serve.launch.served_key import ApiKey
 from hybrid_build.serve.speed import bandwidth as bw
 from hybrid_build.serve.speed import multinode_plan as mnp
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 GOLDEN = HERE / "golden"
 STANDIN = HERE / "standin_server.py"
 NODES = "127.0.0.2,127.0.0.3"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -545,62 +538,6 @@ ref = ["--reference", args[1]] if os.path.exists(os.path.join(args[1], "hybrid_b
 os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), "--model", opt("--served-model-name"),
                           *ref])
 '''
-
-
-def _processes_mentioning(marks: list[str]) -> list[str]:
-    """Live processes (not zombies) whose command line holds one of ``marks``."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and any(m in cmd for m in marks):
-            found.append(f"{d.name}: {cmd[:160]}")
-    return found
-
-
-class CliRun:
-    """``hybrid-build serve`` in a child process, its stdout read line by line on a thread."""
-
-    def __init__(self, argv: list[str], env: dict, cwd: Path, **popen_kw) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from hybrid_build.pipeline.cli import main; sys.exit(main())", *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, **popen_kw)
-        self.lines: queue.Queue = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def output(self, timeout: float = 30) -> str:
-        """Everything the child printed, stdout then stderr, once it has exited: the lines already
-        seen, the rest of what the reader thread took from stdout, then stderr."""
-        said = list(self.seen)
-        while (line := self.lines.get(timeout=timeout)) is not None:
-            said.append(line)
-        return "\n".join(said + [self.proc.stderr.read()])
-
-    def wait_for(self, prefix: str, timeout: float) -> str:
-        """The first line starting with ``prefix``; fails on exit or after ``timeout`` seconds."""
-        while True:
-            try:
-                line = self.lines.get(timeout=timeout)
-            except queue.Empty:
-                pytest.fail(f"no {prefix!r} line within {timeout:.0f} s; output so far: {self.seen}")
-            if line is None:
-                self.proc.wait()
-                pytest.fail(f"hybrid-build exited {self.proc.returncode} before {prefix!r}: {self.seen}\n"
-                            f"{self.proc.stderr.read()}")
-            self.seen.append(line)
-            if line.startswith(prefix):
-                return line
 
 
 def _holding(data: bytes) -> list[str]:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_multinode import CliRun
+from serve_cli import CliRun
 
 from hybrid_build.pipeline.cli import main
 

@@ -39,7 +39,7 @@ U32 = 2.0**-24
 # (relative, absolute) error of the final store, per output dtype (module docstring)
 OUT_ROUNDING = {torch.bfloat16: (2.0**-7, 2.0**-133), torch.float16: (2.0**-11, 2.0**-25)}
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _can_compile() -> bool:

@@ -21,7 +21,7 @@ import pytest
 from hybrid_build.serve.runtime import kv_cache_fixes
 from hybrid_build.serve.runtime.kv_cache_fixes import ANCHORS
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 

@@ -16,7 +16,7 @@ from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.launch import engine_check
 from hybrid_build.serve.launch.engine_check import CHECKED, FACTS, EngineCannotRun, Shapes
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent / "scripts" / "gpu"))
 import vllm_sources  # noqa: E402
@@ -143,7 +143,7 @@ def served(tmp_path, monkeypatch):
 
 
 def _serve(tmp: Path, shape: str, *extra: str) -> int:
-    from test_multinode import free_port
+    from serve_cli import free_port
 
     return main(["serve", str(tmp / "target"), "--profile", "dflash", "--recipe", "qwen3.5-122b-a10b", "--drafter",
                  str(tmp / f"drafter-{shape}"), "--no-smoke", "--no-verify", "--ready-timeout", "5",
@@ -200,7 +200,7 @@ def test_a_profiles_caching_note_is_printed_at_start(served, monkeypatch, capsys
     path = tmp / "noted.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     monkeypatch.setenv("STANDIN_VERSION", "0.26.0")
-    from test_multinode import free_port
+    from serve_cli import free_port
 
     assert main(["serve", str(tmp / "target"), "--profile", "dflash", "--recipe", str(path), "--drafter",
                  str(tmp / "drafter-mixed"), "--no-smoke", "--no-verify", "--ready-timeout", "5",

@@ -19,7 +19,7 @@ from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.bench import bench as bench_mod
 from hybrid_build.serve.bench.bench_agent import MAX_TOKENS, parse_contexts
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 from standin_server import Engine, FakeNetwork, FakeServer, PrefixCache, chat_token_ids  # noqa: E402
 

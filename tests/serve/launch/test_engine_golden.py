@@ -18,7 +18,7 @@ from hybrid_build.core.errors import SourceMismatch, UserError
 from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.launch.engine import plan_launch
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 PROFILES = ("dense", "dflash", "base", "mtp")
 
 

@@ -23,7 +23,7 @@ import pytest
 from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.bench import bench as bench_mod
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 from standin_server import Engine, FakeNetwork, FakeServer  # noqa: E402

@@ -22,7 +22,7 @@ import pytest
 
 from hybrid_build.serve.runtime import plugin as vllm_plugin
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
 
