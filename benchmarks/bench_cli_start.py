@@ -65,7 +65,8 @@ def main() -> None:
             "cached": {"PYTHONPYCACHEPREFIX": cache, "PYTHONDONTWRITEBYTECODE": ""},
             "uncompiled": {"PYTHONPYCACHEPREFIX": "", "PYTHONDONTWRITEBYTECODE": "1"},
         }
-        result = {"repeat": args.repeat, **{name: one_setting(lines, args.repeat, env) for name, env in settings.items()}}
+        result = {"repeat": args.repeat,
+                  **{name: one_setting(lines, args.repeat, env) for name, env in settings.items()}}
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -213,7 +213,8 @@ def main() -> None:
     print(f"demo artifact: {d['files']} files, {d['bytes'] / 1e6:.2f} MB; serve --dry-run, best of {args.repeat}:")
     print(f"  without the check  {s['baseline']:.3f} s")
     for k in ("warm", "cold"):
-        print(f"  check {k:<4}         {s[k]:.3f} s  ({d['ratio_vs_baseline'][k]:.3f}x, +{d['added_s'][k] * 1000:.0f} ms;"
+        print(f"  check {k:<4}         {s[k]:.3f} s  ({d['ratio_vs_baseline'][k]:.3f}x, "
+              f"+{d['added_s'][k] * 1000:.0f} ms;"
               f" the check alone in process: {d['check_in_process_s'][k] * 1000:.1f} ms)")
     print(f"122B artifact: {big['bytes'] / 1e9:.1f} GB in {big['shards']} shards")
     for label, r in rate.items():

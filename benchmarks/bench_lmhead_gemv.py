@@ -1,4 +1,4 @@
-"""Benchmark the int8 lm-head GEMV (serve/int8_gemv.py) against F.linear on one GPU.
+"""Benchmark the int8 lm-head GEMV (serve/runtime/int8_gemv.py) against F.linear on one GPU.
 
 For the lm-head shape [N=248320, K=3072], each batch B and each activation dtype (bf16, fp16)
 it reports the time of what ships (``config_for`` on the weight tiled by ``tile_weight``), the
@@ -30,7 +30,7 @@ import torch
 
 def _load_gemv():
     try:
-        from hybrid_build.serve import int8_gemv
+        from hybrid_build.serve.runtime import int8_gemv
     except ImportError:  # a bare checkout (the GPU machine): load the file itself
         path = Path(__file__).resolve().parents[1] / "serve" / "int8_gemv.py"
         spec = importlib.util.spec_from_file_location("int8_gemv", path)
@@ -67,7 +67,7 @@ def _candidates() -> dict[int, list[tuple[str, object]]]:
     # candidates are wgmma shapes: x as the left operand with the weight staged through shared
     # memory (block_m 64, also padding B = 17-32 to 64), or the weight as the left operand from
     # registers (swap), with 4 or 8 warps and 2-4 stages; every one checked for sm_121's 99 KiB
-    # first (tests/serve/test_int8_gemv.py compiles the shipped ones for sm_121).
+    # first (tests/serve/runtime/test_int8_gemv.py compiles the shipped ones for sm_121).
     E = "evict_last"
     wide = [
         ("tiled", G(128, 128, 4, 3, block_m=64, o_evict=E)),

@@ -25,7 +25,7 @@ SMEM_LIMIT_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99, 121: 99}
 
 
 def _load_gemv():
-    """serve/int8_gemv.py as the benchmark loads it, with Triton imported compile-capable."""
+    """serve/runtime/int8_gemv.py as the benchmark loads it, with Triton imported compile-capable."""
     os.environ.pop("TRITON_INTERPRET", None)  # must be off before Triton is first imported
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_lmhead_gemv import g

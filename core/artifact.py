@@ -163,10 +163,29 @@ def unexpected_files(artifact: Path, provenance: dict) -> list[str]:
 
 
 def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
-    """The artifact's provenance manifest. A folder that is not there, or holds none, is a user
-    error (exit 2: wrong folder, or a build that has not reached ``record``); with ``missing_ok``
-    that returns None instead. One that does not parse is an ``ArtifactError``."""
-    artifact = Path(artifact)
+    """The artifact's provenance manifest as on disk (a plain dict; ``load_provenance`` gives the
+    typed model), checked against ``core.provenance.Provenance``. A folder that is not there, or
+    holds none, is a user error (exit 2: wrong folder, or a build that has not reached ``record``);
+    with ``missing_ok`` that returns None instead. One that does not parse or fit is an
+    ``ArtifactError``."""
+    from .provenance import parse_provenance  # pydantic: here, not at --help
+
+    data = _provenance_json(Path(artifact), missing_ok)
+    if data is not None:
+        parse_provenance(data, Path(artifact) / PROVENANCE)
+    return data
+
+
+def load_provenance(artifact: Path, *, missing_ok: bool = False):
+    """The artifact's provenance as the typed model (``core.provenance.Provenance``); as
+    ``read_provenance`` for a missing or broken one."""
+    from .provenance import parse_provenance
+
+    data = _provenance_json(Path(artifact), missing_ok)
+    return None if data is None else parse_provenance(data, Path(artifact) / PROVENANCE)
+
+
+def _provenance_json(artifact: Path, missing_ok: bool) -> object | None:
     if not artifact.is_dir():
         if missing_ok:
             return None
@@ -182,8 +201,6 @@ def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
                         "that has not finished (`hybrid-build status` says which stage is missing)") from None
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{path}: unreadable ({e}); rebuild the artifact") from None
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path}: not a JSON object; rebuild the artifact")
     return data
 
 

@@ -12,7 +12,8 @@ device. A file cannot be written without its ctime moving (the kernel sets it; n
 back), so a byte changed in place with size and mtime restored is hashed again; an unchanged file
 costs one ``stat``. A file written to within ``RACY_NS`` of its hashing is not cached: the kernel's
 timestamps advance by clock ticks (a few ms; seconds on some filesystems), and a second write in
-the same tick as the first would leave its stat unchanged (git's "racily clean" files). The cache is a record of this folder's own reads: whoever can write the
+the same tick as the first would leave its stat unchanged (git's "racily clean" files). The cache
+is a record of this folder's own reads: whoever can write the
 artifact can write it too, so it guards against accidents and stale copies, not against the
 folder's owner; removing it makes the next check hash everything.
 

@@ -41,8 +41,8 @@ COMMANDS: dict[str, str] = {
     "eval": "hybrid_build.validate.eval_command",
     "plan": "hybrid_build.pipeline.commands.plan",
     "publish": "hybrid_build.pipeline.commands.publish",
-    "serve": "hybrid_build.serve.command",
-    "bench": "hybrid_build.serve.bench_command",
+    "serve": "hybrid_build.serve.launch.command",
+    "bench": "hybrid_build.serve.bench.bench_command",
 }
 
 

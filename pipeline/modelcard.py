@@ -6,7 +6,8 @@ recipe, converted modules, file hashes), ``hybrid_build/validation.json`` (the f
 for this build), ``hybrid_build/bench.json`` (``hybrid-build bench --out``), ``hybrid_build/recipe.yaml``'s
 serve profiles (via the provenance's recipe) and the safetensors headers (bytes per converted
 module). The figures of the three reports also go into the metadata as ``model-index`` eval
-results (``EvalResult``), each with the tool versions and settings that produced it. The card is rendered with ``huggingface_hub.ModelCard`` and
+results (``EvalResult``), each with the tool versions and settings that produced it. The card is
+rendered with ``huggingface_hub.ModelCard`` and
 ``ModelCardData``; nothing here talks to the network.
 
 The card depends on the artifact alone, never on where it is published: `run` writes it into the
@@ -31,6 +32,7 @@ from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, is_rep
 from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.checkpoint import HUB_ID
 from hybrid_build.core.formats.base import OutputFormat
+from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME, read_header
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ class EvalStatus:
 
 @dataclass
 class CardInputs:
-    provenance: dict
+    provenance: Provenance
     validation: ValidationStatus
     license: LicenseInfo
     converted_bytes: dict[str, dict[str, int]]  # kind -> {"modules", "params", "bf16", "stored"}
@@ -119,7 +121,7 @@ def find_license(artifact: Path, config: dict) -> LicenseInfo:
     return LicenseInfo(UNKNOWN_LICENSE, "not found in the source", known=False)
 
 
-def converted_sizes(artifact: Path, provenance: dict) -> dict[str, dict[str, int]]:
+def converted_sizes(artifact: Path, provenance: Provenance) -> dict[str, dict[str, int]]:
     """Per kind (fp8 / int8): modules, parameters, their BF16 bytes and the bytes stored now.
 
     Stored bytes come from the safetensors headers of the artifact (headers only, no data read)."""
@@ -127,7 +129,7 @@ def converted_sizes(artifact: Path, provenance: dict) -> dict[str, dict[str, int
     weight_map = index.get("weight_map", {})
     headers: dict[str, dict] = {}
     out: dict[str, dict[str, int]] = {}
-    for c in provenance.get("converted", []):
+    for c in provenance.converted:
         kind = c.get("kind", "?")
         n, k = (c.get("shape") or [0, 0])[:2]
         entry = out.setdefault(kind, {"modules": 0, "params": 0, "bf16": 0, "stored": 0})
@@ -203,8 +205,8 @@ class SourceView:
     content: bool  # the fingerprint covers the files' bytes (every file has a sha256)
 
     @classmethod
-    def of(cls, provenance: dict) -> "SourceView":
-        src = provenance.get("source") or {}
+    def of(cls, provenance: Provenance) -> "SourceView":
+        src = provenance.source
         ident = str(src.get("id") or "")
         kind = src.get("kind")
         if kind not in ("hub", "local"):
@@ -246,12 +248,12 @@ def _g(v, spec: str = ".4g") -> str:
     return str(v)
 
 
-def _format_of(prov: dict) -> OutputFormat:
+def _format_of(prov: Provenance) -> OutputFormat:
     """The artifact's output format object (provenance written before formats were recorded: the default)."""
-    return formats.get(prov.get("format") or formats.DEFAULT)
+    return formats.get(prov.format or formats.DEFAULT)
 
 
-def card_name(prov: dict) -> str:
+def card_name(prov: Provenance) -> str:
     """The card's title and ``model-index`` name: the source's name (a Hub id's model part, or the
     local folder's name) with ``-hybrid``: the same wherever the artifact is published."""
     return f"{SourceView.of(prov).name.split('/')[-1]}-hybrid"
@@ -260,7 +262,7 @@ def card_name(prov: dict) -> str:
 def card_data(inp: CardInputs) -> ModelCardData:
     prov = inp.provenance
     source = SourceView.of(prov)
-    kinds = {c.get("kind") for c in prov.get("converted", [])}
+    kinds = {c.get("kind") for c in prov.converted}
     tags = ["hybrid-build", "hybrid", "int4", "auto-round"]
     if "fp8" in kinds:
         tags.append("fp8")
@@ -290,7 +292,7 @@ def eval_results(inp: CardInputs) -> list[EvalResult]:
     """``model-index`` entries: the hybrid's accuracy and recovery per task (a current eval report),
     the end-to-end validation figures, and the bench speeds; each names the settings it was made with."""
     out: list[EvalResult] = []
-    tool = f"hybrid-build {((inp.provenance.get('tool') or {}).get('version')) or '?'}"
+    tool = f"hybrid-build {inp.provenance.tool.version or '?'}"
     ev = inp.evaluation
     if ev is not None and ev.current:
         rep = ev.report
@@ -371,7 +373,8 @@ def validation_figures(report: dict) -> list[tuple[str, object, str, object]]:
         rows.append(("shared-expert MLP output: worst relative error", worst(acts, "rel_error"),
                      "mlp_max_rel_error", t.get("mlp_max_rel_error")))
     if head:
-        rows += [("lm-head logits: top-1 agreement", head.get("top1_agreement"), "head_min_top1", t.get("head_min_top1")),
+        rows += [("lm-head logits: top-1 agreement", head.get("top1_agreement"), "head_min_top1",
+                  t.get("head_min_top1")),
                  ("lm-head logits: top-5 overlap", head.get("top5_overlap"), "head_min_top5_overlap",
                   t.get("head_min_top5_overlap")),
                  ("lm-head logits: KL", head.get("kl"), "head_max_kl", t.get("head_max_kl"))]
@@ -410,7 +413,7 @@ def _serve_section(inp: CardInputs) -> list[str]:
     """How to serve, in a copy of the repository (``.``): commands that run as printed wherever the
     artifact is published; a drafter that is not in the repository is said in words, not as a
     command with a name to fill in."""
-    recipe = inp.provenance.get("recipe") or {}
+    recipe = inp.provenance.recipe
     profiles = (recipe.get("serve") or {}).get("profiles") or {}
     dense = profiles.get("dense") or {}
     fmt = _format_of(inp.provenance)
@@ -462,7 +465,7 @@ def _serve_section(inp: CardInputs) -> list[str]:
     if dense.get("tool_call_parser"):
         args.append("--enable-auto-tool-choice")
     lines += ["With plain vLLM:", ""]
-    int8_head = any(c.get("kind") == "int8" for c in inp.provenance.get("converted", []))
+    int8_head = any(c.get("kind") == "int8" for c in inp.provenance.converted)
     lines += [fmt.serving_note(int8_head), ""]
     lines += ["```bash", " ".join(shlex.quote(a) for a in args), "```", ""]
     if local:
@@ -486,10 +489,10 @@ def _drafter_engine_note(dense: dict) -> str:
 
 def render_body(inp: CardInputs) -> str:
     prov = inp.provenance
-    src = prov.get("source") or {}
+    src = prov.source
     source = SourceView.of(prov)
-    recipe = prov.get("recipe") or {}
-    fmt = prov.get("format", "?")
+    recipe = prov.recipe
+    fmt = prov.format or "?"
     name = card_name(prov)
     src_link = source.link()
     conv = inp.converted_bytes
@@ -500,7 +503,7 @@ def render_body(inp: CardInputs) -> str:
         parts.append("the lm-head to int8 with one scale per output row")
     lines = [f"# {name}", ""] + _banner(inp)
     lines += [f"A hybrid of {src_link}"
-              + f", built by hybrid-build {((prov.get('tool') or {}).get('version')) or ''} with recipe "
+              + f", built by hybrid-build {prov.tool.version} with recipe "
               f"`{recipe.get('name', '?')}`, format `{fmt}`. The source's INT4 AutoRound tensors are kept byte for "
               "byte; " + (" and ".join(parts) if parts else "nothing else") + " were converted from BF16, which "
               "cuts the bytes read per decoded token.", ""]
@@ -511,24 +514,27 @@ def render_body(inp: CardInputs) -> str:
         ratio = e["stored"] / e["bf16"] if e["bf16"] else float("nan")
         lines.append(f"| {kind} | {e['modules']} | {e['params']:,} | {e['bf16']:,} | {e['stored']:,} | {ratio:.3f} |")
     worst = {}
-    for c in prov.get("converted", []):
+    for c in prov.converted:
         m = c.get("metrics") or {}
         if isinstance(m.get("rel_error"), (int, float)):
             worst[c.get("kind")] = max(worst.get(c.get("kind"), 0.0), m["rel_error"])
     if worst:
         lines += ["", "Worst relative weight error at conversion: "
                   + ", ".join(f"{k} {_g(v)}" for k, v in sorted(worst.items())) + "."]
-    t = prov.get("tensors") or {}
-    lines += ["", f"Tensors: {t.get('total', '?')} in all, {t.get('copied', '?')} copied unchanged from the source.", ""]
+    t = prov.tensors
+    lines += ["", f"Tensors: {t.get('total', '?')} in all, {t.get('copied', '?')} copied unchanged from the source.",
+              ""]
 
     # the source's safetensors files, as the row says: its config, tokenizer and index are not weights
-    src_bytes = sum((f or {}).get("bytes", 0) for p, f in (src.get("files") or {}).items() if p.endswith(".safetensors"))
+    src_bytes = sum((f or {}).get("bytes", 0) for p, f in (src.get("files") or {}).items()
+                    if p.endswith(".safetensors"))
     # the weights only: a report may be safetensors too (the reference)
     weights_after = sum(b for p, b in inp.files.items() if p.endswith(".safetensors") and not is_report(p))
     lines += ["## Sizes", "", "| what | bytes | size |", "|---|---|---|",
               f"| source weights (safetensors) | {src_bytes:,} | {human_bytes(src_bytes)} |",
               f"| hybrid weights (safetensors) | {weights_after:,} | {human_bytes(weights_after)} |",
-              f"| all published files (this card aside) | {sum(inp.files.values()):,} | {human_bytes(sum(inp.files.values()))} |", ""]
+              f"| all published files (this card aside) | {sum(inp.files.values()):,} | "
+              f"{human_bytes(sum(inp.files.values()))} |", ""]
     if src_bytes:
         lines += [f"Weights change by {(weights_after - src_bytes) / src_bytes:+.2%} on disk.", ""]
 
@@ -682,7 +688,6 @@ def _bench_section(inp: CardInputs) -> list[str]:
 def _provenance_section(inp: CardInputs) -> list[str]:
     prov = inp.provenance
     source = SourceView.of(prov)
-    tool = prov.get("tool") or {}
     if source.hub:
         src_line = f"- source: {source.link()}"
     else:
@@ -691,16 +696,16 @@ def _provenance_section(inp: CardInputs) -> list[str]:
             src_line += (f", content sha256 `{source.fingerprint}` (over every file's sha256, in the manifest)"
                          if source.content else f", fingerprint `{source.fingerprint}` (of its headers and sizes)")
     lines = ["## Provenance", "",
-             f"- tool: {tool.get('name', 'hybrid-build')} {tool.get('version', '?')}",
-             *([f"- built: {prov['created']}"] if prov.get("created") else []),
+             f"- tool: {prov.tool.name} {prov.tool.version}",
+             *([f"- built: {prov.created}"] if prov.created else []),
              src_line,
-             f"- recipe: `{(prov.get('recipe') or {}).get('name', '?')}` (resolved copy: `{RECIPE}`)",
-             f"- format: `{prov.get('format', '?')}`",
+             f"- recipe: `{prov.recipe.get('name', '?')}` (resolved copy: `{RECIPE}`)",
+             f"- format: `{prov.format or '?'}`",
              f"- manifest: `{PROVENANCE}` (sha256 of every file below, every converted module and "
              "its error metrics)", "",
              "<details><summary>Files and sha256</summary>", "", "| file | bytes | sha256 |", "|---|---|---|"]
-    for path, f in sorted((prov.get("files") or {}).items()):
-        lines.append(f"| `{path}` | {f.get('bytes', 0):,} | `{f.get('sha256', '')}` |")
+    for path, f in sorted(prov.files.items()):
+        lines.append(f"| `{path}` | {f.bytes:,} | `{f.sha256}` |")
     lines += ["", "</details>", ""]
     return lines
 

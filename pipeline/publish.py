@@ -3,7 +3,8 @@
 ``plan_publish`` reads the artifact (nothing leaves the machine): it checks every file against the
 provenance manifest by size and sha256 (``core.integrity``, through its hash cache; never skipped),
 refuses one whose validation is missing, stale, failed or could not run unless forced, and renders
-the model card. Before each part is sent its files are checked again (a ``stat`` each when unchanged). ``publish`` sends the plan through an ``HfApi``-like object
+the model card. Before each part is sent its files are checked again (a ``stat`` each when
+unchanged). ``publish`` sends the plan through an ``HfApi``-like object
 (the boundary: the real ``HfApi`` by default, a recording stand-in in tests): it creates the repo,
 uploads in batches with ``upload_folder`` and, before each batch, asks the Hub which files it
 already holds with the expected sha256, so a run that stopped part-way resumes without re-sending
@@ -35,6 +36,7 @@ from hybrid_build.core.artifact import (
 from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
 from hybrid_build.core.integrity import check_artifact, require_intact
 from hybrid_build.core.progress import null_progress
+from hybrid_build.core.provenance import parse_provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
 
 from .modelcard import (
@@ -188,6 +190,7 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
     if not (artifact / INDEX_NAME).exists():
         raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
     prov = read_provenance(artifact)
+    typed = parse_provenance(prov, artifact / PROVENANCE)
     # every file, its size and its sha256, before anything else: --force never skips this
     checked = require_intact(artifact, prov, progress) if check_files else None
 
@@ -204,14 +207,14 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
     if not validation.passed:
         log.warning("publishing with --force although validation is %s", validation.state)
 
-    recorded = prov.get("files") or {}
+    recorded = typed.files
     notes = []
     files = []
     for path in sorted(recorded, key=_upload_order):
         if path == CARD:
             notes.append(f"{CARD} (the source's card, copied by the build) is replaced by the generated card")
             continue
-        files.append(PublishFile(path, recorded[path]["bytes"], recorded[path]["sha256"], "provenance", artifact / path))
+        files.append(PublishFile(path, recorded[path].bytes, recorded[path].sha256, "provenance", artifact / path))
     for path in [PROVENANCE, *REPORT_FILES]:
         local = artifact / path
         if local.is_file() and path not in REPORTS["card"].files:  # the card goes up as README.md
@@ -223,8 +226,8 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
         notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
         log.info("the source's license is unknown: the card says %r", lic.license)
     inputs = CardInputs(
-        provenance=prov, validation=validation, license=lic,
-        converted_bytes=converted_sizes(artifact, prov),
+        provenance=typed, validation=validation, license=lic,
+        converted_bytes=converted_sizes(artifact, typed),
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
         forced=force and not validation.passed,
         evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)),

@@ -103,7 +103,8 @@ def artifact_changes(out: Path, manifests: dict[str, StageManifest | None],
     return stage_changes(check_artifact(out, prov, progress).by_file, prov, manifests)
 
 
-def stage_changes(problems: dict[str, str], provenance: dict, manifests: dict[str, StageManifest | None]) -> dict[str, str]:
+def stage_changes(problems: dict[str, str], provenance: dict,
+                  manifests: dict[str, StageManifest | None]) -> dict[str, str]:
     """``artifact_changes`` from the problems ``core.integrity`` found (file -> line)."""
     listed = provenance.get("files") or {}
     changed: dict[str, str] = {}

@@ -150,7 +150,8 @@ def _check_source(out: Path, record: SourceRecord | None,
                   progress: ProgressFactory) -> tuple[SourceStatus, SourceDigests | None]:
     if record is None:
         return SourceStatus("unrecorded", None, "no stage has recorded its source yet"), None
-    candidates = ([out / record.in_artifact] if record.in_artifact else []) + ([Path(record.path)] if record.path else [])
+    candidates = ([out / record.in_artifact] if record.in_artifact else []) + \
+                 ([Path(record.path)] if record.path else [])
     root = next((c for c in candidates if (c / "config.json").is_file()), None)
     if root is None:
         if record.kind == "hub":

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .serve_names import (  # noqa: F401  (the names' home; imported from here too)
     DOCKER_IMAGE,
-    PROFILE_NAMES,
     SMOKE_EXPECT,
     SMOKE_PROMPT,
     SOURCE_PLACEHOLDER,

@@ -632,7 +632,8 @@ def check_head(inp: ValidationInputs, f: Findings) -> tuple[list[dict], dict]:
         f.fail("lm_head", f"{module}: {r}")
     head["passed"] = not lreasons
     f.note("lm_head", f"top-1 {logits['top1_agreement']:.4f} ({top1.note()}), top-5 overlap "
-                      f"{logits['top5_overlap']:.4f}, KL {logits['kl']:.3g}, max logit error {logits['max_logit_error']:.3g}")
+                      f"{logits['top5_overlap']:.4f}, KL {logits['kl']:.3g}, "
+                      f"max logit error {logits['max_logit_error']:.3g}")
     return [entry], head
 
 

@@ -99,7 +99,8 @@ def register(sub, common) -> None:
                "  hybrid-build validate hybrid/ --engine vllm      # the same figures from vLLM (needs a GPU)\n"
                "  hybrid-build validate hybrid/ --no-e2e           # skip the end-to-end forward")
     p.add_argument("artifact", type=Path, help="the artifact folder written by `hybrid-build run`")
-    p.add_argument("--source", help=f"the INT4 source checkpoint (folder or Hub id; default: the one {PROVENANCE} names)")
+    p.add_argument("--source",
+                   help=f"the INT4 source checkpoint (folder or Hub id; default: the one {PROVENANCE} names)")
     p.add_argument("--recipe", help=f"recipe name or YAML file for the thresholds (default: ARTIFACT/{RECIPE})")
     p.add_argument("--activations", type=Path, metavar="FILE",
                    help="safetensors file of calibration inputs: '<...>.mlp.shared_expert' [T, H] per layer, "

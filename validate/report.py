@@ -103,7 +103,8 @@ def checks_that_ran(report_json: dict) -> set[str]:
     existed marked a skipped check by its detail."""
     out = set()
     for c in report_json.get("checks") or []:
-        state = c.get("state") or ("fail" if not c.get("passed") else "skipped" if c.get("detail") == "skipped" else "pass")
+        state = c.get("state") or ("fail" if not c.get("passed")
+                                   else "skipped" if c.get("detail") == "skipped" else "pass")
         if state in RAN:
             out.add(c.get("name"))
     return out
@@ -492,12 +493,13 @@ def render_markdown(r: ValidationReport) -> str:
     if r.activations:
         lines += ["", "### Shared-expert MLP outputs (same inputs, source vs converted weights)", "",
                   "| layer | inputs | tokens | rel. error | cosine |", "|---|---|---|---|---|"]
-        lines += [f"| {e['layer']} | {e['inputs']} | {e['tokens']} | {_fmt(e['rel_error'])} | {_fmt(e['cosine'], '.6f')} |"
-                  for e in r.activations]
+        lines += [f"| {e['layer']} | {e['inputs']} | {e['tokens']} | {_fmt(e['rel_error'])} | "
+                  f"{_fmt(e['cosine'], '.6f')} |" for e in r.activations]
     if r.lm_head:
         h = r.lm_head
         lines += ["", "### lm-head logits (BF16 vs int8)", "",
-                  f"{h.get('tokens')} hidden states ({h.get('inputs')}): top-1 agreement {_fmt(h.get('top1_agreement'))}, "
+                  f"{h.get('tokens')} hidden states ({h.get('inputs')}): "
+                  f"top-1 agreement {_fmt(h.get('top1_agreement'))}, "
                   f"top-5 overlap {_fmt(h.get('top5_overlap'))}, KL {_fmt(h.get('kl'))}, "
                   f"max logit error {_fmt(h.get('max_logit_error'))}."]
     e = r.end_to_end
@@ -518,7 +520,8 @@ def render_markdown(r: ValidationReport) -> str:
             lines += ["| text | tokens | mean KL [95% CI] | median KL | p99 KL | p99.9 KL | same top-1 [95% CI] | "
                       "RMS Δp | ppl source | ppl hybrid |", "|---|---|---|---|---|---|---|---|---|---|"]
             rows = {**e.get("texts", {}), "all": e}
-            lines += [f"| {name} | {t['tokens']} | {_fmt(t['kl'])} [{_fmt(t['kl_ci95'][0])}, {_fmt(t['kl_ci95'][1])}] | "
+            lines += [f"| {name} | {t['tokens']} | {_fmt(t['kl'])} "
+                      f"[{_fmt(t['kl_ci95'][0])}, {_fmt(t['kl_ci95'][1])}] | "
                       f"{_fmt(t['kl_median'])} | {_fmt(t['kl_p99'])} | {_fmt(t['kl_p999'])} | "
                       f"{_fmt(t['top1_agreement'])} [{_fmt(t['top1_ci95'][0])}, {_fmt(t['top1_ci95'][1])}] | "
                       f"{_fmt(t['rms_delta_p'])} | {_fmt(t['ppl_source'])} | {_fmt(t['ppl_hybrid'])} |"
@@ -537,7 +540,8 @@ def plot_report(r: ValidationReport, path: Path) -> Path | None:
     try:
         fig = render_figure(r)
     except ImportError:
-        log.warning("matplotlib is not installed: no %s (pip install 'hybrid-build[plot]')", REPORTS["validation"].named(".png"))
+        log.warning("matplotlib is not installed: no %s (pip install 'hybrid-build[plot]')",
+                    REPORTS["validation"].named(".png"))
         return None
     tmp = path.with_name(path.name + ".partial.png")
     try:
@@ -573,7 +577,8 @@ def render_figure(r: ValidationReport):
     t = r.thresholds
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     grid = fig.add_gridspec(3, 3)
-    verdict = "passed" if r.passed else f"FAILED ({len(r.failures)} failure(s): see {REPORTS['validation'].named('.md')})"
+    verdict = "passed" if r.passed else \
+        f"FAILED ({len(r.failures)} failure(s): see {REPORTS['validation'].named('.md')})"
     fig.suptitle(f"{r.recipe} ({r.format}): validation {verdict}", fontsize=14, fontweight="bold",
                  color=PASS_COLOR if r.passed else FAIL_COLOR)
 

@@ -99,7 +99,8 @@ def kl_lumped(ref_ids: list[int], ref_logprobs: list[float], server: dict[int, f
         q_tail = max(budget, outside)
         return kl + (p_tail * math.log(p_tail / max(q_tail, _TINY)) if p_tail > 0 else 0.0)
     cap = min(math.exp(server[i]) for i in server_topk) if server_topk else 1.0
-    if p_tail == 0 and len(missing) * cap + outside <= budget:  # every missing token at its cap, the tail takes the rest
+    # every missing token at its cap, the tail takes the rest
+    if p_tail == 0 and len(missing) * cap + outside <= budget:
         q_missing, q_tail = [cap] * len(missing), budget - len(missing) * cap
     else:
         lam = _solve_lambda(missing, cap, p_tail, outside, max(budget, outside))
@@ -352,7 +353,8 @@ def compare_text(text, side: str, answer: list[Position]) -> Figures:
     holds every position, each checked for shape (``check_prompt``)."""
     other = next(s for s in SIDES if s != side)
     fig = Figures(text.name)
-    ids, lps, targets = text.top_ids[side].tolist(), text.top_logprobs[side].tolist(), text.target_logprob[side].tolist()
+    ids, lps = text.top_ids[side].tolist(), text.top_logprobs[side].tolist()
+    targets = text.target_logprob[side].tolist()
     o_ids, o_lps = text.top_ids[other].tolist(), text.top_logprobs[other].tolist()
     for row, pos in enumerate(answer):
         fig.kl.append(kl_lumped(ids[row], lps[row], pos.logprobs, pos.topk))

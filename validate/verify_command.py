@@ -43,7 +43,8 @@ def register(sub, common) -> None:
                "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --json\n"
                "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --profile base   # caching as profiled\n"
                "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --skip cache --skip decode\n"
-               "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --against source   # serving the source\n"
+               "  hybrid-build verify http://127.0.0.1:8000/v1 --artifact out/ --against source"
+               "   # serving the source\n"
                "  hybrid-build verify http://spark:8000/v1 --artifact out/ --model qwen   # key: $OPENAI_API_KEY")
     p.add_argument("url", help="the server's OpenAI base URL (http://HOST:PORT/v1, or without /v1)")
     p.add_argument("--artifact", type=Path, required=True,

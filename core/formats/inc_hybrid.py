@@ -116,7 +116,7 @@ class IncHybrid(OutputFormat):
         return []
 
     def serving_note(self, int8_head: bool) -> str:
-        # what vLLM's own code does with this layout, as tests/serve/test_vllm_plugin.py runs it (the real
+        # what vLLM's own code does with this layout, as tests/serve/runtime/test_vllm_plugin.py runs it (the real
         # INCConfig of each version on this format's quantization_config, on CPU)
         head = (" The int8 lm-head: 0.25.1 resolves it as an unquantized layer, 0.33.0 as an 8-bit integer GPTQ "
                 "layer." if int8_head else "")

@@ -16,7 +16,7 @@ and retire it one step behind.
 
 Per tile: 128 weight rows ([N / 128, K / 128, 128, 128], tile_weight's layout, read through a
 descriptor over its [-1, 128] view) against x's high and low halves (P = 64 rows each, the
-quantizer of serve/int8_gemv.py), two accumulators, the epilogue (256 hi + lo) t_b s_n as in
+quantizer of serve/runtime/int8_gemv.py), two accumulators, the epilogue (256 hi + lo) t_b s_n as in
 the Triton form, run by its consumer while the loader already fills the ring for the next tile.
 """
 from __future__ import annotations
@@ -177,7 +177,7 @@ def shared_layouts(block_p: int = 64):
 
 def make_call(g, x, w_tiled, s, out, stages: int = 3, persistent: bool = False, halves: int = 1, mma: int = 2):
     """A zero-argument call computing ``out = x @ (w * s).T`` (B <= 64): x's quantizer from
-    ``g`` (serve/int8_gemv.py, the module) then this kernel, descriptors built once here; with
+    ``g`` (serve/runtime/int8_gemv.py, the module) then this kernel, descriptors built once here; with
     ``persistent`` one program per SM walks the units; ``halves`` weight tiles per unit; ``mma``
     below 2 is a probe that drops the low half's (1) or every (0) tensor-core dot: wrong numbers."""
     import torch

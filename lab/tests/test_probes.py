@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from hybrid_build.serve import int8_gemv as g  # noqa: E402
+from hybrid_build.serve.runtime import int8_gemv as g  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBES = ROOT / "lab" / "probes"

@@ -23,9 +23,9 @@ from hybrid_build.core.cli_support import (
     int_range,
 )
 from hybrid_build.core.user_paths import check_output_path
-from hybrid_build.serve import bandwidth as bw
-from hybrid_build.serve import multinode_plan as mnp
-from hybrid_build.serve.speed_plan import (
+from hybrid_build.serve.speed import bandwidth as bw
+from hybrid_build.serve.speed import multinode_plan as mnp
+from hybrid_build.serve.speed.speed_plan import (
     DEFAULT_ACCEPT,
     KV_DTYPES,
     STATE_DTYPES,
@@ -91,8 +91,10 @@ def register(sub, common) -> None:
     p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from config.json)")
     g = p.add_argument_group("hardware")
     g.add_argument("--hardware", choices=sorted(bw.HARDWARE), default="gb10", help="preset (default: gb10)")
-    g.add_argument("--bandwidth", type=POSITIVE, metavar="GBPS", help="peak memory bandwidth in GB/s (overrides the preset)")
-    g.add_argument("--efficiency", type=float_range(0, 1, lo_open=True), help="fraction of the bandwidth decode achieves (overrides the preset)")
+    g.add_argument("--bandwidth", type=POSITIVE, metavar="GBPS",
+                   help="peak memory bandwidth in GB/s (overrides the preset)")
+    g.add_argument("--efficiency", type=float_range(0, 1, lo_open=True),
+                   help="fraction of the bandwidth decode achieves (overrides the preset)")
     g.add_argument("--floor-ms", type=NON_NEGATIVE, metavar="MS",
                    help="time per decode step that is not bytes, in ms (overrides the preset's measured floor; "
                         "0: bound by bytes alone)")

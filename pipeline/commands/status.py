@@ -32,7 +32,8 @@ def _render(data: dict) -> str:
     art = data.get("artifact")
     if art is not None:
         lines.append(f"files    {art['files']} match the provenance ({art['cached']} from the hash cache, "
-                     f"{art['hashed']} hashed)" if art["intact"] else f"files    DIFFER from the provenance: {art['problem']}")
+                     f"{art['hashed']} hashed)" if art["intact"]
+                     else f"files    DIFFER from the provenance: {art['problem']}")
     v = data["validation"]
     when = f" at {v['finished_at']}" if v.get("finished_at") else ""
     lines.append(f"validation {v['state'].upper() if v['state'] == 'failed' else v['state']}{when}: {v['reason']}"

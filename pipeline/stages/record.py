@@ -11,12 +11,12 @@ writes a shard, so a provenance in the folder always describes the checkpoint be
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from hybrid_build.core import __version__
 from hybrid_build.core.artifact import META_DIR, PROVENANCE, RECIPE, build_outputs
 from hybrid_build.core.manifest import sha256_file
+from hybrid_build.core.provenance import SCHEMA_VERSION, TOOL_NAME, Provenance, Tool, build_time
 from hybrid_build.core.safetensors_io import write_text_atomic
 
 from ..context import BuildContext
@@ -43,17 +43,12 @@ def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
     files = {rel: known.get(rel) or {"bytes": (out / rel).stat().st_size, "sha256": sha256_file(out / rel)}
              for rel in build_outputs(out)}
     files[RECIPE] = recipe
-    prov = {
-        "schema_version": 2,  # 2: the source is identified by content (kind, per-file sha256)
-        "tool": {"name": "hybrid-build", "version": __version__},
-        "format": ctx.recipe.output.format,
-        "source": ctx.source_record().to_provenance(),
-        "recipe": ctx.recipe.model_dump(mode="json", by_alias=True),
-        "files": dict(sorted(files.items())),
-        "tensors": built.details["tensors"],
-        "converted": built.details["converted"],
-    }
-    write_text_atomic(out / PROVENANCE, json.dumps(prov, indent=2) + "\n")
+    prov = Provenance(
+        schema_version=SCHEMA_VERSION, tool=Tool(name=TOOL_NAME, version=__version__),
+        format=ctx.recipe.output.format, source=ctx.source_record().to_provenance(),
+        recipe=ctx.recipe.model_dump(mode="json", by_alias=True), files=dict(sorted(files.items())),
+        tensors=built.details["tensors"], converted=built.details["converted"], created=build_time())
+    write_text_atomic(out / PROVENANCE, prov.to_text())
     return [out / RECIPE, out / PROVENANCE], {}
 
 

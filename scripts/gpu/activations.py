@@ -54,7 +54,7 @@ def main(checkpoint: str, ref_path: str, prompt: str, out: str, engine_kwargs: s
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hybrid_build.serve.vllm_plugin import register
+    from hybrid_build.serve.runtime.plugin import register
 
     register()
     ref = torch.load(ref_path)

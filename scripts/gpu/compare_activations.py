@@ -9,7 +9,7 @@ runner's output is the whole block (routed + gated shared), so the routed part i
 
 The routed experts are also computed with the gate/up scales laid out as stock vLLM 0.23-0.33 lays
 them out for Marlin when ``moe_intermediate_size <= group_size < hidden_size`` (channel-wise
-permutation, read by the kernel as grouped; ``serve/upstream_fixes.py``): a capture made without the
+permutation, read by the kernel as grouped; ``serve/runtime/upstream_fixes.py``): a capture made without the
 fix matches that line, one made with it matches the line above.
 """
 from __future__ import annotations

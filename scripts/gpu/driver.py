@@ -426,7 +426,7 @@ def child_main(argv: list[str]) -> int:
     kind, args = argv[0], argv[1:]
     try:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            from hybrid_build.serve.vllm_plugin import register
+            from hybrid_build.serve.runtime.plugin import register
 
             register()  # the entry point does this too; in-process it must be there before LLM()
         res = {"correct": child_correct, "speed": child_speed, "floor": child_floor,

@@ -94,7 +94,7 @@ def derived_hybrid_config(src: Path, out: Path) -> tuple[dict, dict, str]:
 
 def plan_bytes(folder: Path) -> dict:
     from hybrid_build.core.checkpoint import Checkpoint
-    from hybrid_build.serve.speed_plan import PlanOptions, build_plan
+    from hybrid_build.serve.speed.speed_plan import PlanOptions, build_plan
 
     data = build_plan(Checkpoint.open(folder), PlanOptions(hardware="h200", floor_ms=0.0, context=CONTEXT,
                                                            recipe=RECIPE, accept=[1.0]))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-READ_GBPS = 4426.0  # the H200's read ceiling (4 GiB fp32 sum), as serve/bandwidth.py uses
+READ_GBPS = 4426.0  # the H200's read ceiling (4 GiB fp32 sum), as serve/speed/bandwidth.py uses
 
 CATEGORIES = (  # first match wins
     ("INT4 GEMM (Machete: attention/DeltaNet projections, and the int8 head)", r"machete"),

@@ -22,6 +22,10 @@ OPTIONAL = {"vllm"}
 # the top-level folders, ground first: each may import itself and the folders before it (pipeline
 # is imported by the vLLM plugin inside vLLM's process only)
 LAYERS = ("calibration", "core", "recipes", "validate", "serve", "pipeline")
+# serve's sub-packages, one per process they run in, ground first: ``runtime`` runs inside vLLM and
+# imports nothing else of hybrid_build (the docker engine mounts that folder alone)
+SERVE_LAYERS = ("runtime", "speed", "bench", "launch")
+RUNTIME = "hybrid_build.serve.runtime"
 
 
 def _modules() -> dict[str, Path]:
@@ -149,8 +153,11 @@ def _stdlib_imports(path: Path) -> set[str]:
     return out
 
 
-def _layer(name: str) -> int:
-    return LAYERS.index(name.split(".")[1])
+def _layer(name: str) -> tuple[int, int]:
+    """(folder, sub-package within serve); the serve package's own __init__ is below its sub-packages."""
+    parts = name.split(".")
+    sub = SERVE_LAYERS.index(parts[2]) + 1 if parts[1] == "serve" and len(parts) > 2 else 0
+    return LAYERS.index(parts[1]), sub
 
 
 def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -159,6 +166,38 @@ def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_every_folder_is_a_layer():
     assert {name.split(".")[1] for name in MODULES} == set(LAYERS)
+    assert {name.split(".")[2] for name in MODULES if name.startswith("hybrid_build.serve.")} == set(SERVE_LAYERS)
+
+
+def _hybrid_build_imports(path: Path) -> set[str]:
+    """Every absolute ``hybrid_build`` import a file makes, listed or not in MODULES."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "hybrid_build")
+        elif isinstance(node, ast.ImportFrom) and not node.level and \
+                (node.module or "").split(".")[0] == "hybrid_build":
+            out.add(node.module)
+    return out
+
+
+def _outside_runtime(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    found = [(a, b) for a, deps in graph.items() if a.startswith(RUNTIME) for b in deps if not b.startswith(RUNTIME)]
+    found += [(a, b) for a in graph if a.startswith(RUNTIME) for b in _hybrid_build_imports(MODULES[a])]
+    return sorted(found)
+
+
+def test_the_runtime_package_imports_nothing_else_of_hybrid_build():
+    """What runs inside vLLM (and, in the docker image, from its folder alone) reaches only itself,
+    through relative imports: the folder works wherever it is mounted."""
+    assert [n for n in MODULES if n.startswith(RUNTIME)], "the runtime package has modules"
+    assert _outside_runtime(GRAPH) == []
+
+
+def test_an_import_out_of_the_runtime_package_is_caught(monkeypatch):
+    a = f"{RUNTIME}.plugin"
+    monkeypatch.setitem(GRAPH, a, GRAPH[a] | {"hybrid_build.core.errors"})
+    assert (a, "hybrid_build.core.errors") in _outside_runtime(GRAPH)
 
 
 def test_folders_import_downward_only():
@@ -168,8 +207,9 @@ def test_folders_import_downward_only():
 def test_an_upward_import_between_folders_is_caught(monkeypatch):
     """Caught as an upward edge whether or not it also closes a cycle."""
     for a, b in [("hybrid_build.core.checkpoint", "hybrid_build.pipeline.runner"),
-                 ("hybrid_build.recipes.schema", "hybrid_build.serve.engine"),
-                 ("hybrid_build.validate.checks", "hybrid_build.serve.vllm_plugin")]:
+                 ("hybrid_build.recipes.schema", "hybrid_build.serve.launch.engine"),
+                 ("hybrid_build.validate.checks", "hybrid_build.serve.runtime.plugin"),
+                 ("hybrid_build.serve.runtime.fixes", "hybrid_build.serve.launch.engine")]:
         monkeypatch.setitem(GRAPH, a, GRAPH[a] | {b})
         assert (a, b) in _upward(GRAPH)
         monkeypatch.undo()

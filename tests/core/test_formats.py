@@ -125,9 +125,9 @@ def test_no_code_outside_the_registry_names_a_format():
 
 # Code that runs inside vLLM's process cannot import core/ and spells the plugin's switch itself;
 # the recipe schema's Literal is the storage's user-facing spelling (pinned to the registry below).
-HEAD_WORDS_ALLOWED = {"recipes/schema.py", "serve/vllm_plugin.py", "serve/runtime_fixes.py"}
+HEAD_WORDS_ALLOWED = {"recipes/schema.py", "serve/runtime/plugin.py", "serve/runtime/fixes.py"}
 # a tensor's dtype class (core/tensor_classes.py), not the recipe's head storage
-NOT_HEAD_STORAGE = {("serve/bandwidth.py", "first.storage == 'bf16'")}
+NOT_HEAD_STORAGE = {("serve/speed/bandwidth.py", "first.storage == 'bf16'")}
 
 
 def test_head_storage_is_asked_of_the_format():
@@ -138,7 +138,7 @@ def test_head_storage_is_asked_of_the_format():
 
     found = []
     for rel, path in _package_files():
-        if rel.startswith(("core/formats/", "serve/patches/")) or rel in HEAD_WORDS_ALLOWED:
+        if rel.startswith(("core/formats/", "serve/runtime/patches/")) or rel in HEAD_WORDS_ALLOWED:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in (base.HEAD_STORED, base.AT_LOAD_LABEL):

@@ -144,7 +144,8 @@ def test_a_byte_changed_in_place_with_size_and_mtime_restored_stops_every_link(c
     # validate fails on it: the failure is recorded, the build's report and reference are untouched
     rc, out, _ = run(capsys, "validate", chain, "--no-e2e", "--json")
     report = json.loads(out)
-    assert rc == 1 and report["outcome"] == "failed" and report["report_file"] == str(chain / VALIDATION_LAST.named(".md"))
+    assert rc == 1 and report["outcome"] == "failed"
+    assert report["report_file"] == str(chain / VALIDATION_LAST.named(".md"))
     assert any(f.startswith(f"provenance: {name} has other bytes") for f in report["failures"])
     assert build_report_bytes(chain) == kept
     assert json.loads((chain / VALIDATION_LAST.main).read_text())["provenance_sha256"] == \
@@ -319,5 +320,6 @@ def test_the_small_sample_rule_passes_a_correct_head_on_two_texts():
 def test_a_correct_head_fails_at_most_alpha_of_the_time():
     # every count a true rate of exactly t produces, weighted by its chance: the rule's false alarm
     for n, thr in ((42, 0.97), (256, 0.97), (765, 0.8)):
-        alarm = sum(math.comb(n, k) * thr**k * (1 - thr)**(n - k) for k in range(n + 1) if rate_test(k / n, n, thr).fails)
+        alarm = sum(math.comb(n, k) * thr**k * (1 - thr)**(n - k) for k in range(n + 1)
+                    if rate_test(k / n, n, thr).fails)
         assert alarm <= ALPHA

@@ -58,3 +58,16 @@ def test_run_help_names_every_registered_format():
     help_text = next(a for a in run._actions if a.dest == "format").help
     for name in formats.names():
         assert name in help_text, name
+
+
+def test_serve_help_names_every_shipped_profile():
+    """`serve --profile`'s help lists the shipped recipes' profiles from their text (no YAML parser at
+    --help): the same names, in the same order, as the recipes loaded for real."""
+    from hybrid_build.recipes.schema import RECIPE_DIR, load_recipe
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    help_text = next(a for a in serve._actions if a.dest == "profile").help
+    names: list[str] = []
+    for path in sorted(RECIPE_DIR.glob("*.yaml")):
+        names += [n for n in load_recipe(str(path)).serve.profiles if n not in names]
+    assert names and f"shipped recipes: {', '.join(names)};" in help_text

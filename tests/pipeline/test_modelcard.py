@@ -92,7 +92,8 @@ def test_validation_table_holds_the_report_figures(artifact):
         shown = float(rows[name][1])
         # printed with 4 significant digits: the rounding error is at most half a unit in the 4th digit
         assert math.isclose(shown, value, rel_tol=5e-4), (name, shown, value)
-    assert rows["end to end: KL divergence from the source"][2] == f"e2e_max_kl {report['thresholds']['e2e_max_kl']:.4g}"
+    kl_limit = report['thresholds']['e2e_max_kl']
+    assert rows["end to end: KL divergence from the source"][2] == f"e2e_max_kl {kl_limit:.4g}"
     checks = {r[0]: r[1] for r in table_rows(body, "check")}
     assert checks == {c["name"]: ("pass" if c["passed"] else "**FAIL**") for c in report["checks"]}
     assert "![relative error per layer](hybrid_build/validation.png)" in body
@@ -498,3 +499,40 @@ def test_the_folders_card_is_what_publish_uploads(artifact, hub, no_sleep, monke
     assert uploaded != folder_card and b"## Task accuracy" in uploaded
     assert (artifact / "hybrid_build" / "card.md").read_bytes() == uploaded
     assert publish_lib.write_card(artifact).read_bytes() == uploaded  # the same, wherever it goes
+
+
+def test_the_provenance_is_one_typed_model_written_as_it_reads(artifact):
+    """The record stage writes the model's text: reading the file into ``Provenance`` and writing it
+    again gives the same bytes; the build's time is on the card as the provenance records it."""
+    from hybrid_build.core.artifact import load_provenance
+    from hybrid_build.core.provenance import Provenance
+
+    path = artifact / "hybrid_build" / "provenance.json"
+    prov = load_provenance(artifact)
+    assert isinstance(prov, Provenance) and prov.to_text() == path.read_text()
+    assert time.strptime(prov.created, "%Y-%m-%dT%H:%M:%SZ")
+    assert prov.files and all(f.sha256 for f in prov.files.values())
+    body = split_card(plan_publish(artifact, REPO).card_text)[1]
+    assert f"- built: {prov.created}\n" in body
+
+
+def test_a_provenance_that_does_not_fit_the_model_is_one_line(artifact, capsys):
+    from hybrid_build.core.errors import ArtifactError
+    from hybrid_build.pipeline.cli import main
+
+    def change(prov):
+        prov["files"]["config.json"]["bytes"] = "many"
+
+    edit_provenance(artifact, change)
+    with pytest.raises(ArtifactError, match=r"provenance.json: files.config.json.bytes: .*rebuild the artifact$"):
+        plan_publish(artifact, REPO)
+    assert main(["status", str(artifact)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "files.config.json.bytes" in err[0]
+
+
+def test_the_build_time_follows_source_date_epoch():
+    from hybrid_build.core.provenance import build_time
+
+    assert build_time({"SOURCE_DATE_EPOCH": "1700000000"}) == "2023-11-14T22:13:20Z"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", build_time({}))

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# the tests live in one folder per serve sub-package; the helper modules they import by name (stand-in
+# servers, vLLM sources, probes, serve_cli) stay here, beside the golden files
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
@@ -45,11 +49,11 @@ def standin(tmp_path):
     """``standin(*flags, key=None, model="qwen")``: the OpenAI stand-in server, started by the launcher
     as serve starts vLLM (``key``: in its environment as VLLM_API_KEY, and sent by the readiness
     probe); its base URL once it answers. Stopped after the test."""
-    from test_multinode import free_port
+    from serve_cli import free_port
 
-    from hybrid_build.serve.engine import LaunchPlan
-    from hybrid_build.serve.launcher import start, wait_ready
-    from hybrid_build.serve.served_key import ApiKey
+    from hybrid_build.serve.launch.engine import LaunchPlan
+    from hybrid_build.serve.launch.launcher import start, wait_ready
+    from hybrid_build.serve.launch.served_key import ApiKey
 
     servers = []
 
@@ -90,7 +94,7 @@ def serve_env(tmp_path):
     ``HB_STANDIN_FLAGS``; with ``HB_STANDIN_RECORD=FILE`` it writes its argv and ``VLLM_API_KEY``
     there) and `nvidia-smi` first on PATH, a free port, and a check that the server does not
     outlive the test."""
-    from test_multinode import _processes_mentioning, free_port
+    from serve_cli import _processes_mentioning, free_port
 
     bindir = tmp_path / "bin"
     bindir.mkdir()

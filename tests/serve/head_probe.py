@@ -69,8 +69,8 @@ def main(out: str) -> int:
 
     from hybrid_build.calibration.gptq import int8_gptq_qzeros, pack_int8_gptq
     from hybrid_build.calibration.int8_rows import quantize_int8_rows
-    from hybrid_build.serve import vllm_plugin
-    from hybrid_build.serve.int8_gemv import untile_weight
+    from hybrid_build.serve.runtime import plugin as vllm_plugin
+    from hybrid_build.serve.runtime.int8_gemv import untile_weight
 
     def untile(w, n_, k_):
         return untile_weight(w, n_, k_) if w.dim() == 4 else w

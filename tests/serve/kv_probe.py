@@ -132,7 +132,7 @@ def main() -> int:
     from vllm.v1.core.sched import scheduler as sched_mod
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from hybrid_build.serve import kv_cache_fixes
+    from hybrid_build.serve.runtime import kv_cache_fixes
 
     enabled = frozenset() if fixes == "none" else frozenset(fixes.split(","))
     res: dict = {"shape": shape, "fixes": sorted(enabled), "install": kv_cache_fixes.install(enabled)}

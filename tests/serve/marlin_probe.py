@@ -20,7 +20,7 @@ def main(out: str) -> int:
     import torch
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
 
-    from hybrid_build.serve import vllm_plugin
+    from hybrid_build.serve.runtime import plugin as vllm_plugin
 
     int_wna16.ops.gptq_marlin_moe_repack = lambda w, *args, **kwargs: w
     params = inspect.signature(int_wna16._process_weights_marlin).parameters

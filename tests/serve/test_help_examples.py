@@ -170,8 +170,8 @@ def demo_cwd(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench_server(tmp_path_factory):
     """The stand-in OpenAI server on the port the bench examples name, or None if it is taken."""
-    from hybrid_build.serve.engine import LaunchPlan
-    from hybrid_build.serve.launcher import start, wait_ready
+    from hybrid_build.serve.launch.engine import LaunchPlan
+    from hybrid_build.serve.launch.launcher import start, wait_ready
 
     ports = {int(m) for _, e in EXAMPLES for m in re.findall(r"http://127\.0\.0\.1:(\d+)/", e)}
     assert len(ports) == 1, ports
@@ -212,7 +212,8 @@ def test_example_runs_on_the_demo_output(demo_cwd, request, command, example):
     if shlex.split(example)[1] == "bench" and request.getfixturevalue("bench_server") is None:
         pytest.skip("the bench examples' port is taken on this machine")
     proc = run_once(example, cwd)
-    assert proc.returncode == 0, f"`{example}` (from `{command} --help`) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, \
+        f"`{example}` (from `{command} --help`) exited {proc.returncode}:\n{proc.stderr[-2000:]}"
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ def main() -> int:
     root = Path(vllm.__file__).resolve().parents[1]
     prefixes, packed = model_mappings(root)
     if mode == "plugin":
-        from hybrid_build.serve import vllm_plugin
+        from hybrid_build.serve.runtime import plugin as vllm_plugin
 
         vllm_plugin.register()
     classes = {"qkv": QKVParallelLinear, "merged": MergedColumnParallelLinear, "row": RowParallelLinear,

@@ -1,6 +1,7 @@
 """A validation report says exactly what ran: passed, failed and could not run are three outcomes
 (exit 0, 1, 3); a run that checked less never replaces a passing report of the same build that
-checked more, and a run that does not pass never replaces it at all (it is recorded beside it). vLLM is not installed here, so `--engine vllm` is the real could-not-run case."""
+checked more, and a run that does not pass never replaces it at all (it is recorded beside it).
+vLLM is not installed here, so `--engine vllm` is the real could-not-run case."""
 from __future__ import annotations
 
 import importlib.util

@@ -185,8 +185,8 @@ def _free_port() -> int:
 def standins(referenced_artifact, tmp_path_factory):
     """``standins(*flags) -> base URL``: a stand-in server answering from the reference, one per set of
     flags, started once for the module."""
-    from hybrid_build.serve.engine import LaunchPlan
-    from hybrid_build.serve.launcher import start, wait_ready
+    from hybrid_build.serve.launch.engine import LaunchPlan
+    from hybrid_build.serve.launch.launcher import start, wait_ready
 
     running: dict[tuple, tuple] = {}
     logs = tmp_path_factory.mktemp("standins")

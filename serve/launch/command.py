@@ -1,0 +1,374 @@
+"""``hybrid-build serve``: start vLLM (local or the DGX Spark docker image) for one profile."""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hybrid_build.core.cli_support import (
+    PORT,
+    POSITIVE_INT,
+    SECONDS,
+    ExampleFormatter,
+    add_json_flag,
+    emit_json,
+    progress,
+)
+from hybrid_build.core.errors import UserError
+from hybrid_build.core.stop_signals import interrupt_exit_code, stop_signals_held
+from hybrid_build.core.user_paths import check_output_path
+from hybrid_build.recipes.serve_names import DOCKER_IMAGE, shipped_profile_names
+from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIX_IDS
+from hybrid_build.serve.speed.bandwidth import HARDWARE
+
+from . import ray_auth, served_key
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser(
+        "serve", parents=[common], formatter_class=ExampleFormatter,
+        help="serve an artifact with vLLM (dense, dflash, base or mtp profile)",
+        description="Start vLLM for an artifact with one of its recipe's serve profiles, wait until it is "
+                    "ready, check it against the artifact's reference (`hybrid-build verify`), smoke-test it and "
+                    "print the OpenAI base URL. dense = hybrid checkpoint + int8 "
+                    "lm-head + DFlash; dflash = DFlash only; base = no speculation; mtp = the model's MTP head.",
+        epilog="examples:\n"
+               "  hybrid-build serve out/ --profile dense --dry-run\n"
+               "  hybrid-build serve out/ --profile base --port 8001\n"
+               "  hybrid-build serve out/ --profile dense --disable-fix marlin_moe_scale --dry-run   # a fix off\n"
+               "  hybrid-build serve out/ --engine docker --profile dense   # DGX Spark image, patched vLLM 0.23\n"
+               "  hybrid-build serve out/ --profile dense --host 0.0.0.0 --dry-run   # beyond loopback: an API key\n"
+               "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
+               "--dry-run\n"
+               "  hybrid-build serve out/ --profile dense --nodes 192.168.100.11,192.168.100.12 --ifname enp1s0f1np1 "
+               "--ray-token-file ray-token --dry-run   # your Ray token (a 0600 file)")
+    p.add_argument("artifact", help="artifact folder (or a Hub id, with --recipe)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="one of the recipe's serve profiles (shipped recipes: "
+                        f"{', '.join(shipped_profile_names())}; default: the recipe's default)")
+    p.add_argument("--engine", choices=("local", "docker"), default="local",
+                   help="local: pip-installed vLLM with the hybrid-build plugin; docker: the sm121 image")
+    p.add_argument("--port", type=PORT, default=8000, help="port of the OpenAI-compatible server (default 8000)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); any but a loopback address needs an API key, "
+                        "generated when none is given (docs/serve.md, Security)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="the key clients must send (Bearer); vLLM gets it as VLLM_API_KEY in its environment. "
+                        "Default: --api-key-file, else $VLLM_API_KEY, else beyond loopback one generated into "
+                        f"$XDG_STATE_HOME/{served_key.STATE_FOLDER}/{served_key.KEY_FILE} (default ~/.local/state/...; "
+                        "0600; the path is printed, never the key). A flag shows in `ps`: prefer the file or the "
+                        "variable")
+    p.add_argument("--api-key-file", type=Path, metavar="FILE",
+                   help="read the API key from FILE (one line; a file of yours, mode 0600)")
+    p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
+    p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
+    p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
+                                    "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder "
+                                    "beside it")
+    p.add_argument("--image", default=DOCKER_IMAGE, help="docker image (docker engine)")
+    p.add_argument("--hardware", choices=sorted(HARDWARE),
+                   help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
+                        "levers are predicted to gain little there")
+    p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
+    p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
+    p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check the server against the artifact's reference before calling it ready "
+                        "(`hybrid-build verify`; a failed check stops the server)")
+    p.add_argument("--dry-run", action="store_true", help="print the exact command and environment, start nothing")
+    p.add_argument("--disable-fix", action="append", default=[], metavar="ID",
+                   help="leave this runtime fix or patch out (repeatable; `all` for every one), to see whether "
+                        f"your vLLM still needs it: sets {ENV_DISABLE} (ids: {', '.join(FIX_IDS)}; docs/serve.md)")
+    g = p.add_argument_group(
+        "several nodes (vLLM on a Ray cluster; docs/multinode.md)",
+        "Ray runs with token authentication: a token generated per run (or --ray-token-file,\n"
+        "$RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH), handed to each node in a 0600 file under\n"
+        f"~/{ray_auth.TOKEN_DIR}, never on a command line, and removed when the cluster stops. The Ray\n"
+        "dashboard stays on the head's loopback. vLLM on the head gets the API key (--api-key...) as\n"
+        "for one node, in its environment; one is needed where it listens beyond loopback, as on a\n"
+        "head that is another machine.")
+    g.add_argument("--nodes", metavar="HOST1,HOST2", help="serve across these machines: [user@]host, each by its "
+                   "address on the link; the first is the Ray head and runs vLLM. One of them may be this machine; "
+                   "the others are reached over ssh")
+    g.add_argument("--nodes-file", type=Path, metavar="FILE", help="the hosts, one a line (# comments)")
+    g.add_argument("--ifname", metavar="IFACE", help="the link's network interface on every node (NCCL, Gloo and "
+                   "vLLM use it), e.g. the ConnectX-7 port ibdev2netdev names")
+    g.add_argument("--ib-hca", metavar="DEV[,DEV]", help="RDMA devices for NCCL (NCCL_IB_HCA), e.g. both RoCE "
+                   "devices of a Spark's 200G port")
+    g.add_argument("--parallel", choices=("tp", "pp"), default="tp",
+                   help="tp: tensor parallel over all GPUs (default); pp: one pipeline stage per node")
+    g.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1, help="GPUs on each node (default 1: a DGX Spark)")
+    g.add_argument("--ray-port", type=PORT, default=6379, help="the Ray head's port (default 6379)")
+    g.add_argument("--ray-token-file", type=Path, metavar="FILE",
+                   help="the Ray cluster's token (a file of yours, mode 0600); default: $RAY_AUTH_TOKEN, "
+                        "$RAY_AUTH_TOKEN_PATH, else one generated per run")
+    g.add_argument("--ray-temp-dir", metavar="DIR", help="Ray's temp folders, DIR/nodeN on each node "
+                   "(default: Ray's own)")
+    g.add_argument("--remote-venv", metavar="DIR", help="the environment hybrid-build, Ray and vLLM are installed "
+                   "in on the other nodes (default: their login PATH)")
+    g.add_argument("--node-env", action="append", default=[], metavar="[N:]KEY=VALUE",
+                   help="environment for node N (1 = the head), or for every node without N; repeatable "
+                        "(e.g. 1:CUDA_VISIBLE_DEVICES=0 2:CUDA_VISIBLE_DEVICES=1 for two nodes on one machine)")
+    g.add_argument("--join-timeout", type=SECONDS, default=600,
+                   help="seconds to wait for the head and for every node to join (default 600)")
+    g.add_argument("--force", action="store_true",
+                   help="serve anyway an artifact whose files differ from its provenance or whose validation is "
+                        "missing, failed or stale (refused otherwise, --dry-run included; verify still runs), and "
+                        "across nodes whose addresses are not private or link-local (refused otherwise: NCCL and "
+                        "Gloo traffic is not authenticated; docs/multinode.md, Security)")
+    add_json_flag(p)
+    p.set_defaults(handler=run)
+
+
+def _api_key(args: argparse.Namespace, host: str):
+    """The served API's key (``served_key.resolve``). A ``--dry-run`` generates it too (in the user's
+    state folder, where serving would, kept and reused): the ``export VLLM_API_KEY="$(cat FILE)"`` line
+    it prints then works as printed, where a file to come would give vLLM an empty key."""
+    from hybrid_build.core.redaction import remember, remember_file
+
+    from .served_key import resolve
+
+    key = resolve(host, args.api_key, args.api_key_file, create=True)
+    if key is not None:  # never in what this process prints, whatever raised it (``core.redaction``)
+        remember(key.value)
+        remember_file(key.path)
+    return key
+
+
+def run(args: argparse.Namespace) -> int:
+    from .engine import plan_launch
+    from .launcher import check_prerequisites, plan_key, smoke_test, start, wait_ready, warn_if_untested
+
+    _check_artifact(args)  # before anything is planned or started, --dry-run included
+    several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
+    plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
+                       host=args.host,
+                       hardware=args.hardware, disable_fixes=args.disable_fix,
+                       recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
+                       api_key=None if several else _api_key(args, args.host))  # several: for the head's address
+    if several:
+        return _run_nodes(args, plan)
+    if args.dry_run:
+        if args.json:
+            emit_json(plan.to_json())
+        else:
+            for k, v in sorted(plan.env.items()):
+                print(f"export {k}={v}")
+            if plan.api_key is not None:
+                print(plan.api_key.shell_line())
+            print(shlex.join(plan.argv))
+            for n in plan.notes:
+                print(f"# {n}")
+            if plan.api_key is not None:
+                print(f"# {plan.api_key.announce()}")
+        return 0
+    check_prerequisites(plan)
+    check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
+    version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
+    warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
+    if plan.api_key is not None and not (args.quiet or args.json):
+        print(plan.api_key.announce(), flush=True)
+    log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
+    server = None
+    try:
+        # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
+        with stop_signals_held():
+            server = start(plan, log_path)
+        bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
+        ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
+        bar.close()
+        verified = _verify(args, plan, plan.base_url)
+        answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
+                                                       api_key=plan_key(plan))
+        info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
+                "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
+                "api_key": plan.api_key.to_json() if plan.api_key else None}
+        if args.json:
+            emit_json(info)
+        else:
+            print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
+            if answer:
+                print(f"smoke test: {answer[:80]!r}")
+            print("Ctrl-C stops the server.")
+        sys.stdout.flush()
+        while server.process.poll() is None:
+            time.sleep(1)
+        return 0 if server.process.returncode == 0 else 1
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _check_artifact(args: argparse.Namespace) -> None:
+    """Refuse (one line naming the file or the report) an artifact whose files differ from its
+    provenance, or whose validation is missing, failed, could not run or is stale; with ``--force``
+    the line is a warning and serving goes on (verify still runs). A Hub id, or a folder that is no
+    build of hybrid-build (a plain checkpoint: no provenance, no ``hybrid_build/``; a work folder
+    alone is no build: a source served across nodes keeps its digest cache there), has nothing to
+    check here."""
+    from hybrid_build.core.artifact import META_DIR, PROVENANCE, read_provenance, validation_outcome
+    from hybrid_build.core.errors import ArtifactError
+    from hybrid_build.core.integrity import check_artifact
+
+    artifact = Path(args.artifact).expanduser()
+    if not artifact.is_dir():
+        return
+    prov = read_provenance(artifact, missing_ok=True)
+    problem = None
+    if prov is None:
+        if (artifact / META_DIR).is_dir():
+            problem = (f"no {PROVENANCE}: the build did not finish (`hybrid-build status {artifact}` says where it "
+                       "stopped)")
+    else:
+        found = check_artifact(artifact, prov, lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
+        if not found.intact:
+            problem = f"the artifact differs from its provenance: {found.problem}"
+        else:
+            v = validation_outcome(artifact)
+            if not v.passed:
+                where = f" ({v.report})" if v.report else ""
+                problem = f"validation {v.state}{where}: {v.reason}"
+    if problem is None:
+        return
+    if not args.force:
+        raise ArtifactError(f"{artifact}: {problem}; not served (fix it, or --force to serve it anyway: verify "
+                            "still runs)")
+    print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
+
+
+def _check_engine(args: argparse.Namespace, plan) -> str | None:
+    """The engine's vLLM version, once the DFlash drafter's config has been checked against it
+    (``engine_check``): a combination that will not start raises (exit 3: another vLLM is needed; 2:
+    a switch of this command line stops it); notes (a drafter that could not be read, a warm prefix
+    that will not be claimed) are printed."""
+    from . import engine_check
+    from .engine import fixes_off
+    from .launcher import served_vllm_version
+
+    version = served_vllm_version(plan)
+    notes = [n for n in plan.notes if n.startswith("prefix caching (")]  # the profile's own
+    if plan.drafter is not None:
+        drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
+        target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
+        notes += [f"the DFlash drafter was not checked against the engine: {why}"] if drafter is None else \
+            engine_check.check(version, plan.engine, engine_check.shapes(drafter, target),
+                               fixes_off(args.disable_fix), engine_check.server_env(plan.env),
+                               plan.prefix_caching).notes
+    if not args.quiet:
+        for note in notes:  # stdout stays JSON with --json
+            print(f"note: {note}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    return version
+
+
+def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
+    """`hybrid-build verify` against the artifact being served, once vLLM answers and before it is called
+    ready: prints the figures; a failed check raises (the caller's ``finally`` stops the server). An
+    artifact without a current reference, or a Hub id, cannot be checked: one line says why and serving
+    goes on. Returns what ``--json`` reports under ``verify``."""
+    from hybrid_build.core.errors import CannotVerify, NumericsError
+    from hybrid_build.core.redaction import redact
+    from hybrid_build.validate.verify import load_reference, render, verify_server
+    from hybrid_build.validate.verify_paths import PathOptions, checker
+
+    from .launcher import plan_key
+
+    if args.no_verify:
+        return {"outcome": "skipped", "reason": "--no-verify"}
+    say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
+    artifact = Path(args.artifact).expanduser()
+    try:
+        if not artifact.is_dir():
+            raise CannotVerify(f"could not verify: {args.artifact} is a Hub id, not a local artifact holding a "
+                               "reference")
+        reference = load_reference(artifact)
+    except CannotVerify as e:
+        say(redact(f"{e}; serving without the check"))
+        return {"outcome": "could not run", "reason": redact(str(e))}
+    recipe, profile = plan.recipe, plan.vllm.profile  # as the plan resolved them
+    side = profile.artifact  # the dense profile serves the hybrid, the others the source
+    try:
+        report = verify_server(base_url, artifact, side=side, model=plan.model_name, timeout=300,
+                               thresholds=recipe.verify, reference=reference, api_key=plan_key(plan) or "",
+                               paths=checker(PathOptions(prefix_caching=profile.enable_prefix_caching)))
+    except CannotVerify as e:
+        raise CannotVerify(f"{e} (stopped the server; --no-verify serves without the check)") from None
+    say(render(report))
+    if report.outcome == "could not run":
+        raise CannotVerify(f"{report.verdict_line()} (stopped the server; --no-verify serves without the check)")
+    if report.outcome == "failed":
+        if args.json:
+            emit_json({"verify": report.to_json()})
+        raise NumericsError(f"the server does not reproduce the artifact's reference ({'; '.join(report.failures)}): "
+                            "stopped it (--no-verify serves it anyway)")
+    return report.to_json()
+
+
+def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
+    """``--node-env [N:]KEY=VALUE`` values by node (None: every node)."""
+    out: dict[int | None, dict[str, str]] = {}
+    for item in items:
+        m = re.fullmatch(r"(?:(\d+):)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", item, re.S)
+        if not m:
+            raise UserError(f"--node-env {item!r}: write [N:]KEY=VALUE")
+        out.setdefault(int(m[1]) if m[1] else None, {})[m[2]] = m[3]
+    return out
+
+
+def _run_nodes(args: argparse.Namespace, plan) -> int:
+    """Several nodes: print the bring-up (--dry-run) or perform it, then hold until Ctrl-C. The API
+    key is resolved as for one node, for the address the head's vLLM listens on."""
+    from .multinode import bring_up, check_tools, parse_nodes, plan_multinode, resolve_nodes, served_host
+
+    specs = parse_nodes(args.nodes, args.nodes_file)
+    nodes = resolve_nodes(specs, dry_run=args.dry_run)
+    plan = replace(plan, api_key=_api_key(args, served_host(plan.host, nodes[0])))
+    mplan = plan_multinode(plan, specs, args.artifact, args.ifname, nodes=nodes,
+                           parallel=args.parallel, gpus_per_node=args.gpus_per_node, ray_port=args.ray_port,
+                           ib_hca=args.ib_hca, remote_venv=args.remote_venv, ray_temp_dir=args.ray_temp_dir,
+                           image=args.image if args.engine == "docker" else None,
+                           node_env=_node_env(args.node_env), force=args.force, ray_token_file=args.ray_token_file)
+    if args.dry_run:
+        if args.json:
+            emit_json(mplan.to_json())
+        else:
+            print(mplan.render())
+        return 0
+    check_tools(mplan)
+    key = mplan.serve.api_key
+    if key is not None and not (args.quiet or args.json):
+        print(key.announce(), flush=True)
+    log_path = args.log or Path(f"hybrid-build-serve-{mplan.serve.profile}.log")
+    say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))
+    try:
+        cluster, info = bring_up(mplan, log_path.parent, log_path, join_timeout=args.join_timeout,
+                                 ready_timeout=args.ready_timeout, smoke=not args.no_smoke, on_event=say,
+                                 verify=lambda: _verify(args, mplan.serve, mplan.base_url))
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
+    try:
+        if args.json:
+            emit_json(dict(info, api_key=key.to_json() if key else None))
+        else:
+            print(f"READY in {info['ready_s']:.0f} s on {len(info['nodes'])} nodes (TP={mplan.tp} x PP={mplan.pp})   "
+                  f"base URL: {info['base_url']}   model: {info['model']}")
+            if info["smoke_answer"]:
+                print(f"smoke test: {info['smoke_answer'][:80]!r}")
+            print("Ctrl-C stops vLLM and the Ray nodes.")
+        sys.stdout.flush()
+        while True:
+            dead = cluster.dead()
+            if dead is not None:
+                print(f"error: {dead.what} exited with code {dead.process.returncode} (log: {dead.log_path})",
+                      file=sys.stderr)
+                return 1
+            time.sleep(1)
+    except KeyboardInterrupt as e:
+        return interrupt_exit_code(e)
+    finally:
+        cluster.stop()

@@ -1,0 +1,184 @@
+"""Start a server from a ``LaunchPlan``, wait until it answers, and smoke-test it.
+
+READY means ``GET /v1/models`` returns 200. While waiting, a server process that exits ends the
+wait at once with the tail of its log; a server that is not ready in time is stopped, with the
+same tail. The smoke test asks for the capital of France and requires "Paris" in the answer.
+With a served API key (``served_key``) the server gets it in its environment and every request
+here sends it; a server that refuses it ends the wait at once (``KeyRefused``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybrid_build.core.api_key import REFUSED, bearer, raise_if_refused
+from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError
+from hybrid_build.recipes.profiles import SMOKE_EXPECT, SMOKE_PROMPT
+
+from .engine import LaunchPlan
+from .served_key import SERVER_ENV
+
+log = logging.getLogger(__name__)
+
+
+
+def serve_hint(sent: bool) -> str:
+    """What a 401 to serve's own request means: vLLM has another key than the one serve gave it, or
+    one serve did not give it."""
+    if sent:
+        return "serve sends the key it gave vLLM; does a profile's extra_args hold its own --api-key?"
+    return f"serve gave vLLM no key; is {SERVER_ENV} set where vLLM runs, or --api-key in a profile's extra_args?"
+
+
+def plan_key(plan: LaunchPlan) -> str | None:
+    """The key the plan's server wants (None: none)."""
+    return plan.secret_env.get(SERVER_ENV)
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 10.0, api_key: str | None = None) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **bearer(api_key)})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+def check_prerequisites(plan: LaunchPlan) -> None:
+    """One clear line when the engine's tool or a GPU is missing."""
+    tool = plan.argv[0]
+    if shutil.which(tool) is None:
+        hint = ("install vLLM (pip install vllm) or use --engine docker" if tool == "vllm"
+                else "install Docker, or use --engine local" if tool == "docker" else "")
+        raise CannotRun(f"{tool!r} was not found on PATH" + (f": {hint}" if hint else ""))
+    if tool in ("vllm", "docker") and shutil.which("nvidia-smi") is None and not Path("/dev/nvidiactl").exists():
+        raise CannotRun("no NVIDIA GPU found (no nvidia-smi, no /dev/nvidiactl): vLLM needs a CUDA GPU")
+
+
+def served_vllm_version(plan: LaunchPlan) -> str | None:
+    """The vLLM version the plan would serve: ``vllm --version`` (local), or the image's (a tested
+    image by its name, any other by asking it); None when it cannot be read."""
+    from hybrid_build.serve.runtime.fixes import tested_image, version_in
+
+    if plan.engine == "docker":
+        known = tested_image(plan.image or "")
+        if known is not None:
+            return known.version
+        argv = ["docker", "run", "--rm", "--entrypoint", "python3", plan.image or "", "-c",
+                "from importlib.metadata import version; print(version('vllm'))"]
+    else:
+        argv = [plan.argv[0], "--version"]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return version_in(r.stdout) if r.returncode == 0 else None
+
+
+def warn_if_untested(plan: LaunchPlan, version: str | None = None) -> str | None:
+    """Log one warning line when the vLLM to be served (``version``, else asked) is outside the
+    tested set; serving goes on (``hybrid-build verify`` is what checks its numerics). Returns the
+    line, if any."""
+    from hybrid_build.serve.runtime.fixes import untested_warning
+
+    line = untested_warning(version or served_vllm_version(plan))
+    if line:
+        log.warning(line)
+    return line
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    plan: LaunchPlan
+    log_path: Path
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start(plan: LaunchPlan, log_path: Path) -> Server:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_path, "ab")
+    env = {**os.environ, **plan.env, **plan.secret_env}  # the key last: it wins over an inherited one
+    proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    out.close()
+    log.info("started %s (pid %d), log %s", plan.argv[0], proc.pid, log_path)
+    return Server(proc, plan, log_path)
+
+
+def wait_ready(server: Server, timeout: float, poll: float = 1.0,
+               on_tick: Callable[[float], None] | None = None) -> float:
+    """Seconds until ``/v1/models`` answered 200; raises ExternalToolError on exit or timeout."""
+    t0 = time.monotonic()
+    url = server.plan.base_url + "/models"
+    key = plan_key(server.plan)
+    while True:
+        code = server.process.poll()
+        if code is not None:
+            raise ExternalToolError(f"the server exited with code {code} before it was ready; last log lines:\n"
+                                    + tail(server.log_path))
+        try:
+            http_json(url, timeout=min(5.0, poll * 5), api_key=key)
+            return time.monotonic() - t0
+        except urllib.error.HTTPError as e:
+            if e.code in REFUSED:  # up, and refusing us: waiting longer changes nothing
+                server.stop()
+                raise_if_refused(e, server.plan.base_url, bool(key), serve_hint(bool(key)))
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
+            pass
+        elapsed = time.monotonic() - t0
+        if on_tick:
+            on_tick(elapsed)
+        if elapsed > timeout:
+            server.stop()
+            raise ExternalToolError(f"the server was not ready after {timeout:.0f} s (stopped it); last log lines:\n"
+                                    + tail(server.log_path))
+        time.sleep(poll)
+
+
+def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | None = SMOKE_EXPECT,
+               api_key: str | None = None) -> str:
+    """Ask for the capital of France; the answer must contain ``expect`` (case-insensitive), or,
+    with ``expect=None`` (the recipe says the weights are random), be non-empty. Returns it.
+    ``api_key`` is sent as a Bearer token; a refused one is ``KeyRefused`` with serve's hint."""
+    try:
+        r = http_json(base_url + "/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": SMOKE_PROMPT}],
+            "max_tokens": 64, "temperature": 0}, timeout=timeout, api_key=api_key)
+    except urllib.error.HTTPError as e:
+        raise_if_refused(e, base_url, bool(api_key), serve_hint(bool(api_key)))
+        raise ArtifactError(f"smoke test: the server answered HTTP {e.code}: {e.read()[:300].decode(errors='replace')}")
+    except (urllib.error.URLError, OSError) as e:
+        raise ArtifactError(f"smoke test: no answer from {base_url} ({e})")
+    try:
+        msg = r["choices"][0]["message"]
+        text = (msg.get("content") or "") + (msg.get("reasoning_content") or msg.get("reasoning") or "")
+    except (KeyError, IndexError, TypeError):
+        raise ArtifactError(f"smoke test: malformed chat completion: {json.dumps(r)[:300]}")
+    if expect is None and not text.strip():
+        raise ArtifactError("smoke test failed: asked for the capital of France, got an empty answer")
+    if expect is not None and expect.lower() not in text.lower():
+        raise ArtifactError(f"smoke test failed: asked for the capital of France, got {text.strip()[:200]!r} "
+                            f"(the recipe's serve.smoke_expect is {expect!r})")
+    return text.strip()

@@ -1,0 +1,127 @@
+"""The GPU harness's agent steps (``scripts/gpu/agent_steps.py``, ``driver.py --steps starts,ttft,tools``)
+on CPU: the driver's arguments, the config-only drafters it serves (read by transformers and by
+vLLM 0.25.1's / 0.26.0's own DFlash layer resolution), the recipe each case serves with, the exact
+``hybrid-build serve`` command, and how a case's log becomes its verdict."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parents[1]
+GPU = HERE.parent.parent / "scripts" / "gpu"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(GPU))
+import agent_steps  # noqa: E402
+import driver  # noqa: E402
+import vllm_sources  # noqa: E402
+
+BASE = ["--hb", "h", "--src", "s", "--work", "w", "--out", "o", "--deadline", "0"]
+
+
+def test_driver_parses_the_agent_arguments():
+    a = driver.build_parser().parse_args(BASE + ["--steps", "starts,ttft,tools", "--agent-cases",
+                                                 "dense:mixed:on,dflash:full6:off", "--contexts", "1024,4096"])
+    assert [c.key for c in a.agent_cases] == ["dense_mixed_on", "dflash_full6_off"]
+    assert a.contexts == [1024, 4096] and a.ttft_runs == 3
+    d = driver.build_parser().parse_args(BASE)
+    assert [c.key for c in d.agent_cases] == ["dense_full6_on", "dense_mixed_on"]
+    assert d.contexts == [8192, 32768, 65536]
+    assert len(agent_steps.parse_cases("all")) == 8
+
+
+@pytest.mark.parametrize("flag, value", [("--agent-cases", "dense:mixed"), ("--agent-cases", "base:full6:on"),
+                                         ("--agent-cases", "dense:mixed:yes"), ("--contexts", "8k"),
+                                         ("--contexts", "32")])
+def test_driver_refuses_bad_agent_arguments(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        driver.build_parser().parse_args(BASE + [flag, value])
+    assert e.value.code == 2 and value in capsys.readouterr().err
+
+
+def test_drafters_have_the_real_shape(tmp_path):
+    from transformers import Qwen3Config
+
+    written = agent_steps.write_drafters(tmp_path)
+    assert [p.name for p in written] == ["drafter-mixed", "drafter-full6"]
+    for p, types in zip(written, (["sliding_attention"] * 5 + ["full_attention"], ["full_attention"] * 6)):
+        raw = json.loads((p / "config.json").read_text())
+        assert raw["layer_types"] == types and raw["architectures"] == ["DFlashDraftModel"]
+        assert raw["dflash_config"] == {"mask_token_id": 248077, "target_layer_ids": [1, 7, 14, 20, 26, 32, 39, 45]}
+        cfg = Qwen3Config(**raw)
+        assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                cfg.head_dim, raw["sliding_window"], raw["block_size"]) == (3072, 6, 32, 8, 128, 4096, 16)
+        assert list(p.iterdir()) == [p / "config.json"]
+
+
+def _resolve(version: str, shape: str, v2: bool | None = None) -> dict:
+    """vLLM's own ``_resolve_layer_attention`` for each drafter layer. ``v2``: the engine's
+    ``use_v2_model_runner`` (0.26+ read it from the current config, which needs a GPU platform to
+    build here; the engine's own choice is checked on its source in test_engine_check)."""
+    pp = vllm_sources.cpu_pythonpath(version)
+    if pp is None:
+        pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
+    code = ("import json, sys, types; sys.path.insert(0, sys.argv[1]); import agent_steps\n"
+            "from transformers import Qwen3Config\n"
+            "from vllm.model_executor.models import qwen3_dflash as q\n"
+            "if sys.argv[3] != 'None':\n"
+            "    q.get_current_vllm_config = lambda: types.SimpleNamespace(use_v2_model_runner=sys.argv[3] == 'True')\n"
+            "cfg = Qwen3Config(**agent_steps.drafter_config(sys.argv[2]))\n"
+            "try:\n    print(json.dumps([q._resolve_layer_attention(cfg, i) for i in range(6)]))\n"
+            "except Exception as e:\n    print(json.dumps({'error': f'{type(e).__name__}: {e}'}))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(GPU), shape, str(v2)], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+def test_vllms_own_dflash_layers_take_the_drafters_as_measured():
+    """0.25.1 raises for the mixed drafter (what the H200 run printed) and builds the all-full one
+    non-causal; 0.26.0 builds the mixed one on the V2 runner: SWA layers causal with the window."""
+    assert _resolve("0.25.1", "mixed")["error"].startswith(
+        "NotImplementedError: DFlash does not yet support mixed sliding/full attention")
+    assert _resolve("0.25.1", "full6") == [[None, False]] * 6
+    assert _resolve("0.26.0", "mixed", True) == [[4096, True]] * 5 + [[None, False]]
+    assert "V2 model runner" in _resolve("0.26.0", "mixed", False)["error"]
+
+
+def test_case_recipe_and_command(tmp_path):
+    import yaml
+
+    from hybrid_build.recipes.schema import load_recipe
+
+    on = agent_steps.gpu_recipe(tmp_path, True, 67712, 32 << 30)
+    off = agent_steps.gpu_recipe(tmp_path, False, 67712, 32 << 30)
+    for path, caching in ((on, True), (off, False)):
+        rec = load_recipe(str(path))  # the product's own schema takes it
+        for name in ("dense", "dflash"):
+            prof = rec.serve.profiles[name]
+            assert prof.enable_prefix_caching is caching and prof.load_format == "dummy"
+            assert prof.max_model_len == 67712 and "--enforce-eager" in prof.extra_args
+            assert prof.speculative.method == "dflash" and prof.tool_call_parser == "qwen3_xml"
+        assert rec.serve.smoke_expect is None
+    assert yaml.safe_load(on.read_text())["name"] == "qwen3.5-122b-a10b"
+    case = agent_steps.Case("dflash", "mixed", True)
+    cmd = agent_steps.serve_command(case, Path("/f"), on, 8200, 540, Path("/o/x.log"))
+    assert cmd[:5] == ["hybrid-build", "serve", "/f/L48-base", "--profile", "dflash"]
+    assert cmd[cmd.index("--drafter") + 1] == "/f/drafter-mixed" and "--no-verify" in cmd and cmd[-1] == "--json"
+
+
+def test_first_error_is_the_exception_line():
+    log = ("INFO 12-03 loading\nTraceback (most recent call last):\n  File \"x.py\", line 3, in f\n"
+           "    raise NotImplementedError(\nNotImplementedError: DFlash does not yet support mixed sliding/full\n"
+           "ERROR 12-03 EngineCore failed to start.\nRuntimeError: Engine core initialization failed.\n")
+    assert agent_steps.first_error(log) == "NotImplementedError: DFlash does not yet support mixed sliding/full"
+    assert agent_steps.first_error("    assert new_spec.page_size_bytes == max_page_size\nAssertionError\n") == \
+        "AssertionError"
+    assert agent_steps.first_error("all fine\n") is None
+
+
+def test_prefixes_never_share_a_block_by_chance():
+    a, b = agent_steps.token_ids(65536, 1), agent_steps.token_ids(65536, 2)
+    assert all(150 <= t < 3950 for t in a) and a[:16] != b[:16]
