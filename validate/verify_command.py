@@ -12,7 +12,7 @@ def register(sub, common) -> None:
     from hybrid_build.core.artifact import REPORTS
     from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag
 
-    from .verify_paths import CACHE_TOKENS, CONCURRENCY, LOGPROB_TOL, PATHS
+    from .verify_options import CACHE_TOKENS, CONCURRENCY, LOGPROB_TOL, PATHS
 
     p = sub.add_parser(
         "verify", parents=[common], formatter_class=ExampleFormatter,

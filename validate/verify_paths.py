@@ -57,12 +57,8 @@ from hybrid_build.core.errors import CannotVerify
 
 from .verify import Position, Served, check_position, check_prompt, exceeds, kl_lumped, p99, prompt_answer
 from .verify_http import Exchange, counter_sum, fetch, http_detail, metrics_url, parse_json, prefix_cache_counts
+from .verify_options import CACHE_GEN, CACHE_TOKENS, CONCURRENCY, LOGPROB_TOL, PATHS  # noqa: F401
 
-PATHS = ("cache", "concurrency", "decode")
-LOGPROB_TOL = 0.25
-CACHE_TOKENS = 4096  # a few KV blocks even where a hybrid model's attention block is ~1k tokens
-CACHE_GEN = 16
-CONCURRENCY = 4  # streams at once by default: the serve profiles' max_num_seqs
 CONCURRENCY_GEN = 16
 DECODE_GEN = 32  # a few drafter rounds at 4-12 speculative tokens
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
