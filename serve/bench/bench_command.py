@@ -68,7 +68,7 @@ def register(sub, common) -> None:
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out source.json     # serving the source\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out hybrid.json     # later, serving the hybrid\n"
                "  hybrid-build bench --compare source.json hybrid.json\n"
-               "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 512,1536 --runs 3   # agents' TTFT, cold and warm\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 512,1536 --runs 3   # agents' TTFT\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 1k --concurrency 4   # per stream")
     p.add_argument("urls", nargs="*", metavar="URL",
                    help="OpenAI base URL (ending in /v1); two URLs: A and B, measured interleaved")
