@@ -19,6 +19,11 @@ if not shutil.which("nvidia-smi"):
 
 import pytest  # noqa: E402
 
+# Builds record when they were made; a fixed epoch (the reproducible-builds convention the provenance
+# honours) keeps two builds of the same input byte-identical across a second's edge. Set at import, so
+# session fixtures built before any function fixture see it too.
+os.environ.setdefault("SOURCE_DATE_EPOCH", "1764547200")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
