@@ -25,7 +25,14 @@ import tempfile
 from pathlib import Path
 
 from hybrid_build.core.checkpoint import Checkpoint
-from hybrid_build.core.safetensors_io import ByteRange, OutTensor, plan_shards, write_index, write_shard
+from hybrid_build.core.safetensors_io import (
+    ByteRange,
+    OutTensor,
+    plan_shards,
+    write_bytes_atomic,
+    write_index,
+    write_shard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +130,6 @@ def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int
     With ``drafter``, its DFlash drafter goes to ``demo_drafter_path(out_dir)`` first, so that a
     complete demo source always has one."""
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     out_dir = Path(out_dir)
@@ -142,7 +148,7 @@ def build_demo_checkpoint(out_dir: str | os.PathLike, seed: int = 0, shards: int
         final = work / "final"
         final.mkdir()
         _reshard(exported, final, shards)
-        save_file(_mtp_tensors(config, seed), final / MTP_FILE, metadata={"format": "pt"})
+        _save(_mtp_tensors(config, seed), final / MTP_FILE)
         cfg = json.loads((final / "config.json").read_text())
         cfg["text_config"]["mtp_num_hidden_layers"] = 1
         (final / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -165,7 +171,6 @@ def build_demo_drafter(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     ``target_layer_ids``, concatenated, down to the hidden size) and ``hidden_norm``; no
     ``embed_tokens`` or ``lm_head``: a DFlash drafter uses the target's."""
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3Model
 
     out_dir = Path(out_dir)
@@ -185,7 +190,7 @@ def build_demo_drafter(out_dir: str | os.PathLike, seed: int = 0) -> Path:
         n_in = h * len(DFLASH_CONFIG["target_layer_ids"])  # the target's hidden size is the drafter's
         state["fc.weight"] = (torch.randn(h, n_in, generator=gen) * n_in ** -0.5).to(torch.bfloat16)
         state["hidden_norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        _save(state, tmp / "model.safetensors")
         with _quiet_libraries("saving the drafter config"):
             config.save_pretrained(tmp)
         cfg = json.loads((tmp / "config.json").read_text())
@@ -199,6 +204,14 @@ def build_demo_drafter(out_dir: str | os.PathLike, seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.debug("demo DFlash drafter at %s", out_dir)
     return out_dir
+
+
+def _save(tensors: dict, path: Path) -> None:
+    """A safetensors file written as every file of this tool is (whole or not at all, the umask's
+    mode; ``safetensors.torch.save_file`` 0.8 leaves its own temporary file's 0600)."""
+    from safetensors.torch import save
+
+    write_bytes_atomic(path, save(tensors, metadata={"format": "pt"}))
 
 
 def _is_dflash_drafter(folder: Path) -> bool:
@@ -234,11 +247,39 @@ def _quiet_libraries(what: str):
             os.environ["TQDM_DISABLE"] = tqdm_env
 
 
+@contextlib.contextmanager
+def _bf16_on_every_cpu():
+    """auto-round computes in bf16 only on a CPU whose CPUID advertises AVX512-BF16; elsewhere it
+    turns ``amp`` off, casts the model to float32 and writes every tensor it keeps unquantized
+    (the shared experts, the head, the norms) as float32. Intel exported in bf16, and torch
+    computes bf16 on every CPU: the demo asks auto-round's CPU device for it, so that the demo is
+    the same checkpoint on every machine."""
+    from auto_round.utils.device_manager import get_ar_device
+
+    cpu = get_ar_device("cpu")
+    before = getattr(cpu, "_bf16_supported", None)
+    cpu._bf16_supported = True  # what CpuInfo().bf16 caches there
+    try:
+        yield
+    finally:
+        cpu._bf16_supported = before
+
+
+def _require_bf16(export_dir: Path) -> None:
+    """Every tensor auto-round left unquantized is BF16, as in Intel's checkpoint (its scales are
+    F16, its packed weights I32): a float32 one means auto-round ran without bf16 after all."""
+    ckpt = Checkpoint.read_folder(export_dir)
+    wide = sorted(t.name for t in ckpt.tensors.values() if t.dtype == "F32")
+    if wide:
+        raise RuntimeError(f"auto-round export: {len(wide)} tensors written as float32 (e.g. {wide[0]}), "
+                           f"not bf16: this auto-round decides its compute dtype in another way")
+
+
 def _export_autoround(model, tokenizer, export_dir: Path) -> Path:
     from auto_round import AutoRound
 
     log.debug("auto-round RTN export (W4A16, group 128, shared experts kept BF16) into %s", export_dir)
-    with _quiet_libraries("auto-round export"):
+    with _quiet_libraries("auto-round export"), _bf16_on_every_cpu():
         # RTN (iters=0) needs no data; the optimised RTN crashes on the full-attention layer's mask
         ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", iters=0, disable_opt_rtn=True,
                        ignore_layers="shared_expert.", device_map="cpu")
@@ -246,6 +287,7 @@ def _export_autoround(model, tokenizer, export_dir: Path) -> Path:
     found = [p.parent for p in export_dir.rglob("config.json")]
     if len(found) != 1:
         raise RuntimeError(f"auto-round export: expected one config.json under {export_dir}, found {found}")
+    _require_bf16(found[0])
     return found[0]
 
 
