@@ -28,10 +28,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ArtifactError, UserError
 from .manifest import sha256_json
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, open_regular
+
+if TYPE_CHECKING:
+    from .provenance import Provenance
 
 META_DIR = "hybrid_build"  # the build's own records, inside the artifact (published)
 WORK_DIR = ".hybrid-build"  # stage manifests and intermediates (never published)
@@ -153,33 +157,21 @@ def build_outputs(artifact: Path) -> list[str]:
     return [rel for rel in present_files(artifact) if is_build_output(rel)]
 
 
-def unexpected_files(artifact: Path, provenance: dict) -> list[str]:
+def unexpected_files(artifact: Path, provenance: Provenance) -> list[str]:
     """Files that are neither listed in ``provenance`` nor the provenance itself nor a known report."""
-    listed = provenance.get("files") or {}
+    listed = provenance.files
     return [rel for rel in present_files(artifact) if is_build_output(rel) and rel not in listed]
 
 
 # ------------------------------------------------------------------------------------ reading
 
 
-def read_provenance(artifact: Path, *, missing_ok: bool = False) -> dict | None:
-    """The artifact's provenance manifest as on disk (a plain dict; ``load_provenance`` gives the
-    typed model), checked against ``core.provenance.Provenance``. A folder that is not there, or
-    holds none, is a user error (exit 2: wrong folder, or a build that has not reached ``record``);
-    with ``missing_ok`` that returns None instead. One that does not parse or fit is an
-    ``ArtifactError``."""
+def read_provenance(artifact: Path, *, missing_ok: bool = False) -> Provenance | None:
+    """The artifact's provenance manifest as the typed model (``core.provenance.Provenance``). A
+    folder that is not there, or holds none, is a user error (exit 2: wrong folder, or a build that
+    has not reached ``record``); with ``missing_ok`` that returns None instead. One that does not
+    parse or fit is an ``ArtifactError``."""
     from .provenance import parse_provenance  # pydantic: here, not at --help
-
-    data = _provenance_json(Path(artifact), missing_ok)
-    if data is not None:
-        parse_provenance(data, Path(artifact) / PROVENANCE)
-    return data
-
-
-def load_provenance(artifact: Path, *, missing_ok: bool = False):
-    """The artifact's provenance as the typed model (``core.provenance.Provenance``); as
-    ``read_provenance`` for a missing or broken one."""
-    from .provenance import parse_provenance
 
     data = _provenance_json(Path(artifact), missing_ok)
     return None if data is None else parse_provenance(data, Path(artifact) / PROVENANCE)
@@ -240,12 +232,11 @@ def artifact_identity(artifact: Path) -> dict:
     return {"name": Path(artifact).resolve().name, "provenance_sha256": provenance_sha256(artifact)}
 
 
-def build_fingerprint(provenance: dict) -> str:
+def build_fingerprint(provenance: Provenance) -> str:
     """The build's identity by content (source fingerprint and every output's sha256), the same on
     two machines that hold the same bytes whatever else their provenance files say."""
-    files = provenance.get("files") or {}
-    return sha256_json({"source": (provenance.get("source") or {}).get("fingerprint"),
-                        "files": {f: i.get("sha256") for f, i in sorted(files.items())}})
+    return sha256_json({"source": provenance.source.get("fingerprint"),
+                        "files": {f: i.sha256 for f, i in sorted(provenance.files.items())}})
 
 
 def report_state(artifact: Path, report: Report) -> tuple[str, str]:

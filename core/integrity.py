@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .artifact import ARTIFACT_DIGESTS, PROVENANCE, read_provenance, unexpected_files
 from .byte_units import human_bytes
@@ -37,6 +38,9 @@ from .manifest import HASH_CHUNK
 from .progress import ProgressFactory, close_bar, null_progress
 from .safetensors_io import special_kind
 from .source_identity import HASH_THREADS, DigestCache, stat_key
+
+if TYPE_CHECKING:
+    from .provenance import FileEntry, Provenance
 
 RACY_NS = 2_000_000_000  # a file whose ctime is this recent when hashed is not cached (see above)
 
@@ -112,7 +116,7 @@ def hash_file(path: Path, expect: os.stat_result) -> str:
         os.close(fd)
 
 
-def check_artifact(artifact: Path, provenance: dict | None = None, progress: ProgressFactory = null_progress,
+def check_artifact(artifact: Path, provenance: Provenance | None = None, progress: ProgressFactory = null_progress,
                    names: list[str] | None = None) -> Integrity:
     """Check ``artifact`` against ``provenance`` (default: its own, which must exist). ``names``
     limits the check to those listed files (no search for extra files): what publish re-checks
@@ -120,9 +124,9 @@ def check_artifact(artifact: Path, provenance: dict | None = None, progress: Pro
     t0 = time.perf_counter()
     artifact = Path(artifact)
     prov = provenance if provenance is not None else read_provenance(artifact)
-    listed: dict[str, dict] = prov.get("files") or {}
+    listed = prov.files
     wanted = sorted(listed) if names is None else sorted(n for n in names if n in listed)
-    result = Integrity(files=len(wanted), bytes=sum(int(listed[n].get("bytes") or 0) for n in wanted))
+    result = Integrity(files=len(wanted), bytes=sum(listed[n].bytes for n in wanted))
     found: dict[str, str] = {}  # name -> its problem
     if names is None:
         for name in unexpected_files(artifact, prov):  # reports written after the build are expected
@@ -142,9 +146,9 @@ def check_artifact(artifact: Path, provenance: dict | None = None, progress: Pro
         kind = special_kind(st)
         if kind:  # never opened: reading a FIFO would wait for a writer
             found[name] = f"{name} is {kind}, not a regular file"
-        elif st.st_size != want.get("bytes"):
-            found[name] = f"{name} has {st.st_size} bytes, {PROVENANCE} records {want.get('bytes')}"
-        elif not want.get("sha256"):
+        elif st.st_size != want.bytes:
+            found[name] = f"{name} has {st.st_size} bytes, {PROVENANCE} records {want.bytes}"
+        elif not want.sha256:
             found[name] = f"{name}: {PROVENANCE} records no sha256 (an old build: rebuild it)"
         else:
             sha = cache.lookup(Path(name), stat_key(st))
@@ -152,8 +156,8 @@ def check_artifact(artifact: Path, provenance: dict | None = None, progress: Pro
                 todo.append((name, st))
             else:
                 result.cached += 1
-                if sha != want["sha256"]:
-                    found[name] = _differs(name, sha, want["sha256"])
+                if sha != want.sha256:
+                    found[name] = _differs(name, sha, want.sha256)
                 else:
                     result.matched += 1
     _hash(artifact, todo, listed, cache, found, result, progress)
@@ -167,7 +171,7 @@ def _differs(name: str, got: str, want: str) -> str:
     return f"{name} has other bytes than {PROVENANCE} records (sha256 {got[:12]}..., recorded {want[:12]}...)"
 
 
-def _hash(artifact: Path, todo: list[tuple[str, os.stat_result]], listed: dict[str, dict], cache: DigestCache,
+def _hash(artifact: Path, todo: list[tuple[str, os.stat_result]], listed: dict[str, FileEntry], cache: DigestCache,
           found: dict[str, str], result: Integrity, progress: ProgressFactory) -> None:
     if not todo:
         return
@@ -198,14 +202,14 @@ def _hash(artifact: Path, todo: list[tuple[str, os.stat_result]], listed: dict[s
             found[name] = problem
             continue
         result.hashed += 1
-        result.hashed_bytes += listed[name]["bytes"]
-        if sha != listed[name]["sha256"]:
-            found[name] = _differs(name, sha, listed[name]["sha256"])
+        result.hashed_bytes += listed[name].bytes
+        if sha != listed[name].sha256:
+            found[name] = _differs(name, sha, listed[name].sha256)
         else:
             result.matched += 1
 
 
-def require_intact(artifact: Path, provenance: dict | None = None, progress: ProgressFactory = null_progress,
+def require_intact(artifact: Path, provenance: Provenance | None = None, progress: ProgressFactory = null_progress,
                    names: list[str] | None = None,
                    hint: str = "rebuild it (`hybrid-build run`), or remove a file added since") -> Integrity:
     """``check_artifact``, raising ``ArtifactError`` (one line naming the first file) unless intact."""

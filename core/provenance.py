@@ -1,7 +1,7 @@
 """The provenance manifest (``META_DIR/provenance.json``): what one build wrote, from what, with
-what tool and recipe, and when. One typed model, written by the ``record`` stage and read here
-for every command (``core.artifact.read_provenance`` is its plain-dict view, for code that hashes
-or compares the JSON as it is on disk).
+what tool and recipe, and when. One typed model, written by the ``record`` stage
+(``Provenance.to_text``) and read for every command through ``core.artifact.read_provenance``, which
+parses it here.
 
 The JSON keeps its keys and their order across versions, so the bytes of a build stay what they
 were; fields a later tool adds are optional here, and keys this version does not know are kept

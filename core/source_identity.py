@@ -29,12 +29,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .artifact import WORK_DIR
 from .errors import SourceMismatch, UserError
 from .manifest import sha256_file, sha256_json
 from .progress import ProgressFactory, close_bar, null_progress
 from .safetensors_io import TMP_SUFFIX, write_text_atomic
+
+if TYPE_CHECKING:
+    from .provenance import Provenance
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +243,9 @@ def record_for(root: Path, hub_id: str | None, revision: str | None, files: dict
     return SourceRecord("local", root.name, None, fingerprint_of(files), files, str(root), in_artifact)
 
 
-def read_record(artifact: Path, provenance: dict | None) -> SourceRecord | None:
+def read_record(artifact: Path, provenance: Provenance | None) -> SourceRecord | None:
     """The source as the artifact records it: provenance's identity plus the local location file."""
-    src = (provenance or {}).get("source") or {}
+    src = provenance.source if provenance is not None else {}
     if not src.get("id"):
         return None
     loc = {}
@@ -288,7 +292,7 @@ def verify_source(record: SourceRecord, root: Path, cache_path: Path | None,
                              f"Pass --source with the checkpoint it was built from, or rebuild the artifact")
 
 
-def open_recorded_source(artifact: Path, provenance: dict | None, given: str | os.PathLike | None = None,
+def open_recorded_source(artifact: Path, provenance: Provenance | None, given: str | os.PathLike | None = None,
                          progress: ProgressFactory = null_progress):
     """The source checkpoint of ``artifact``: ``given`` if set, else the one it records, checked by
     content against the provenance. A source that differs is one error (exit 2), never a report."""

@@ -36,7 +36,7 @@ from hybrid_build.core.artifact import (
 from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
 from hybrid_build.core.integrity import check_artifact, require_intact
 from hybrid_build.core.progress import null_progress
-from hybrid_build.core.provenance import parse_provenance
+from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
 
 from .modelcard import (
@@ -105,7 +105,7 @@ class PublishPlan:
     artifact_id: str  # short hash of provenance.json: names the upload's commits and PR
     license: LicenseInfo
     notes: list[str] = field(default_factory=list)
-    provenance: dict = field(default_factory=dict)
+    provenance: Provenance | None = None
     checked: dict | None = None  # core.integrity's count of what was checked (None: not checked)
 
     @property
@@ -189,10 +189,9 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
     if not (artifact / INDEX_NAME).exists():
         raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
-    prov = read_provenance(artifact)
-    typed = parse_provenance(prov, artifact / PROVENANCE)
+    typed = read_provenance(artifact)
     # every file, its size and its sha256, before anything else: --force never skips this
-    checked = require_intact(artifact, prov, progress) if check_files else None
+    checked = require_intact(artifact, typed, progress) if check_files else None
 
     validation = read_validation(artifact)
     if not validation.passed and not force:
@@ -237,7 +236,7 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
     artifact_id = provenance_sha256(artifact)[:12]
     return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
-                       artifact_id, lic, notes, prov, checked.to_json() if checked else None)
+                       artifact_id, lic, notes, typed, checked.to_json() if checked else None)
 
 
 def write_card(artifact: str | Path) -> Path:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybrid_build.core import __version__
 from hybrid_build.core.artifact import read_provenance
@@ -36,6 +37,9 @@ from hybrid_build.core.errors import ArtifactError, HybridBuildError, StageFaile
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.manifest import StageManifest, describe_outputs, sha256_json
 from hybrid_build.core.progress import ProgressFactory, null_progress
+
+if TYPE_CHECKING:
+    from hybrid_build.core.provenance import Provenance
 
 from .context import BuildContext, output_bytes
 from .stages import STAGES, load_stage
@@ -103,10 +107,10 @@ def artifact_changes(out: Path, manifests: dict[str, StageManifest | None],
     return stage_changes(check_artifact(out, prov, progress).by_file, prov, manifests)
 
 
-def stage_changes(problems: dict[str, str], provenance: dict,
+def stage_changes(problems: dict[str, str], provenance: Provenance,
                   manifests: dict[str, StageManifest | None]) -> dict[str, str]:
     """``artifact_changes`` from the problems ``core.integrity`` found (file -> line)."""
-    listed = provenance.get("files") or {}
+    listed = provenance.files
     changed: dict[str, str] = {}
     for rel, line in problems.items():
         if rel in listed:

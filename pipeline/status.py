@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybrid_build.core import __version__
 from hybrid_build.core.artifact import (
@@ -36,6 +37,9 @@ from hybrid_build.core.errors import HybridBuildError, UserError
 from hybrid_build.core.integrity import Integrity, check_artifact
 from hybrid_build.core.manifest import StageManifest
 from hybrid_build.core.progress import ProgressFactory, null_progress
+
+if TYPE_CHECKING:
+    from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.source_identity import (
     DIGEST_CACHE,
     LOCATION_FILE,
@@ -130,7 +134,7 @@ def _validation(out: Path, built: bool, found: Integrity | None) -> dict:
 # ------------------------------------------------------------------------------------ the source
 
 
-def _recorded_source(out: Path, prov: dict | None) -> SourceRecord | None:
+def _recorded_source(out: Path, prov: Provenance | None) -> SourceRecord | None:
     """The source as the provenance records it, else (a build that has not reached record) as
     the work folder's location file does."""
     record = read_record(out, prov) if prov else None

@@ -23,6 +23,7 @@ from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.formats.base import OutputFormat
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
+from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME
 from hybrid_build.core.tensor_classes import layer_index, split_module
 from hybrid_build.recipes.conversion import ConversionPlan
@@ -158,7 +159,7 @@ class ValidationInputs:
     artifact: Checkpoint
     source: Checkpoint
     recipe: Recipe
-    provenance: dict | None
+    provenance: Provenance | None
     plan: ConversionPlan
     progress: ProgressFactory = null_progress
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -230,7 +231,7 @@ def check_provenance(inp: ValidationInputs, f: Findings) -> None:
     found = check_artifact(inp.artifact.root, prov, inp.progress)
     for line in found.problems:
         f.fail("provenance", line)
-    conv = {c.get("module"): c.get("kind") for c in prov.get("converted") or []}
+    conv = {c.get("module"): c.get("kind") for c in prov.converted}
     for c in inp.plan.conversions:
         if c.kind == "int8" and not inp.head_quantized():
             continue  # a BF16 head is copied, quantized later by the serve plugin

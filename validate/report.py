@@ -41,6 +41,7 @@ from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, HybridBuildError, SourceError, UserError
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.manifest import sha256_json
+from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import TMP_SUFFIX, open_regular
 from hybrid_build.core.source_identity import open_recorded_source
 from hybrid_build.recipes.conversion import plan_conversion
@@ -220,7 +221,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
         # not known yet, so the reference is counted unless this run turns the forward off
         from hybrid_build.core.user_paths import require_free_space
 
-        need = planned_bytes(texts_by_name, len(provenance.get("converted") or []), e2e is not False)
+        need = planned_bytes(texts_by_name, len(provenance.converted), e2e is not False)
         require_free_space(art.root, need, "validate", replaced=written_files(art.root))
     # a source that is not, by content, the one the artifact was built from is an error before
     # any check runs: no report is written, and a passing one is never overwritten
@@ -280,7 +281,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     return report
 
 
-def _write(report: ValidationReport, artifact: Path, provenance: dict, reference) -> None:
+def _write(report: ValidationReport, artifact: Path, provenance: Provenance, reference) -> None:
     """Write ``report`` (and, with a passing report of the bundled texts, ``reference``) where it
     belongs (the module's docstring); sets ``written``, ``kept`` and ``where``."""
     if report.texts is not None:  # the user's experiment: its own name, nothing else touched
@@ -302,7 +303,7 @@ def _write(report: ValidationReport, artifact: Path, provenance: dict, reference
     report.where = artifact / VALIDATION.named(".md")
 
 
-def _promote_passing(report: ValidationReport, artifact: Path, provenance: dict, reference) -> None:
+def _promote_passing(report: ValidationReport, artifact: Path, provenance: Provenance, reference) -> None:
     """A passing run: unless a stronger report of the build stays, its report and reference are
     staged under temporary names and become current only if the artifact's files still match the
     provenance now; otherwise the staged files are dropped and the run fails, naming the file."""

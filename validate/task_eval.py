@@ -706,7 +706,7 @@ def evaluate_artifact(artifact: Path, source: str | None, settings: EvalSettings
     artifact = Path(artifact)
     prov = read_provenance(artifact)
     src = open_recorded_source(artifact, prov, source, progress)
-    modules = [c["module"] for c in prov.get("converted") or [] if c.get("module")]
+    modules = [c["module"] for c in prov.converted if c.get("module")]
     if not modules:
         raise ArtifactError(f"{artifact}: the provenance lists no converted module: nothing differs from the source")
     say("loading lm-eval's task index")
@@ -716,7 +716,7 @@ def evaluate_artifact(artifact: Path, source: str | None, settings: EvalSettings
     raw = evaluate_hf(src.root, artifact.resolve(), modules, settings, progress, announce=announce)
     models = {"source": {"name": src.source_id or src.root.name, "backend": "hf", "device": settings.device},
               "hybrid": {"name": artifact.resolve().name, "backend": "hf", "device": settings.device,
-                         "format": prov.get("format"), "modules_replaced": raw.get("modules_replaced")}}
+                         "format": prov.format, "modules_replaced": raw.get("modules_replaced")}}
     report = build_report(raw, settings, models, artifact_identity(artifact), [HF_NOTE], time.perf_counter() - t0)
     return report, raw
 

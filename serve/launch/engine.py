@@ -22,6 +22,7 @@ from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIXES, UnknownFixError
 from .served_key import SERVER_ENV, ApiKey, is_loopback
 
 if TYPE_CHECKING:
+    from hybrid_build.core.provenance import Provenance
     from hybrid_build.recipes.profiles import ServeProfile
     from hybrid_build.recipes.schema import Recipe
 
@@ -150,6 +151,14 @@ def _speculative(profile: ServeProfile, drafter: str | None) -> dict | None:
     return out
 
 
+def _provenance(artifact: str, hybrid: dict) -> Provenance:
+    """The artifact's provenance; for a folder that has none (a build not yet recorded), the source
+    its config records."""
+    from hybrid_build.core.provenance import Provenance
+
+    return read_provenance(Path(artifact), missing_ok=True) or Provenance(source=hybrid.get("source") or {})
+
+
 def _local_source(artifact: str, config: dict | None, source: str | None) -> Path | None:
     """The local folder of the source checkpoint: ``--source``, else the one the artifact records
     (the demo's inside the artifact, else its recorded absolute path), else the artifact itself when
@@ -164,7 +173,7 @@ def _local_source(artifact: str, config: dict | None, source: str | None) -> Pat
         return None
     from hybrid_build.core.source_identity import read_record
 
-    provenance = read_provenance(Path(artifact), missing_ok=True) or {"source": hybrid.get("source")}
+    provenance = _provenance(artifact, hybrid)
     record = read_record(Path(artifact), provenance)
     if record is None or record.kind == "hub":
         return None
@@ -235,7 +244,7 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
         return source or artifact, None  # the source checkpoint itself
     from hybrid_build.core.source_identity import open_recorded_source, read_record
 
-    provenance = read_provenance(Path(artifact), missing_ok=True) or {"source": hybrid.get("source")}
+    provenance = _provenance(artifact, hybrid)
     record = read_record(Path(artifact), provenance)
     if source is None and record is not None and record.kind == "hub":
         return record.id, record.revision  # a commit pins the bytes; vLLM fetches it if needed

@@ -10,7 +10,14 @@ import shutil
 
 import pytest
 
-from hybrid_build.core.artifact import PROVENANCE, REPORTS, is_build_output, is_report, unexpected_files
+from hybrid_build.core.artifact import (
+    PROVENANCE,
+    REPORTS,
+    is_build_output,
+    is_report,
+    read_provenance,
+    unexpected_files,
+)
 from hybrid_build.core.safetensors_io import TMP_SUFFIX
 from hybrid_build.pipeline.cli import main
 
@@ -68,7 +75,7 @@ def test_eval_then_validate_then_publish_dry_run(artifact, capsys):
 def test_an_unknown_file_still_fails_validate_and_publish(artifact, capsys):
     (artifact / "notes.txt").write_text("added after the build\n")
     (artifact / "hybrid_build" / "extra.json").write_text("{}\n")
-    assert unexpected_files(artifact, json.loads((artifact / PROVENANCE).read_text())) == \
+    assert unexpected_files(artifact, read_provenance(artifact)) == \
         ["hybrid_build/extra.json", "notes.txt"]
     assert main(["validate", str(artifact), "--json", "-q"]) == 1
     failures = json.loads(capsys.readouterr().out)["failures"]

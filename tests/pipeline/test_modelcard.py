@@ -504,11 +504,11 @@ def test_the_folders_card_is_what_publish_uploads(artifact, hub, no_sleep, monke
 def test_the_provenance_is_one_typed_model_written_as_it_reads(artifact):
     """The record stage writes the model's text: reading the file into ``Provenance`` and writing it
     again gives the same bytes; the build's time is on the card as the provenance records it."""
-    from hybrid_build.core.artifact import load_provenance
+    from hybrid_build.core.artifact import read_provenance
     from hybrid_build.core.provenance import Provenance
 
     path = artifact / "hybrid_build" / "provenance.json"
-    prov = load_provenance(artifact)
+    prov = read_provenance(artifact)
     assert isinstance(prov, Provenance) and prov.to_text() == path.read_text()
     assert time.strptime(prov.created, "%Y-%m-%dT%H:%M:%SZ")
     assert prov.files and all(f.sha256 for f in prov.files.values())
