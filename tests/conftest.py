@@ -2,11 +2,13 @@
 
 The tiny checkpoint is built by ``hybrid_build.pipeline.generators.demo`` (transformers + auto-round) once
 per machine and cached under ``$HYBRID_BUILD_TEST_CACHE`` (default ``~/.cache/hybrid-build/tests``)
-keyed by the builder's source hash, so a changed builder rebuilds it. Tests must not modify it:
+keyed by the builder's source hash, so a changed builder rebuilds it (one worker builds it while
+the others wait, when the suite runs in parallel). Tests must not modify it:
 copy it (``tiny_copy``) to plant defects.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -51,9 +53,13 @@ def tiny_checkpoint() -> Path:
     from hybrid_build.pipeline.generators.demo import build_demo_checkpoint
 
     target = _cache_root() / f"tiny-{_builder_key()}"
-    if not (target / "model.safetensors.index.json").exists():
-        shutil.rmtree(target, ignore_errors=True)
-        build_demo_checkpoint(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # the suite's workers (pytest -n) share the cache: one builds, the others wait for it
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "model.safetensors.index.json").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            build_demo_checkpoint(target)
     return target
 
 

@@ -58,22 +58,27 @@ def test_drafters_have_the_real_shape(tmp_path):
         assert list(p.iterdir()) == [p / "config.json"]
 
 
-def _resolve(version: str, shape: str, v2: bool | None = None) -> dict:
-    """vLLM's own ``_resolve_layer_attention`` for each drafter layer. ``v2``: the engine's
-    ``use_v2_model_runner`` (0.26+ read it from the current config, which needs a GPU platform to
-    build here; the engine's own choice is checked on its source in test_engine_check)."""
+def _resolve(version: str, cases: list[tuple[str, bool | None]]) -> list:
+    """vLLM's own ``_resolve_layer_attention`` for each drafter layer, per case ``(shape, v2)``, in
+    one process (vLLM's import is most of its time). ``v2``: the engine's ``use_v2_model_runner``
+    (0.26+ read it from the current config, which needs a GPU platform to build here; the engine's
+    own choice is checked on its source in test_engine_check). A case that raises gives
+    ``{"error": "Type: message"}``."""
     pp = vllm_sources.cpu_pythonpath(version)
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
     code = ("import json, sys, types; sys.path.insert(0, sys.argv[1]); import agent_steps\n"
             "from transformers import Qwen3Config\n"
             "from vllm.model_executor.models import qwen3_dflash as q\n"
-            "if sys.argv[3] != 'None':\n"
-            "    q.get_current_vllm_config = lambda: types.SimpleNamespace(use_v2_model_runner=sys.argv[3] == 'True')\n"
-            "cfg = Qwen3Config(**agent_steps.drafter_config(sys.argv[2]))\n"
-            "try:\n    print(json.dumps([q._resolve_layer_attention(cfg, i) for i in range(6)]))\n"
-            "except Exception as e:\n    print(json.dumps({'error': f'{type(e).__name__}: {e}'}))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(GPU), shape, str(v2)], capture_output=True, text=True,
+            "out = []\n"
+            "for shape, v2 in json.loads(sys.argv[2]):\n"
+            "    if v2 is not None:\n"
+            "        q.get_current_vllm_config = lambda v2=v2: types.SimpleNamespace(use_v2_model_runner=v2)\n"
+            "    cfg = Qwen3Config(**agent_steps.drafter_config(shape))\n"
+            "    try:\n        out.append([q._resolve_layer_attention(cfg, i) for i in range(6)])\n"
+            "    except Exception as e:\n        out.append({'error': f'{type(e).__name__}: {e}'})\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(GPU), json.dumps(cases)], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR"))
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -83,11 +88,12 @@ def _resolve(version: str, shape: str, v2: bool | None = None) -> dict:
 def test_vllms_own_dflash_layers_take_the_drafters_as_measured():
     """0.25.1 raises for the mixed drafter (what the H200 run printed) and builds the all-full one
     non-causal; 0.26.0 builds the mixed one on the V2 runner: SWA layers causal with the window."""
-    assert _resolve("0.25.1", "mixed")["error"].startswith(
-        "NotImplementedError: DFlash does not yet support mixed sliding/full attention")
-    assert _resolve("0.25.1", "full6") == [[None, False]] * 6
-    assert _resolve("0.26.0", "mixed", True) == [[4096, True]] * 5 + [[None, False]]
-    assert "V2 model runner" in _resolve("0.26.0", "mixed", False)["error"]
+    mixed, full6 = _resolve("0.25.1", [("mixed", None), ("full6", None)])
+    assert mixed["error"].startswith("NotImplementedError: DFlash does not yet support mixed sliding/full attention")
+    assert full6 == [[None, False]] * 6
+    on_v2, on_v1 = _resolve("0.26.0", [("mixed", True), ("mixed", False)])
+    assert on_v2 == [[4096, True]] * 5 + [[None, False]]
+    assert "V2 model runner" in on_v1["error"]
 
 
 def test_case_recipe_and_command(tmp_path):
