@@ -264,6 +264,7 @@ def test_readme_test_command_is_what_ci_runs():
     block = re.search(r"Run the tests.*?```bash\n(.*?)\n```", readme, re.S)
     assert block, "README has no test command"
     steps = [s.strip() for s in block.group(1).split("&&")]
-    assert steps == [". .venv/bin/activate", "bash .ci/vllm_sources.sh", "python -m pytest -q"]
+    pytest_line = "python -m pytest -q -n auto --dist loadfile"
+    assert steps == [". .venv/bin/activate", "bash .ci/vllm_sources.sh", pytest_line]
     ci = [ln.strip() for ln in (root / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    assert ci.index("bash .ci/vllm_sources.sh") < ci.index("python -m pytest -q")
+    assert ci.index("bash .ci/vllm_sources.sh") < ci.index(pytest_line)
