@@ -16,7 +16,7 @@ def _digests(folder: Path) -> dict[str, str]:
 def test_a_cpu_without_bf16_builds_the_same_demo(tiny_checkpoint, tmp_path, monkeypatch):
     from auto_round.utils.device_manager import get_ar_device
 
-    from hybrid_build.pipeline.generators.demo import build_demo_checkpoint
+    from hybrid_build.pipeline.generators.demo import MTP_FILE, build_demo_checkpoint
 
     cpu = get_ar_device("cpu")
     monkeypatch.setattr(cpu, "_bf16_supported", False, raising=False)  # what CPUID says on such a CPU
@@ -25,5 +25,5 @@ def test_a_cpu_without_bf16_builds_the_same_demo(tiny_checkpoint, tmp_path, monk
     dtypes = {t.dtype for t in Checkpoint.read_folder(built).tensors.values()}
     assert "F32" not in dtypes and "BF16" in dtypes
     assert _digests(built) == _digests(tiny_checkpoint)
-    assert (built / "model_extra_tensors.safetensors").stat().st_mode & 0o777 == \
+    assert (built / MTP_FILE).stat().st_mode & 0o777 == \
         (built / "config.json").stat().st_mode & 0o777
