@@ -126,11 +126,13 @@ def gpu_recipe(out: Path, caching: bool, max_model_len: int, kv_bytes: int) -> P
 
     rec = yaml.safe_load(load_recipe("qwen3.5-122b-a10b").to_yaml())
     for prof in rec["serve"]["profiles"].values():
-        prof.update(load_format="dummy", gpu_memory_utilization=0.9, max_model_len=max_model_len,
-                    enable_prefix_caching=caching)
+        # kv_bytes 0: the profile's own gpu_memory_utilization sizes the pool (what `plan` predicts)
+        prof.update(load_format="dummy", max_model_len=max_model_len, enable_prefix_caching=caching)
         prof["extra_args"] = list(prof.get("extra_args") or []) + [
-            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0}),
-            "--kv-cache-memory-bytes", str(kv_bytes)]
+            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+        if kv_bytes:
+            prof["gpu_memory_utilization"] = 0.9
+            prof["extra_args"] += ["--kv-cache-memory-bytes", str(kv_bytes)]
     rec["serve"]["smoke_expect"] = None
     path = out / f"agent-recipe-{'on' if caching else 'off'}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))

@@ -1007,6 +1007,9 @@ def build_parser():
     ap.add_argument("--contexts", type=agent_steps.parse_contexts, default="8192,32768,65536",
                     help="ttft: prefix lengths in tokens")
     ap.add_argument("--ttft-runs", type=int, default=3, help="ttft: cold/warm pairs per context (median)")
+    ap.add_argument("--agent-kv-bytes", type=int, default=32 << 30,
+                    help="starts: the KV cache's bytes (--kv-cache-memory-bytes); 0: the profile's "
+                         "gpu_memory_utilization sizes it, the pool `plan` predicts")
     return ap
 
 
@@ -1155,7 +1158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     agent = [s for s in steps if s in ("starts", "ttft", "tools")]
     if agent:  # each case served by hybrid-build serve at full depth (agent_steps.py)
-        agent_steps.run(agent, record, a.out, a.floor, a.work, a.agent_cases, a.contexts, a.ttft_runs, left)
+        agent_steps.run(agent, record, a.out, a.floor, a.work, a.agent_cases, a.contexts, a.ttft_runs, left,
+                        a.agent_kv_bytes)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0
