@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from hybrid_build.core.errors import ExternalToolError, UserError
-from hybrid_build.validate.verify_http import PREFIX_HITS, PREFIX_QUERIES, counter_sum
+from hybrid_build.validate.verify.verify_http import PREFIX_HITS, PREFIX_QUERIES, counter_sum
 
 from .bench import _open, _request, _stats, first_model, metrics_url
 

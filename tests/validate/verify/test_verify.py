@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.validate.verify import (
+from hybrid_build.validate.verify.verify import (
     LOGPROB_SLACK,
     check_position,
     exceeds,
@@ -29,7 +29,7 @@ from hybrid_build.validate.verify import (
     request_body,
 )
 
-STANDIN = Path(__file__).resolve().parents[1] / "serve" / "standin_server.py"
+STANDIN = Path(__file__).resolve().parents[2] / "serve" / "standin_server.py"
 
 
 # ------------------------------------------------------------------------------------ the estimate
@@ -402,7 +402,7 @@ def test_the_deadline_holds_while_the_headers_trickle():
     """A server that never finishes its header lines (one byte every 20 ms): the watchdog ends the
     read inside http.client at the deadline. The server thread stops on an event the test sets."""
     from hybrid_build.core.errors import CannotVerify
-    from hybrid_build.validate.verify_http import fetch
+    from hybrid_build.validate.verify.verify_http import fetch
 
     stop, listener = threading.Event(), socket.socket()
     listener.bind(("127.0.0.1", 0))

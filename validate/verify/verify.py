@@ -484,7 +484,7 @@ def could_not_run_json(message: str, exit_code: int, url: str | None = None) -> 
 
 def load_reference(artifact: Path):
     """The artifact's current reference, or ``CannotVerify`` saying why there is none."""
-    from .reference import read_reference
+    from ..reference import read_reference
 
     try:
         return read_reference(Path(artifact))
