@@ -84,6 +84,13 @@ def check_url(url: str) -> str:
     return url
 
 
+def server_of(url: str) -> str:
+    """The server a request URL belongs to, as users give it: up to ``/v1`` where the path has it."""
+    parts = urlsplit(url)
+    path = parts.path[:parts.path.index("/v1") + 3] if "/v1" in parts.path else ""
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
 def metrics_url(base_url: str) -> str:
     """vLLM serves ``/metrics`` at the server root, beside ``/v1``."""
     parts = urlsplit(base_url.rstrip("/"))
@@ -378,7 +385,7 @@ class _Base:
             return RedirectRefused(f"{url} answered HTTP {r.status_code}, a redirect{to}: not followed (the request "
                                    "and its API key go only to the URL given); give the server's own URL")
         if r.status_code in REFUSED:
-            return refused(url, r.status_code, bool(self.api_key), self.hint)
+            return refused(server_of(url), r.status_code, bool(self.api_key), self.hint)
         text = detail.decode("utf-8", "replace")
         if _looks_html(detail, r.headers.get("content-type", "")):
             text = "an HTML page"
