@@ -249,8 +249,8 @@ def _f(v, fmt="{:.1f}", scale=1.0) -> str:
 
 
 def _row(label: str, s: dict, width: int) -> str:
-    hit = s["prefix_cache"].get("counter_hit_rate", s["prefix_cache"]["usage_hit_rate"]) \
-        if label == "all" else s["prefix_cache"]["usage_hit_rate"]
+    pc = s["prefix_cache"]
+    hit = pc["usage_hit_rate"] if pc.get("counter_hit_rate") is None else pc["counter_hit_rate"]
     tc = s["tool_calls"]
     valid = f"{tc['valid']}/{tc['answered_with_calls']}" if tc["answered_with_calls"] else "-"
     good = s.get("goodput")
@@ -292,8 +292,9 @@ def table(report: dict) -> str:
         + f" over {acc['drafts']:.0f} drafts (vLLM's counters, server-wide)" if acc
         else "acceptance: no speculative-decoding counters on /metrics")
     tc = o["tool_calls"]
-    lines.append(f"tool calls: {tc['answered_with_calls']} answers carried calls ({tc['recorded_call_answered_with_call']}"
-                 f" of the {tc['recorded_call_turns']} turns recorded as calls); {tc['valid']} valid, "
+    lines.append(f"tool calls: {tc['answered_with_calls']} answers carried calls "
+                 f"({tc['recorded_call_answered_with_call']} of the {tc['recorded_call_turns']} turns recorded as "
+                 f"calls); {tc['valid']} valid, "
                  f"{tc['unparsed']} unparsed, {tc['not_offered']} naming a tool not offered, {tc['args_not_json']} "
                  f"with arguments not a JSON object")
     if o.get("goodput"):

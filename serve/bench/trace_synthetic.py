@@ -2,13 +2,13 @@
 
 Each conversation is what an agent's session looks like to the server: a system prompt and tool
 definitions shared by every conversation (the agent's), a task from the user, then assistant turns
-of which a share ``tool_share`` are tool calls (exactly, over all conversations) (the public recipe's real traces: 73%), each call
-answered by a tool result, the others text answers followed by the user's next message. The
-context grows from about ``start`` tokens (system prompt, tools, task) to about ``end`` at the
-last turn: the tool results and user messages carry the growth, spread over the turns with
-random weights. Assistant turns are ``call_tokens`` (a call's JSON) or ``answer_tokens`` long
-(uniform between the two bounds). Words are drawn from a list of common short English words, one
-token each for most tokenizers (the report's prompt tokens are the server's count). Everything
+of which a share ``tool_share`` are tool calls (exactly, over all conversations; the public recipe's
+real traces: 73%), each call answered by a tool result, the others text answers followed by the
+user's next message. The context grows from about ``start`` tokens (system prompt, tools, task) to
+about ``end`` at the last turn: the tool results and user messages carry the growth, spread over the
+turns with random weights. Assistant turns are ``call_tokens`` (a call's JSON) or ``answer_tokens``
+long (uniform between the two bounds). Words are drawn from a list of common short English words,
+one token each for most tokenizers (the report's prompt tokens are the server's count). Everything
 comes from ``random.Random(seed)``: the same seed and parameters give the same bytes.
 
 Parameters are given after the name: ``agent-synthetic:conversations=4,turns=12,end=20000``.
