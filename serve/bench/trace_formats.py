@@ -307,7 +307,7 @@ def _read_hermes(path: Path, con: sqlite3.Connection) -> Trace:
                 try:
                     m["tool_calls"] = json.loads(calls)
                 except (json.JSONDecodeError, TypeError):
-                    raise where.fail("tool_calls", "not JSON")
+                    raise where.fail("messages.tool_calls", "not JSON")
             if call_id is not None:
                 m["tool_call_id"] = call_id
             messages.append(check_message(where, len(messages), m, label="messages"))
