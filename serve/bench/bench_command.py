@@ -73,7 +73,8 @@ def register(sub, common) -> None:
                "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 1k --concurrency 4   # per stream\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --trace chats.jsonl --concurrency 4   # yours\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --trace ~/.hermes/state.db --conversations 10\n"
-               "  hybrid-build bench http://127.0.0.1:8000/v1 --trace agent-synthetic --slo ttft=2,tpot=50ms\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --trace agent-synthetic --max-turns 8 "
+               "--slo ttft=2,tpot=50ms\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --trace agent-synthetic --duration 600 --out soak.json")
     p.add_argument("urls", nargs="*", metavar="URL",
                    help="OpenAI base URL (ending in /v1); two URLs: A and B, measured interleaved")

@@ -172,13 +172,17 @@ def draw(r: dict, png: Path) -> Path | None:
     ws = r["windows"]
     x = [w["start_s"] / 60 for w in ws]
     fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
-    series = (("TTFT p95 (ms)", [None if w["ttft_p95_s"] is None else w["ttft_p95_s"] * 1000 for w in ws]),
-              ("prefix-cache hit rate", [w["hit_rate"] for w in ws]),
-              ("acceptance length", [w["acceptance_length"] for w in ws]),
-              ("failed requests", [sum(w["errors"].values()) for w in ws]))
-    for ax, (label, ys) in zip(axes, series):
+    acc = [w["acceptance_length"] for w in ws]
+    # (label, values, y range): rates on their whole scale, so that noise does not look like a trend
+    series = (("TTFT p95 (ms)", [None if w["ttft_p95_s"] is None else w["ttft_p95_s"] * 1000 for w in ws], (0, None)),
+              ("prefix-cache hit rate", [w["hit_rate"] for w in ws], (0, 1.05)),
+              ("acceptance length", acc, (1, max([a for a in acc if a is not None], default=1) + 0.5)),
+              ("failed requests", [sum(w["errors"].values()) for w in ws], (0, None)))
+    for ax, (label, ys, (lo, hi)) in zip(axes, series):
         ax.plot(x, [float("nan") if y is None else y for y in ys], marker="o")
         ax.set_ylabel(label, fontsize=8)
+        ax.set_ylim(bottom=lo, top=hi)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
         for w in ws:
             if w["restarted"] or w["server_gone"]:
                 ax.axvline(w["start_s"] / 60, color="red", alpha=0.3)
