@@ -115,6 +115,9 @@ def register(sub, common) -> None:
     t.add_argument("--max-turns", type=POSITIVE_INT, metavar="N", help="regenerate at most N assistant turns of each")
     t.add_argument("--seed", type=int, default=0, help="the sample of conversations, the synthetic trace and the "
                                                         "request seed (default 0)")
+    t.add_argument("--no-tools", action="store_true",
+                   help="send no tool definitions (a server without a tool-call parser refuses requests with tools; "
+                        "tool-call validity then measures nothing)")
     t.add_argument("--slo", metavar="ttft=S,tpot=S", help="goodput: the share of turns within these (s, or ms)")
     t.add_argument("--duration", type=SECONDS, metavar="S",
                    help="soak: loop the trace for S seconds and report per window; exit 1 on any failed request")
@@ -192,7 +195,7 @@ def _trace(args: argparse.Namespace) -> int:
     opts = ReplayOptions(concurrency=args.concurrency, conversations=args.conversations, max_turns=args.max_turns,
                          max_tokens=args.max_tokens, feed_back=args.feed_back, seed=args.seed,
                          thinking=args.thinking, timeout=args.timeout, duration=args.duration, window=args.window,
-                         slo=parse_slo(args.slo) if args.slo else None)
+                         slo=parse_slo(args.slo) if args.slo else None, tools=not args.no_tools)
     api_key = client_key(args.api_key)
     with progress(args.quiet, unit="turn", desc="bench --trace", leave=False) as bar:
         on_turn = lambda *_: bar.update(1)  # noqa: E731

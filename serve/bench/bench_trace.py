@@ -65,6 +65,7 @@ class ReplayOptions:
     window: float = 60.0
     slo: Slo | None = None
     salt: str = "hb"                   # the passes' cache_salt prefix
+    tools: bool = True                 # send the conversations' tool definitions
 
 
 def select(trace: Trace, n: int | None, seed: int) -> list[Conversation]:
@@ -89,7 +90,7 @@ def request_body(model: str, conv: Conversation, history: list[dict], opts: Repl
     body: dict = {"model": model, "messages": history, "max_tokens": opts.max_tokens, "temperature": 0,
                   "seed": opts.seed, "stream": True, "cache_salt": salt,
                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    tools = tools_to_send(conv)
+    tools = tools_to_send(conv) if opts.tools else []
     if tools:
         body["tools"] = tools
     if not opts.thinking:
