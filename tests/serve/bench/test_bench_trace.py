@@ -401,6 +401,21 @@ def test_invalid_tool_calls_are_counted(standin, traces, tmp_path, capsys, fault
     assert calls > 0 and tc["answered_with_calls"] == tc[key] == calls and tc["valid"] == 0
 
 
+def test_no_tools_sends_no_tool_definitions(standin, traces, tmp_path, capsys):
+    rec = tmp_path / "rec.jsonl"
+    url = standin("--tokens", "4", "--record", str(rec), "--first-delay", "0", "--token-delay", "0")
+    for flags, with_tools in (([], True), (["--no-tools"], False)):
+        rec.unlink(missing_ok=True)
+        assert main(["bench", url, "--trace", str(traces["hermes"]), "--max-turns", "2", "--json", "-q", *flags]) == 0
+        tc = json.loads(capsys.readouterr().out)["overall"]["tool_calls"]
+        sent = _recorded(rec)
+        assert len(sent) == 6 and all(("tools" in r["request"]) == with_tools for r in sent)
+        # a state.db keeps only the names: sent as definitions without parameters
+        assert not with_tools or {t["function"]["name"] for t in sent[0]["request"]["tools"]} == {"terminal",
+                                                                                                   "read_file"}
+        assert (tc["answered_with_calls"] > 0) == with_tools
+
+
 def test_ab_with_a_trace_interleaves_two_servers(standin, traces, capsys):
     a = standin("--tokens", "6", "--first-delay", "0", "--token-delay", "0")
     b = standin("--tokens", "6", "--first-delay", "0", "--token-delay", "0")
