@@ -13,6 +13,7 @@ API::
     async with AsyncHttpClient(...) as c:    # the same methods, awaited; ``stream_events`` is an
         ...                                   # async iterator: many conversations on one event loop
 
+    shared_client(api_key, timeout) -> HttpClient   # one pooled client per key for the process
     parse_json(url, body) / parse_metrics(url, text) / metrics_url(base) / check_url(url) / one_line(x)
     Metrics.counter(name) -> float | None     # a counter summed over its label sets
     Metrics.samples(name) -> [(labels, value)]
@@ -51,7 +52,8 @@ import codecs
 import json
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from functools import lru_cache
+from typing import AsyncIterator, Callable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import httpcore
@@ -80,6 +82,13 @@ def check_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError(f"{url}: not an http(s) URL")
     return url
+
+
+def server_of(url: str) -> str:
+    """The server a request URL belongs to, as users give it: up to ``/v1`` where the path has it."""
+    parts = urlsplit(url)
+    path = parts.path[:parts.path.index("/v1") + 3] if "/v1" in parts.path else ""
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 def metrics_url(base_url: str) -> str:
@@ -136,12 +145,15 @@ class _Stream(httpcore.NetworkStream):
 
 
 class _Backend(httpcore.NetworkBackend):
-    def __init__(self):
-        self._b = httpcore.SyncBackend()
+    def __init__(self, connected: Callable[[], None] | None = None):
+        self._b, self._connected = httpcore.SyncBackend(), connected
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return _Stream(self._b.connect_tcp(host, port, _left(timeout, httpcore.ConnectTimeout), local_address,
-                                           socket_options))
+        stream = _Stream(self._b.connect_tcp(host, port, _left(timeout, httpcore.ConnectTimeout), local_address,
+                                             socket_options))
+        if self._connected is not None:
+            self._connected()
+        return stream
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):
         return _Stream(self._b.connect_unix_socket(path, _left(timeout, httpcore.ConnectTimeout), socket_options))
@@ -195,9 +207,9 @@ def _pool_args(connections: int) -> dict:
 class _Transport(httpx.HTTPTransport):
     """httpx's transport over the deadline-keeping streams (its pool, ``_pool``, built with them)."""
 
-    def __init__(self, connections: int):
+    def __init__(self, connections: int, connected: Callable[[], None] | None = None):
         super().__init__(trust_env=False)
-        self._pool = httpcore.ConnectionPool(**_pool_args(connections), network_backend=_Backend())
+        self._pool = httpcore.ConnectionPool(**_pool_args(connections), network_backend=_Backend(connected))
 
 
 class _AsyncTransport(httpx.AsyncHTTPTransport):
@@ -292,12 +304,13 @@ def parse_metrics(url: str, body: bytes, content_type: str = "") -> Metrics:
 # ------------------------------------------------------------------------------------ SSE
 
 class _Events:
-    """Server-sent events from byte chunks (the WHATWG rules the OpenAI streams use: lines end in
-    CR, LF or CRLF; ``data:`` lines join with LF; a blank line ends an event; ``:`` is a comment).
-    Yields each event's data; the caller's byte cap bounds the buffer."""
+    """Server-sent events from byte chunks: lines end in CR, LF or CRLF, ``:`` starts a comment, and
+    each ``data:`` line is one event's payload, as OpenAI-compatible servers (vLLM, SGLang, OpenAI)
+    send them (one JSON object a line; some omit the blank line between the last two). The
+    caller's byte cap bounds the buffer."""
 
     def __init__(self, url: str):
-        self.url, self.buf, self.data = url, "", []
+        self.url, self.buf = url, ""
         self.utf8 = codecs.getincrementaldecoder("utf-8")("strict")
 
     def feed(self, chunk: bytes, final: bool = False) -> list[str]:
@@ -309,17 +322,9 @@ class _Events:
         self.buf = "" if final else lines.pop()
         out = []
         for line in lines:
-            if not line:
-                if self.data:
-                    out.append("\n".join(self.data))
-                    self.data = []
-                continue
             name, _, value = line.partition(":")
             if name == "data":
-                self.data.append(value[1:] if value.startswith(" ") else value)
-        if final and self.data:
-            out.append("\n".join(self.data))
-            self.data = []
+                out.append(value[1:] if value.startswith(" ") else value)
         return out
 
 
@@ -380,7 +385,7 @@ class _Base:
             return RedirectRefused(f"{url} answered HTTP {r.status_code}, a redirect{to}: not followed (the request "
                                    "and its API key go only to the URL given); give the server's own URL")
         if r.status_code in REFUSED:
-            return refused(url, r.status_code, bool(self.api_key), self.hint)
+            return refused(server_of(url), r.status_code, bool(self.api_key), self.hint)
         text = detail.decode("utf-8", "replace")
         if _looks_html(detail, r.headers.get("content-type", "")):
             text = "an HTML page"
@@ -403,12 +408,14 @@ class _Base:
 
 class HttpClient(_Base):
     """A pooled, synchronous client (module docstring): one per server and command; thread-safe, so
-    streams at once may share it (``connections`` of them)."""
+    streams at once may share it (``connections`` of them). ``connected``, where given, is called on
+    the thread of each new connection once it is open and before a byte is sent: requests meant to
+    arrive together wait there (a barrier) until every one is connected."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, connected: Callable[[], None] | None = None, **kw):
         super().__init__(*args, **kw)
-        self._client = httpx.Client(transport=TRANSPORT or _Transport(self.connections), follow_redirects=False,
-                                    trust_env=False)
+        self._client = httpx.Client(transport=TRANSPORT or _Transport(self.connections, connected),
+                                    follow_redirects=False, trust_env=False)
 
     def __enter__(self) -> "HttpClient":
         return self
@@ -516,6 +523,17 @@ class HttpClient(_Base):
             raise self._failed(url, e, t) from None
         finally:
             r.close()
+
+
+@lru_cache(maxsize=16)
+def _shared(api_key: str | None, timeout: float, connections: int, transport) -> HttpClient:
+    return HttpClient(api_key=api_key, timeout=timeout, connections=connections)
+
+
+def shared_client(api_key: str | None = None, timeout: float = 120.0, connections: int = CONNECTIONS) -> HttpClient:
+    """One pooled client per key, deadline and pool size for the whole process (a command's
+    requests reuse its connections), made again when a test sets another ``TRANSPORT``."""
+    return _shared(api_key, timeout, connections, TRANSPORT)
 
 
 class AsyncHttpClient(_Base):

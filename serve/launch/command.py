@@ -273,8 +273,8 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     goes on. Returns what ``--json`` reports under ``verify``."""
     from hybrid_build.core.errors import CannotVerify, NumericsError
     from hybrid_build.core.redaction import redact
-    from hybrid_build.validate.verify import load_reference, render, verify_server
-    from hybrid_build.validate.verify_paths import PathOptions, checker
+    from hybrid_build.validate.verify.verify import load_reference, render, verify_server
+    from hybrid_build.validate.verify.verify_paths import PathOptions, checker
 
     from .launcher import plan_key
 
