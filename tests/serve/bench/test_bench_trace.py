@@ -516,3 +516,27 @@ def test_the_soak_exits_1_on_a_failed_request(standin, traces, tmp_path, capsys)
     captured = capsys.readouterr()
     assert rc == 1 and "request(s) failed" in captured.err and "http 500" in captured.out
     assert json.loads(out.read_text())["failed_requests"] > 0 and (tmp_path / "soak.png").exists()
+
+
+# ---- hostile servers (hostile_server.py, the client's own tests' child server) ---------------------------
+
+from test_bench_hostile import KEY, hostile  # noqa: E402,F401 - the fixture, shared
+
+
+@pytest.mark.parametrize("status, on", [("307", "/v1/models"), ("302", "/v1/chat/completions")])
+def test_a_replay_follows_no_redirect_and_keeps_the_key(hostile, traces, capsys, tmp_path, status, on):  # noqa: F811
+    seen = tmp_path / "other-port.jsonl"
+    other = hostile("models", record=seen)
+    url = hostile(status, on=on, location=other)
+    rc = main(["bench", url + "/v1", "--trace", str(traces["openai"]), "--concurrency", "3", "--api-key", KEY])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and f"answered HTTP {status}, a redirect" in err
+    assert KEY not in out + err and SECRET not in out + err
+    assert not seen.exists() or seen.read_text() == ""
+
+
+def test_a_replay_against_a_gateway_without_a_model_list_is_one_line(hostile, traces, capsys):  # noqa: F811
+    url = hostile("gateway", on="/v1/models")
+    rc = main(["bench", url + "/v1", "--trace", str(traces["vllm"])])
+    err = capsys.readouterr().err
+    assert rc == 3 and err.count("\n") == 1 and "answered no model list" in err
