@@ -40,6 +40,15 @@ run time by ``POST /standin/config`` (a JSON object of ``Knobs.FIELDS``), so tha
 many tests. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
 the reference needs torch and safetensors (the project's venv); the rest is stdlib.
 
+Chat completions stream as vLLM's do: the running ``usage`` in every chunk where the request asks
+for ``continuous_usage_stats``, a finish chunk, then ``usage`` with ``prompt_tokens_details.
+cached_tokens`` (the prefix cache's hit, keyed by the request's ``cache_salt``). A request with
+``tools`` is answered with a streamed ``tool_calls`` call (the first tool offered) where the
+prompt's hash falls in the knob ``tool_share``; ``tool_fault`` makes the call name a tool not
+offered or carry arguments that are not JSON; ``fail_every`` N answers every N-th chat request
+500. ``--record PATH`` appends every chat request and what it was answered as a JSON line, for the
+tests of ``bench --trace`` to compare with the report.
+
 With ``VLLM_API_KEY`` in its environment the stand-in wants that key, as vLLM's OpenAI server does
 (``AuthenticationMiddleware``): every request under ``/v1`` without ``Authorization: Bearer KEY``
 gets 401 ``{"error": "Unauthorized"}``; ``/metrics`` stays open.
