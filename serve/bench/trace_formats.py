@@ -278,10 +278,12 @@ def _read_hermes(path: Path, con: sqlite3.Connection) -> Trace:
     con.execute("BEGIN")  # one read transaction: a consistent snapshot, and a lock is seen here
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     for table, need in HERMES_COLUMNS.items():
-        missing = sorted(need - (_columns(con, table) if table in tables else set()))
+        if table not in tables:
+            raise TraceError(f"{path.name}: not a Hermes state.db (no table {table}); another schema is not read")
+        missing = sorted(need - _columns(con, table))
         if missing:
-            raise TraceError(f"{path.name}: not a Hermes state.db (table {table} lacks "
-                             f"{', '.join(missing) if table in tables else 'entirely'}); another schema is not read")
+            raise TraceError(f"{path.name}: not a Hermes state.db (table {table} lacks {', '.join(missing)}); "
+                             f"another schema is not read")
     scols, mcols = _columns(con, "sessions"), _columns(con, "messages")
     prompts = "system_prompts" in tables and {"hash", "prompt"} <= _columns(con, "system_prompts")
     sel = ["s.id",

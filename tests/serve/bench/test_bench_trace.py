@@ -215,7 +215,7 @@ MALFORMED = {
     "hermes-tool-calls-not-json": (lambda t: write_hermes(t / "state.db", tool_calls_text=SECRET + "{"),
                                    "field messages.tool_calls: not JSON"),
     "hermes-other-schema": (lambda t: _other_schema(t / "state.db"),
-                            "state.db: not a Hermes state.db (table messages lacks entirely)"),
+                            "state.db: not a Hermes state.db (table messages lacks timestamp, tool_call_id, tool_calls)"),
     "not-a-trace": (lambda t: (t / "x.txt").write_text(SECRET) and t / "x.txt", "x.txt: not a trace"),
     "empty-file": (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "e.jsonl: not a trace"),
 }
@@ -224,6 +224,7 @@ MALFORMED = {
 def _other_schema(path: Path) -> Path:
     con = sqlite3.connect(path)
     con.execute("CREATE TABLE sessions (id TEXT, started_at REAL)")
+    con.execute("CREATE TABLE messages (id INTEGER, session_id TEXT, role TEXT, content TEXT)")
     con.execute("CREATE TABLE notes (body TEXT)")
     con.execute("INSERT INTO notes VALUES (?)", (SECRET,))
     con.commit()
