@@ -215,7 +215,8 @@ MALFORMED = {
     "hermes-tool-calls-not-json": (lambda t: write_hermes(t / "state.db", tool_calls_text=SECRET + "{"),
                                    "field messages.tool_calls: not JSON"),
     "hermes-other-schema": (lambda t: _other_schema(t / "state.db"),
-                            "state.db: not a Hermes state.db (table messages lacks timestamp, tool_call_id, tool_calls)"),
+                            "state.db: not a Hermes state.db (table messages lacks timestamp, tool_call_id, "
+                            "tool_calls)"),
     "not-a-trace": (lambda t: (t / "x.txt").write_text(SECRET) and t / "x.txt", "x.txt: not a trace"),
     "empty-file": (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "e.jsonl: not a trace"),
 }
