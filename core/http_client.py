@@ -501,24 +501,26 @@ class HttpClient(_Base):
 
     def stream_events(self, url: str, payload, timeout: float | None = None) -> Iterator[dict]:
         """A streamed POST's server-sent events, each ``data:`` parsed as a JSON object, until
-        ``[DONE]`` or the end; the whole stream under one deadline and the byte cap."""
+        ``[DONE]`` or the end; the whole stream under one deadline and the byte cap. The body is read
+        to its end after ``[DONE]``, so that the connection goes back to the pool (a response closed
+        before its end closes its connection: the next request would connect again)."""
         r, t = self._send("POST", url, payload, timeout)
-        events, n = _Events(url), 0
+        events, n, done = _Events(url), 0, False
         try:
             for chunk in r.iter_bytes():
                 n += len(chunk)
                 if n > self.max_bytes:
                     raise self._too_big(url)
-                for data in events.feed(chunk):
-                    if data.strip() == "[DONE]":
-                        return
-                    yield _event_json(url, data)
+                for data in [] if done else events.feed(chunk):
+                    done = done or data.strip() == "[DONE]"
+                    if not done:
+                        yield _event_json(url, data)
                 if t.read.left() <= 0:
                     raise self._late(url, t)
-            for data in events.feed(b"", final=True):
-                if data.strip() == "[DONE]":
-                    return
-                yield _event_json(url, data)
+            for data in [] if done else events.feed(b"", final=True):
+                done = done or data.strip() == "[DONE]"
+                if not done:
+                    yield _event_json(url, data)
         except httpx.HTTPError as e:
             raise self._failed(url, e, t) from None
         finally:
@@ -619,22 +621,22 @@ class AsyncHttpClient(_Base):
 
     async def stream_events(self, url: str, payload, timeout: float | None = None) -> AsyncIterator[dict]:
         r, t = await self._send("POST", url, payload, timeout)
-        events, n = _Events(url), 0
+        events, n, done = _Events(url), 0, False
         try:
             async for chunk in r.aiter_bytes():
                 n += len(chunk)
                 if n > self.max_bytes:
                     raise self._too_big(url)
-                for data in events.feed(chunk):
-                    if data.strip() == "[DONE]":
-                        return
-                    yield _event_json(url, data)
+                for data in [] if done else events.feed(chunk):
+                    done = done or data.strip() == "[DONE]"
+                    if not done:
+                        yield _event_json(url, data)
                 if t.read.left() <= 0:
                     raise self._late(url, t)
-            for data in events.feed(b"", final=True):
-                if data.strip() == "[DONE]":
-                    return
-                yield _event_json(url, data)
+            for data in [] if done else events.feed(b"", final=True):
+                done = done or data.strip() == "[DONE]"
+                if not done:
+                    yield _event_json(url, data)
         except httpx.HTTPError as e:
             raise self._failed(url, e, t) from None
         finally:
