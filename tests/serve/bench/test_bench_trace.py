@@ -506,6 +506,40 @@ def test_the_soak_sees_the_server_disappear(tmp_path, traces):
     assert r["server_gone_windows"] >= 1
 
 
+def test_the_soak_sees_the_server_restart(tmp_path, traces):
+    """The stand-in is replaced by a new process on the same port after the third answer (ordered by
+    events): the window that spans it says RESTARTED (a new process_start_time_seconds, counters back
+    at zero), and its counter deltas are not used."""
+    flags = ("--tokens", "3", "--first-delay", "0", "--token-delay", "0")
+    proc, url = _start_standin(tmp_path, *flags)
+    port = url.split(":")[2].split("/")[0]
+    procs = [proc]
+    answered = []
+
+    def restart_after_third(res):
+        answered.append(res)
+        if len(answered) == 3:
+            procs[-1].kill()
+            procs[-1].wait()
+            new = subprocess.Popen([sys.executable, str(STANDIN), "--port", port, *flags], stdout=subprocess.PIPE,
+                                   text=True)
+            procs.append(new)
+            for line in new.stdout:
+                if "serving on" in line:
+                    break
+
+    trace = read_trace(traces["vllm"])
+    opts = bench_trace.ReplayOptions(concurrency=1, duration=80.0, window=20.0, max_tokens=3, timeout=10)
+    try:
+        r = soak_mod.soak(url, trace, opts, clock=FakeClock(), on_turn=restart_after_third)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert len(procs) == 2 and r["restarts"] == 1 and r["failed_requests"] == 0
+    assert sum(w["restarted"] for w in r["windows"]) == 1 and not any(w["server_gone"] for w in r["windows"])
+
+
 def test_the_soak_exits_1_on_a_failed_request(standin, traces, tmp_path, capsys):
     url = standin("--tokens", "3", "--first-delay", "0", "--token-delay", "0", "--control")
     import urllib.request
