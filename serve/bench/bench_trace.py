@@ -10,9 +10,9 @@ that many from the trace (a seeded sample, kept in the trace's order).
 
 vLLM's ``/metrics`` counters (prefix cache, speculative decoding) are read before and after the
 run, and for a soak at each window's end; they are server-wide. Each pass over the trace sends
-its own ``cache_salt`` (vLLM keys its prefix cache by it), so that a second pass, or a soak's
-next loop, finds only what the pass itself cached: the hit rate stays that of one run of the
-conversations, not of a resend.
+its own ``cache_salt`` (vLLM keys its prefix cache by it; new for every run), so that a second
+pass, a soak's next loop or a later run finds only what the pass itself cached: the hit rate stays
+that of one run of the conversations, not of a resend.
 
 **The soak** (``duration``): the conversations are looped until the time is up, ``concurrency`` at
 once; no turn starts after the deadline and each request has its own deadline (``timeout``), so
@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -64,7 +65,8 @@ class ReplayOptions:
     duration: float | None = None      # a soak: loop the trace this long
     window: float = 60.0
     slo: Slo | None = None
-    salt: str = "hb"                   # the passes' cache_salt prefix
+    # the passes' cache_salt prefix: new each run, so that a run finds nothing an earlier one cached
+    salt: str = field(default_factory=lambda: "hb-" + secrets.token_hex(4))
     tools: bool = True                 # send the conversations' tool definitions
 
 

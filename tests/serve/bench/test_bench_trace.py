@@ -368,6 +368,21 @@ def test_the_replay_sends_the_recorded_history_and_reports_what_the_standin_answ
     assert SECRET not in out.read_text()
 
 
+def test_a_second_run_finds_nothing_the_first_cached(standin, traces, tmp_path, capsys):
+    rec = tmp_path / "rec.jsonl"
+    url = standin("--tokens", "4", "--record", str(rec), "--first-delay", "0", "--token-delay", "0")
+    cached = []
+    for _ in range(2):
+        rec.unlink(missing_ok=True)
+        assert main(["bench", url, "--trace", str(traces["openai"]), "--json", "-q"]) == 0
+        capsys.readouterr()
+        sent = _recorded(rec)
+        cached.append(sorted((len(r["request"]["messages"]), r["request"]["messages"][1]["content"],
+                              r["answer"]["cached_tokens"]) for r in sent))
+        assert len({r["request"]["cache_salt"] for r in sent}) == 1
+    assert cached[0] == cached[1] and any(c for *_, c in cached[0])
+
+
 def test_feed_back_generated_sends_the_servers_replies(standin, traces, tmp_path, capsys):
     rec = tmp_path / "rec.jsonl"
     url = standin("--tokens", "5", "--record", str(rec), "--first-delay", "0", "--token-delay", "0")
