@@ -849,6 +849,71 @@ def bench_conc_step(out: Path, hb: Path, src: Path, recipe: Path, left, streams=
         stop_group(proc)
 
 
+def trace_recipe(recipe: Path, caching: bool, tool_parser: str | None) -> Path:
+    """The GPU recipe for the trace step: the dense profile with prefix caching on or off, room for
+    the synthetic trace's contexts, 4 sequences at once, and a tool-call parser (vLLM
+    refuses requests that carry tools without one; the tiny profiles have none). 4096 tokens: the
+    demo model's max_position_embeddings."""
+    import yaml
+
+    rec = yaml.safe_load(recipe.read_text())
+    prof = rec["serve"]["profiles"]["dense"]
+    prof.update(enable_prefix_caching=caching, max_model_len=4096, max_num_seqs=4, tool_call_parser=tool_parser)
+    path = recipe.with_name(f"gpu-tiny-recipe-trace-{'cache' if caching else 'nocache'}.yaml")
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    return path
+
+
+# the demo tokenizer (454 tokens) spends ~4 tokens a word: 900 words made 3836 tokens at the last turn
+TRACE_SPEC = "agent-synthetic:conversations=8,turns=8,start=300,end=800"
+
+
+def trace_step(out: Path, hb: Path, src: Path, recipe: Path, left, tool_parser: str | None = None,
+               streams=(1, 4)) -> None:
+    """``hybrid-build bench --trace agent-synthetic`` at 1 and 4 conversations at once against the
+    tiny dense profile (hybrid + DFlash drafter), with prefix caching on and off: TTFT per turn
+    position, hit rate, acceptance, tool-call validity (random weights: expect few valid calls)."""
+    for i, caching in enumerate((True, False)):
+        key = f"trace_{'cache' if caching else 'nocache'}"
+        if left() < 150:
+            record(out, key + "_server", {"skipped": f"no time left ({left():.0f} s)"})
+            continue
+        cmd = serve_command(hb, src, trace_recipe(recipe, caching, tool_parser), "dense", 8500 + i,
+                            min(360, left() - 60), out / f"{key}_server.log", hb / "drafter-dflash") + ["--no-verify"]
+        t0 = now()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        lines: list[str] = []
+        ready = None
+        until = now() + min(420, left() - 30)
+        try:
+            while ready is None and proc.poll() is None and now() < until:
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+                try:
+                    ready = json.loads("".join(lines))
+                except ValueError:
+                    continue
+            rec = {"command": " ".join(cmd), "ready_s": round(now() - t0, 1), "ready": ready is not None,
+                   "rc": proc.poll(), "stdout": "".join(lines)[-1500:]}
+            if ready is None or "base_url" not in ready:
+                if proc.poll() is not None:
+                    rec["stderr"] = proc.stderr.read()[-3000:]
+                record(out, key + "_server", rec)
+                continue
+            record(out, key + "_server", rec)
+            for n in streams:
+                ab_command(out, f"{key}_c{n}", ["hybrid-build", "bench", ready["base_url"], "--trace", TRACE_SPEC,
+                                                "--concurrency", str(n), "--max-tokens", "64", "--seed", "0",
+                                                "--slo", "ttft=1,tpot=50ms", "--timeout", "120",
+                                                "--out", str(out / f"{key}_c{n}.json")]
+                            + ([] if tool_parser else ["--no-tools"]), min(180, left(10)))
+        finally:
+            stop_group(proc)
+
+
 def verify_step(out: Path, hb: Path, src: Path, recipe: Path, left, only: str | None = None) -> None:
     """A correct server passes (dense: the hybrid against its own reference; base: the source
     against the reference's source side), and the hybrid with the Marlin MoE scale fix switched
@@ -1000,6 +1065,9 @@ def build_parser():
                     help="agent needs a server with a tool-call parser, which the tiny recipe's profiles lack")
     ap.add_argument("--bench-max-tokens", type=int, default=128)
     ap.add_argument("--eval-tasks", default="hybrid_build,hybrid_build_gen")
+    ap.add_argument("--trace-tool-parser", default="",
+                    help="trace: the dense profile's tool-call parser (default none, and the replay sends no tools "
+                         "(--no-tools): the demo tokenizer has no <tool_call> token; qwen3_xml to try one)")
     import agent_steps  # the real drafter's shape (starts / ttft / tools)
 
     ap.add_argument("--agent-cases", type=agent_steps.parse_cases, default="dense:full6:on,dense:mixed:on",
@@ -1173,6 +1241,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "bench_conc" in steps:  # bench --concurrency against real vLLM
         bench_conc_step(a.out, a.hb, a.src, recipe, left)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
+    if "trace" in steps:  # bench --trace agent-synthetic at 1 and 4 at once, prefix caching on and off
+        trace_step(a.out, a.hb, a.src, recipe, left, a.trace_tool_parser or None)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)
         return 0

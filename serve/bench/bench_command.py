@@ -10,6 +10,7 @@ from pathlib import Path
 from hybrid_build.core.api_key import client_key
 from hybrid_build.core.cli_support import (
     POSITIVE_INT,
+    SECONDS,
     ExampleFormatter,
     add_json_flag,
     describe_os_error,
@@ -69,7 +70,12 @@ def register(sub, common) -> None:
                "  hybrid-build bench http://127.0.0.1:8000/v1 --out hybrid.json     # later, serving the hybrid\n"
                "  hybrid-build bench --compare source.json hybrid.json\n"
                "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 512,1536 --runs 3   # agents' TTFT\n"
-               "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 1k --concurrency 4   # per stream")
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --agent --contexts 1k --concurrency 4   # per stream\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --trace chats.jsonl --concurrency 4   # yours\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --trace ~/.hermes/state.db --conversations 10\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --trace agent-synthetic --max-turns 8 "
+               "--slo ttft=2,tpot=50ms\n"
+               "  hybrid-build bench http://127.0.0.1:8000/v1 --trace agent-synthetic --duration 600 --out soak.json")
     p.add_argument("urls", nargs="*", metavar="URL",
                    help="OpenAI base URL (ending in /v1); two URLs: A and B, measured interleaved")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), type=Path,
@@ -95,7 +101,31 @@ def register(sub, common) -> None:
     p.add_argument("--contexts", default="8k,32k,64k", metavar="LIST",
                    help="--agent's context lengths in tokens (k = 1024; default 8k,32k,64k; at most the served "
                         "max_model_len)")
-    p.add_argument("--out", type=Path, help="also write the JSON result to this file (input of --compare)")
+    t = p.add_argument_group("trace replay (--trace)")
+    t.add_argument("--trace", metavar="FILE|agent-synthetic[:k=v,...]",
+                   help="replay multi-turn conversations, regenerating each assistant turn: OpenAI chat JSONL (one "
+                        "conversation a line), vLLM's multi-turn benchmark JSON, or a Hermes agent state.db (read "
+                        "only); or the shipped synthetic coding-agent trace (parameters: conversations, turns, "
+                        "tool_share, start, end, call_tokens, answer_tokens)")
+    t.add_argument("--feed-back", choices=("recorded", "generated"), default="recorded",
+                   help="the history sent before each turn: the recorded one (default: every run and server gets "
+                        "the same prompts) or the server's own earlier replies")
+    t.add_argument("--conversations", type=POSITIVE_INT, metavar="K",
+                   help="replay K conversations of the trace (a seeded sample; default all)")
+    t.add_argument("--max-turns", type=POSITIVE_INT, metavar="N", help="regenerate at most N assistant turns of each")
+    t.add_argument("--seed", type=int, default=0, help="the sample of conversations, the synthetic trace and the "
+                                                        "request seed (default 0)")
+    t.add_argument("--no-tools", action="store_true",
+                   help="send no tool definitions (a server without a tool-call parser refuses requests with tools; "
+                        "tool-call validity then measures nothing)")
+    t.add_argument("--slo", metavar="ttft=S,tpot=S", help="goodput: the share of turns within these (s, or ms)")
+    t.add_argument("--duration", type=SECONDS, metavar="S",
+                   help="soak: loop the trace for S seconds and report per window; exit 1 on any failed request")
+    t.add_argument("--window", type=SECONDS, default=60.0, metavar="S", help="the soak's window (default 60 s)")
+    t.add_argument("--timeout", type=SECONDS, default=600.0, metavar="S",
+                   help="one request's deadline, the whole stream included (default 600 s)")
+    p.add_argument("--out", type=Path, help="also write the JSON result to this file (input of --compare); a soak "
+                                            "draws its windows beside it as PNG where matplotlib is installed")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -141,9 +171,66 @@ def _agent(args: argparse.Namespace) -> dict:
                            on_run=lambda *_: bar.update(1))
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from .bench_trace import ReplayOptions, pair_table, replay, replay_pair
+    from .soak import draw, soak, soak_table
+    from .trace_formats import read_trace
+    from .trace_report import parse_slo, table
+    from .trace_synthetic import NAME, generate, parse_spec, stated
+
+    if args.compare or args.agent:
+        raise UserError("--trace replays conversations against URLs: no --compare or --agent with it")
+    if not 1 <= len(args.urls) <= 2:
+        raise UserError("--trace: give one URL to measure, or two (A B) to compare")
+    if args.duration and len(args.urls) != 1:
+        raise UserError("--duration soaks one server: give one URL")
+    urls = [_url(u) for u in args.urls]
+    synthetic = None
+    if args.trace.split(":")[0] == NAME:
+        params = parse_spec(args.trace, args.seed)
+        trace = generate(params)
+        synthetic = stated(trace, params)
+    else:
+        trace = read_trace(Path(args.trace).expanduser())
+    opts = ReplayOptions(concurrency=args.concurrency, conversations=args.conversations, max_turns=args.max_turns,
+                         max_tokens=args.max_tokens, feed_back=args.feed_back, seed=args.seed,
+                         thinking=args.thinking, timeout=args.timeout, duration=args.duration, window=args.window,
+                         slo=parse_slo(args.slo) if args.slo else None, tools=not args.no_tools)
+    api_key = client_key(args.api_key)
+    with progress(args.quiet, unit="turn", desc="bench --trace", leave=False) as bar:
+        on_turn = lambda *_: bar.update(1)  # noqa: E731
+        if args.duration:
+            result = soak(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn)
+        elif len(urls) == 2:
+            result = replay_pair(urls[0], urls[1], trace, opts, args.runs, args.model, api_key, synthetic,
+                                 on_turn=on_turn)
+        else:
+            result = replay(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn)
+    _write(args, result)
+    png = draw(result, args.out.with_suffix(".png")) if args.duration and args.out else None
+    if args.json:
+        emit_json(result)
+    else:
+        text = soak_table(result) if args.duration else pair_table(result) if len(urls) == 2 else table(result)
+        print(text)
+        if png:
+            print(f"windows drawn: {png}")
+    failed = result.get("failed_requests", sum(1 for t in result.get("turns", []) if t["error"]))
+    if len(urls) == 2:
+        failed = sum(1 for r in result["reports"].values() for t in r["turns"] if t["error"])
+    if failed:
+        print(f"bench: {failed} request(s) failed (see the errors column)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.out:  # refused before a request is sent, not after the measuring
         check_output_path(args.out, "--out", folder=False)
+    if args.trace:
+        return _trace(args)
+    if args.duration or args.slo or args.conversations or args.max_turns:
+        raise UserError("--duration, --slo, --conversations and --max-turns go with --trace")
     if args.agent:
         from .bench_agent import agent_table
 

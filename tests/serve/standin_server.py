@@ -40,6 +40,15 @@ run time by ``POST /standin/config`` (a JSON object of ``Knobs.FIELDS``), so tha
 many tests. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
 the reference needs torch and safetensors (the project's venv); the rest is stdlib.
 
+Chat completions stream as vLLM's do: the running ``usage`` in every chunk where the request asks
+for ``continuous_usage_stats``, a finish chunk, then ``usage`` with ``prompt_tokens_details.
+cached_tokens`` (the prefix cache's hit, keyed by the request's ``cache_salt``). A request with
+``tools`` is answered with a streamed ``tool_calls`` call (the first tool offered) where the
+prompt's hash falls in the knob ``tool_share``; ``tool_fault`` makes the call name a tool not
+offered or carry arguments that are not JSON; ``fail_every`` N answers every N-th chat request
+500. ``--record PATH`` appends every chat request and what it was answered as a JSON line, for the
+tests of ``bench --trace`` to compare with the report.
+
 With ``VLLM_API_KEY`` in its environment the stand-in wants that key, as vLLM's OpenAI server does
 (``AuthenticationMiddleware``): every request under ``/v1`` without ``Authorization: Bearer KEY``
 gets 401 ``{"error": "Unauthorized"}``; ``/metrics`` stays open.
@@ -148,6 +157,9 @@ class Engine:
             lines.extend(f"{name}_created{{{lab}}} {go_float(self.created)}" for lab, _ in samples)
 
         with self.lock:
+            lines.extend(["# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+                          "# TYPE process_start_time_seconds gauge",
+                          f"process_start_time_seconds {go_float(self.created)}"])
             lines.extend(["# HELP vllm:num_requests_running Number of requests in model execution batches.",
                           "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} 0.0"])
             if self.k:
@@ -314,12 +326,18 @@ class Knobs:
     ``POST /standin/config`` when started with ``--control``."""
 
     FIELDS = ("model", "noise", "fault", "cache_fault", "prefix_caching", "batch_fault", "decode_fault", "trickle",
-              "legacy_echo", "prompt_logprobs", "metrics")
+              "legacy_echo", "prompt_logprobs", "metrics", "tool_share", "tool_fault", "fail_every",
+              "prompt_tokens_details")
 
     def __init__(self, **kw):
         self.model, self.noise, self.fault, self.cache_fault = "qwen", 0.0, None, None
         self.prefix_caching, self.batch_fault, self.decode_fault, self.trickle = True, False, False, 0.0
         self.legacy_echo, self.prompt_logprobs, self.metrics = False, True, True
+        # chat: the share of requests with tools answered with a call (chosen by the prompt's hash);
+        # tool_fault "name" (a tool not offered) or "args" (arguments not JSON); every fail_every-th
+        # chat request answers 500; usage.prompt_tokens_details.cached_tokens (vLLM's
+        # --enable-prompt-tokens-details)
+        self.tool_share, self.tool_fault, self.fail_every, self.prompt_tokens_details = 0.75, None, 0, True
         self.update(kw)
 
     def update(self, kw: dict) -> None:
@@ -487,6 +505,27 @@ def chat_token_ids(body: dict, vocab: int = 4096) -> list[int]:
         content = m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
         out += [zlib.crc32(w.encode()) % vocab for w in content.split()]
     return out
+
+
+def tool_call(req: dict, ids: list[int], serial: int, knobs: "Knobs") -> dict | None:
+    """The call a chat request with tools is answered with (None: text): where the prompt's hash
+    falls in the ``tool_share``, the first tool offered, its first required parameter set; with
+    ``tool_fault`` a tool not offered ("name") or arguments that are not JSON ("args")."""
+    import zlib
+
+    tools = [t.get("function") or {} for t in req.get("tools") or []]
+    if not tools or zlib.crc32(json.dumps(ids).encode()) % 1000 >= knobs.tool_share * 1000:
+        return None
+    fn = tools[0]
+    params = (fn.get("parameters") or {}).get("required") or list(((fn.get("parameters") or {}).get("properties")
+                                                                   or {"input": None}))
+    args = json.dumps({params[0]: f"standin value {serial}"})
+    name = fn.get("name", "")
+    if knobs.tool_fault == "name":
+        name = "not_offered_" + name
+    elif knobs.tool_fault == "args":
+        args = args[:-1]
+    return {"id": f"call_standin_{serial}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
 class FakeServer:
@@ -688,6 +727,7 @@ def main() -> int:
     ap.add_argument("--trickle", type=float, default=0.0, metavar="S", help="send completions' bodies one byte "
                     "every S seconds")
     ap.add_argument("--control", action="store_true", help="POST /standin/config sets the knobs at run time")
+    ap.add_argument("--record", metavar="PATH", help="append every chat request and its answer to PATH (JSON lines)")
     a = ap.parse_args()
     knobs = Knobs(model=a.model, noise=a.logprob_noise, fault=a.fault, cache_fault=a.cache_fault,
                   prefix_caching=not a.no_prefix_caching, batch_fault=a.batch_fault, decode_fault=a.decode_fault,
@@ -702,6 +742,13 @@ def main() -> int:
         cache.enabled, cache.stores = knobs.prefix_caching, knobs.cache_fault != "nohit"
 
     apply_cache_knobs()
+    chat_lock, chat_count = threading.Lock(), [0]
+
+    def record(req: dict, serial: int, answer: dict) -> None:
+        """One chat request and what it was answered, a JSON line in ``--record`` (tests compare)."""
+        if a.record:
+            with chat_lock, open(a.record, "a") as f:
+                f.write(json.dumps({"serial": serial, "request": req, "answer": answer}) + "\n")
 
     class Handler(BaseHTTPRequestHandler):
         released = False
@@ -789,25 +836,49 @@ def main() -> int:
                 message = {"role": "assistant", "content": a.answer}
                 return self._json(200, {"choices": [{"index": 0, "message": message}],
                                         "usage": {"completion_tokens": 2}})
+            with chat_lock:
+                chat_count[0] += 1
+                serial = chat_count[0]
+            if knobs.fail_every and serial % knobs.fail_every == 0:
+                record(req, serial, {"error": 500})
+                return self._json(500, {"error": {"message": "simulated engine error", "code": 500}})
             ids = chat_token_ids(req)
-            cache.lookup(ids, None)  # counted as vLLM counts it; the stand-in's time does not depend on it
-            cache.store(ids, None)
+            hit = cache.lookup(ids, req.get("cache_salt"))  # counted as vLLM counts it; time does not depend on it
+            cache.store(ids, req.get("cache_salt"))
+            call = tool_call(req, ids, serial, knobs)
+            n = min(a.tokens, req.get("max_tokens") or a.tokens)
+            record(req, serial, {"prompt_tokens": len(ids), "cached_tokens": hit, "completion_tokens": n,
+                                 "tool_call": call})
+            continuous = bool((req.get("stream_options") or {}).get("continuous_usage_stats"))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             time.sleep(a.first_delay)
-            n = min(a.tokens, req.get("max_tokens") or a.tokens)
             sent = 0
             for i, tokens in enumerate(engine.run(n, prompt_tokens=len(ids))):
                 if i:
                     time.sleep(a.token_delay)
-                text = "".join(f"t{sent + j} " for j in range(tokens))
+                if call is not None:  # the call's JSON streams in pieces, one per engine step
+                    piece = call["function"]["arguments"][sent * 4:(sent + tokens) * 4]
+                    if sent + tokens >= n:
+                        piece = call["function"]["arguments"][sent * 4:]
+                    fn = {"arguments": piece} | ({"name": call["function"]["name"]} if i == 0 else {})
+                    delta = {"tool_calls": [{"index": 0, "function": fn} | ({"id": call["id"], "type": "function"}
+                                                                            if i == 0 else {})]}
+                else:
+                    delta = {"content": "".join(f"t{sent + j} " for j in range(tokens))}
                 sent += tokens
-                ev = {"choices": [{"index": 0, "delta": {"content": text}}]}
+                ev = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+                if continuous:
+                    ev["usage"] = {"prompt_tokens": len(ids), "completion_tokens": sent}
                 self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
                 self.wfile.flush()
-            usage = {"choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": n}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            if knobs.prompt_tokens_details:
+                usage["prompt_tokens_details"] = {"cached_tokens": hit}
+            done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls" if call else "length"}]}
+            self.wfile.write(f"data: {json.dumps(done)}\n\n".encode())
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
             self.wfile.flush()
 
     server = StandinHTTPServer(("127.0.0.1", a.port), Handler)

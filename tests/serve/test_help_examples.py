@@ -87,6 +87,12 @@ def why_not(cmd: str, cwd: Path) -> str | None:
     remote = next((a for a in args if "://" in a and not a.startswith("http://127.0.0.1:")), None)
     if remote:
         return f"talks to the server at {remote} (network)"
+    if "--trace" in args:
+        trace = args[args.index("--trace") + 1]
+        if not trace.startswith("agent-synthetic") and not (cwd / trace).exists():
+            return f"replays the user's trace {trace} (tests/serve/bench/test_bench_trace.py makes small ones)"
+        if "--duration" in args:
+            return "a soak of --duration seconds (tests/serve/bench/test_bench_trace.py runs short ones)"
     if "--texts" in args and not (cwd / args[args.index("--texts") + 1]).exists():
         return f"reads the user's texts file {args[args.index('--texts') + 1]}"
     return None
