@@ -10,6 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from hybrid_build.core.cli_support import (
+    COUNT,
+    NON_NEGATIVE,
     PORT,
     POSITIVE_INT,
     SECONDS,
@@ -26,6 +28,7 @@ from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIX_IDS
 from hybrid_build.serve.speed.bandwidth import HARDWARE
 
 from . import ray_auth, served_key
+from .watch import MEMORY_RESERVE_GB, POLL_S, STALL_TIMEOUT_S, STOP_GRACE_S
 
 
 def register(sub, common) -> None:
@@ -120,6 +123,34 @@ def register(sub, common) -> None:
                         "missing, failed or stale (refused otherwise, --dry-run included; verify still runs), and "
                         "across nodes whose addresses are not private or link-local (refused otherwise: NCCL and "
                         "Gloo traffic is not authenticated; docs/multinode.md, Security)")
+    w = p.add_argument_group(
+        "after READY (docs/serve.md, Keeping it up)",
+        "serve watches the engine and exits 1 on any of: the engine's process ends (whatever its status:\n"
+        "vLLM exits 0 after EngineDeadError), no token while requests run (a hang /health does not see),\n"
+        "MemAvailable below the reserve (unified memory freezes the host rather than failing). Each event\n"
+        "is one line with its time, in the serve log too.")
+    w.add_argument("--stall-timeout", type=SECONDS, default=STALL_TIMEOUT_S, metavar="S",
+                   help=f"seconds without a token while requests run before the engine is stopped (default "
+                        f"{STALL_TIMEOUT_S:g}: the longest prefill the profiles admit, 262,144 tokens, at a "
+                        "pessimistic 500 tokens/s moves no counter for ~9 min)")
+    w.add_argument("--memory-reserve", type=NON_NEGATIVE, default=MEMORY_RESERVE_GB, metavar="GB",
+                   help=f"host memory (MemAvailable, GB) kept free: below it the engine is stopped, and a start "
+                        f"that would not leave it is refused (default {MEMORY_RESERVE_GB:g}: what the public DGX "
+                        "Spark recipe keeps for the OS)")
+    w.add_argument("--restart", type=COUNT, default=0, metavar="N",
+                   help="restart the engine after a fault, up to N times (default 0: exit 1, for a supervisor to "
+                        "restart): backoff, wait for memory, verify again, READY again")
+    w.add_argument("--restart-backoff", type=NON_NEGATIVE, default=10.0, metavar="S",
+                   help="seconds before the first restart, doubled for each next one (at most 300; default 10)")
+    w.add_argument("--memory-wait", type=NON_NEGATIVE, default=300.0, metavar="S",
+                   help="seconds a restart waits for MemAvailable to come back above the start budget (default "
+                        "300; a GB10 gives memory back over ~60 s after a kill)")
+    w.add_argument("--stop-grace", type=SECONDS, default=STOP_GRACE_S, metavar="S",
+                   help=f"seconds between SIGTERM and SIGKILL when serve stops the engine (default {STOP_GRACE_S:g})")
+    w.add_argument("--watch-interval", type=SECONDS, default=POLL_S, metavar="S",
+                   help=f"seconds between two looks at the engine, /metrics and MemAvailable (default {POLL_S:g})")
+    w.add_argument("--print-unit", action="store_true",
+                   help="print a systemd unit that runs this command line (without --print-unit) and start nothing")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -141,7 +172,7 @@ def _api_key(args: argparse.Namespace, host: str):
 
 def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
-    from .launcher import check_prerequisites, plan_key, smoke_test, start, wait_ready, warn_if_untested
+    from .launcher import check_prerequisites, warn_if_untested
 
     _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
@@ -170,39 +201,143 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
     version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
+    need = _check_memory(args, plan)  # an engine that does not fit: one line (exit 3), nothing started
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
+    return _serve_watched(args, plan, log_path, need)
+
+
+def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) -> int:
+    """Start, prove (verify, smoke test), say READY, then watch (``watch``) until a fault; with
+    ``--restart N`` stop the engine, back off, wait for memory and start again, up to N times.
+    Every event is one line with its time, on stdout and in the serve log, and in the artifact's
+    serve record (``status``). A stop signal tears everything down, during a restart too."""
+    from .launcher import plan_key, smoke_test, start, wait_ready
+    from .serve_record import ServeRecord
+    from .watch import WatchEvent, WatchLimits, stop_engine, wait_for_memory, watch
+
+    say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
+    limits = WatchLimits(poll_s=args.watch_interval, stall_timeout_s=args.stall_timeout,
+                         memory_reserve=int(args.memory_reserve * 1e9), stop_grace_s=args.stop_grace,
+                         gpu_memory_utilization=_unified_utilization(plan))
+    record = ServeRecord.open(args.artifact, plan.profile, log_path, args.restart)
     server = None
+    restarts = 0
+    t_start = time.monotonic()
+
+    def event(kind: str, detail: str) -> None:
+        e = WatchEvent(kind, time.time(), detail)
+        say(e.line())
+        record.add(e, log_path)
+
     try:
-        # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
-        with stop_signals_held():
-            server = start(plan, log_path)
-        bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
-        ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
-        bar.close()
-        verified = _verify(args, plan, plan.base_url)
-        answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
-                                                       api_key=plan_key(plan))
-        info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
-                "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
-                "api_key": plan.api_key.to_json() if plan.api_key else None}
-        if args.json:
-            emit_json(info)
-        else:
-            print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
-            if answer:
-                print(f"smoke test: {answer[:80]!r}")
-            print("Ctrl-C stops the server.")
-        sys.stdout.flush()
-        while server.process.poll() is None:
-            time.sleep(1)
-        return 0 if server.process.returncode == 0 else 1
+        while True:
+            # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
+            with stop_signals_held():
+                server = start(plan, log_path)
+            if restarts:
+                event("restart", f"engine started again (pid {server.process.pid}), restart {restarts} of "
+                                 f"{args.restart}")
+            bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s",
+                           bar_format="{desc}: {elapsed}")
+            ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0),
+                                 poll=min(args.watch_interval, 1.0))
+            bar.close()
+            if restarts:
+                event("restart", f"engine up after {ready_s:.1f} s; verifying it again")
+            verified = _verify(args, plan, plan.base_url)
+            if restarts:
+                event("restart", f"verify {verified.get('outcome', '?')}")
+            answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
+                                                           api_key=plan_key(plan))
+            info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
+                    "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
+                    "api_key": plan.api_key.to_json() if plan.api_key else None, "restarts": restarts}
+            if args.json:
+                emit_json(info)
+            elif restarts:
+                event("ready", f"READY again after restart {restarts} of {args.restart} "
+                               f"({time.monotonic() - t_start:.1f} s since serve started)")
+            else:
+                print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
+                if answer:
+                    print(f"smoke test: {answer[:80]!r}")
+                print("Ctrl-C stops the server.")
+            sys.stdout.flush()
+            record.ready(server.process.pid)
+            fault = watch(server.process, plan.base_url.removesuffix("/v1") + "/metrics", limits, log_path)
+            how = stop_engine(server.process, limits.stop_grace_s)
+            detail = fault.detail if fault.kind == "exit" else f"{fault.detail}; engine {how}"
+            say(WatchEvent(fault.kind, fault.at, detail).line())
+            record.add(WatchEvent(fault.kind, fault.at, detail), log_path)
+            server = None
+            if restarts >= args.restart:
+                if args.restart:
+                    event("gave-up", f"{restarts} restarts used (--restart {args.restart}); serve exits 1")
+                return 1
+            restarts += 1
+            backoff = min(args.restart_backoff * 2 ** (restarts - 1), 300.0)
+            event("restart", f"restart {restarts} of {args.restart} in {backoff:g} s; then waiting for "
+                             f"MemAvailable >= {_gb(need)} (at most {args.memory_wait:g} s)")
+            time.sleep(backoff)
+            ok, seen = wait_for_memory(need, args.memory_wait, poll=min(args.watch_interval, 1.0))
+            if not ok:
+                event("gave-up", f"MemAvailable {_gb(seen)} still below {_gb(need)} after {args.memory_wait:g} s; "
+                                 "serve exits 1")
+                return 1
+            event("restart", f"memory back: MemAvailable {_gb(seen)} >= {_gb(need)}")
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     finally:
         if server is not None:
-            server.stop()
+            server.stop(limits.stop_grace_s)
+        record.close()
+
+
+def _gb(n: float) -> str:
+    from hybrid_build.core.byte_units import human_bytes
+
+    return human_bytes(n)
+
+
+def _unified_utilization(plan) -> float | None:
+    """The profile's gpu_memory_utilization where it is a share of the host's memory (a GB10), to
+    name one that fits when memory runs low; None elsewhere."""
+    from .memory_budget import host_memory
+
+    host = host_memory()
+    return plan.vllm.profile.gpu_memory_utilization if host is not None and host.unified and plan.vllm else None
+
+
+def _check_memory(args: argparse.Namespace, plan) -> int:
+    """The host's memory budget for this plan (``memory_budget``): refuse one that does not fit
+    (exit 3), print it otherwise. Returns the MemAvailable a restart waits for (unified memory: the
+    engine and the reserve; a discrete GPU: the reserve)."""
+    from hybrid_build.core.errors import CannotRun
+
+    reserve = int(args.memory_reserve * 1e9)
+    found = _budget(plan, reserve)
+    if found is None:
+        return reserve
+    if not found.fits:
+        raise CannotRun(found.line() + " (--memory-reserve sets the reserve)")
+    if not (args.quiet or args.json):
+        print(found.line(), flush=True)
+    return found.planned.engine + reserve if found.host.unified else reserve
+
+
+def _budget(plan, reserve: int):
+    """``memory_budget.budget`` of the plan on this host; None when the host cannot be read."""
+    from .memory_budget import budget, host_memory, planned_bytes
+
+    host = host_memory()
+    if host is None or plan.vllm is None:
+        return None
+    profile = plan.vllm.profile
+    planned = planned_bytes(plan.model, plan.drafter, profile.gpu_memory_utilization, host.total, reserve,
+                            profile.max_model_len)
+    return budget(planned, host, profile.gpu_memory_utilization)
 
 
 def _check_artifact(args: argparse.Namespace) -> None:
