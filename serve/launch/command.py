@@ -224,7 +224,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
     record = ServeRecord.open(args.artifact, plan.profile, log_path, args.restart)
     server = None
     restarts = 0
-    t_start = time.monotonic()
+    t_fault = time.monotonic()
 
     def event(kind: str, detail: str) -> None:
         e = WatchEvent(kind, time.time(), detail)
@@ -254,19 +254,20 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
             info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
                     "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
                     "api_key": plan.api_key.to_json() if plan.api_key else None, "restarts": restarts}
+            record.ready(server.process.pid)  # before the line: whoever reads READY finds the record so
             if args.json:
                 emit_json(info)
             elif restarts:
                 event("ready", f"READY again after restart {restarts} of {args.restart} "
-                               f"({time.monotonic() - t_start:.1f} s since serve started)")
+                               f"({time.monotonic() - t_fault:.1f} s after the fault)")
             else:
                 print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
                 if answer:
                     print(f"smoke test: {answer[:80]!r}")
                 print("Ctrl-C stops the server.")
             sys.stdout.flush()
-            record.ready(server.process.pid)
             fault = watch(server.process, plan.base_url.removesuffix("/v1") + "/metrics", limits, log_path)
+            t_fault = time.monotonic()
             how = stop_engine(server.process, limits.stop_grace_s)
             detail = fault.detail if fault.kind == "exit" else f"{fault.detail}; engine {how}"
             say(WatchEvent(fault.kind, fault.at, detail).line())

@@ -150,7 +150,7 @@ def scrape(metrics_url: str, timeout: float) -> Progress | None:
 
 def exit_cause(returncode: int, log_path: Path | None, lines: int = 200) -> str:
     """Why the engine ended: its status or signal, and the last error line of its log."""
-    how = (f"killed by {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in signal.valid_signals()
+    how = (f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in signal.valid_signals()
            else f"exited with status {returncode}")
     if returncode == -signal.SIGKILL:
         how += " (what the kernel's OOM killer sends)"
@@ -210,7 +210,7 @@ def watch(process: subprocess.Popen, metrics_url: str, limits: WatchLimits, log_
         except subprocess.TimeoutExpired:
             code = None
         if code is not None:
-            return WatchEvent("exit", time.time(), "the engine " + exit_cause(code, log_path) + "; serve exits 1")
+            return WatchEvent("exit", time.time(), "the engine " + exit_cause(code, log_path))
         try:
             mem = read_meminfo(meminfo)
         except OSError:

@@ -53,6 +53,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -98,6 +99,7 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.per_pos = [0] * spec_tokens
         self.prompt_tokens = self.generation_tokens = 0
+        self.running = 0  # requests being generated (vllm:num_requests_running)
         self.cache = cache  # a PrefixCache whose counts /metrics shows (vLLM shows them, zero, without one)
         self.created = time.time()
 
@@ -149,7 +151,8 @@ class Engine:
 
         with self.lock:
             lines.extend(["# HELP vllm:num_requests_running Number of requests in model execution batches.",
-                          "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} 0.0"])
+                          "# TYPE vllm:num_requests_running gauge",
+                          f"vllm:num_requests_running{{{labels}}} {go_float(self.running)}"])
             if self.k:
                 counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", [(labels, self.drafts)])
                 counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", [(labels, self.draft_tokens)])
@@ -314,12 +317,19 @@ class Knobs:
     ``POST /standin/config`` when started with ``--control``."""
 
     FIELDS = ("model", "noise", "fault", "cache_fault", "prefix_caching", "batch_fault", "decode_fault", "trickle",
-              "legacy_echo", "prompt_logprobs", "metrics")
+              "legacy_echo", "prompt_logprobs", "metrics", "hold", "die", "ignore_term")
 
     def __init__(self, **kw):
         self.model, self.noise, self.fault, self.cache_fault = "qwen", 0.0, None, None
         self.prefix_caching, self.batch_fault, self.decode_fault, self.trickle = True, False, False, 0.0
         self.legacy_echo, self.prompt_logprobs, self.metrics = False, True, True
+        # engine faults: ``hold`` stops every streaming request after its first token (counters
+        # frozen, /health 200: a deadlocked engine); ``die`` ends the process at once ("exit0": an
+        # EngineDeadError line then status 0, as vLLM's API server does; a signal name: killed by it);
+        # ``ignore_term``: SIGTERM does nothing (an engine stuck in a CUDA call)
+        self.hold, self.die, self.ignore_term = False, None, False
+        self.held = threading.Event()  # set while ``hold`` is off: held requests wait on it
+        self.held.set()
         self.update(kw)
 
     def update(self, kw: dict) -> None:
@@ -331,6 +341,12 @@ class Knobs:
             raise ValueError(f"fault {self.fault!r}: one of {FAULTS}")
         if self.cache_fault is not None and self.cache_fault not in CACHE_FAULTS:
             raise ValueError(f"cache_fault {self.cache_fault!r}: one of {CACHE_FAULTS}")
+        if self.die is not None and self.die != "exit0" and not self.die.startswith("SIG"):
+            raise ValueError(f"die {self.die!r}: exit0 or a signal name")
+        if self.hold:
+            self.held.clear()
+        else:
+            self.held.set()
 
     def to_json(self) -> dict:
         return {n: getattr(self, n) for n in self.FIELDS}
@@ -581,6 +597,16 @@ class FakeNetwork:
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
 
+def die(how: str) -> None:
+    """End the process as an engine dies: "exit0" prints vLLM's EngineDeadError line and exits 0
+    (what vLLM's API server does after the engine core died, vLLM 48966); a signal name kills it."""
+    if how == "exit0":
+        print("ERROR [async_llm.py] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
+              "See stack trace (above) for the root cause.", flush=True)
+        os._exit(0)
+    os.kill(os.getpid(), getattr(signal, how))
+
+
 class StandinHTTPServer(ThreadingHTTPServer):
     """Knows whether a request has company: a connection counts from its accept until its handler
     ``release``s it (before the answer's first byte, so that a client's next request, sent after
@@ -716,6 +742,8 @@ def main() -> int:
                 self.end_headers()
                 self.wfile.write(body)
                 return
+            if self.path == "/health":  # vLLM's: process flags, not progress (200 while held)
+                return self._json(200, {})
             if self.path != "/v1/models":
                 return self._json(404, {"error": "not found"})
             if time.monotonic() - START < a.ready_after or (a.ready_file and not os.path.exists(a.ready_file)):
@@ -733,7 +761,11 @@ def main() -> int:
                 except ValueError as e:
                     return self._json(400, {"error": str(e)})
                 apply_cache_knobs()
-                return self._json(200, knobs.to_json())
+                self._json(200, {k: v for k, v in knobs.to_json().items()})
+                self.wfile.flush()
+                if knobs.die:
+                    die(knobs.die)
+                return
             if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 return self._json(404, {"error": "not found"})
             if req.get("model") != knobs.model:
@@ -750,24 +782,48 @@ def main() -> int:
             ids = chat_token_ids(req)
             cache.lookup(ids, None)  # counted as vLLM counts it; the stand-in's time does not depend on it
             cache.store(ids, None)
+            # chunked, as vLLM's server (uvicorn) streams: a server that dies mid-answer leaves the
+            # client an incomplete body (an error), where an HTTP/1.0 close would read as the end
+            self.protocol_version = "HTTP/1.1"
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
             self.end_headers()
+            with engine.lock:
+                engine.running += 1
+            try:
+                self._stream(req, ids)
+            finally:
+                with engine.lock:
+                    engine.running -= 1
+
+        def _stream(self, req: dict, ids: list[int]) -> None:
             time.sleep(a.first_delay)
             n = min(a.tokens, req.get("max_tokens") or a.tokens)
             sent = 0
             for i, tokens in enumerate(engine.run(n, prompt_tokens=len(ids))):
                 if i:
+                    knobs.held.wait()  # a held engine: the request runs, no token comes
                     time.sleep(a.token_delay)
                 text = "".join(f"t{sent + j} " for j in range(tokens))
                 sent += tokens
                 ev = {"choices": [{"index": 0, "delta": {"content": text}}]}
-                self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
-                self.wfile.flush()
+                self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
             usage = {"choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": n}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            self._chunk(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            self._chunk(b"")
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
 
+    def on_term(signum, _frame):
+        if not knobs.ignore_term:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     server = StandinHTTPServer(("127.0.0.1", a.port), Handler)
     if a.exit_after is not None:
         def _die():
