@@ -267,7 +267,7 @@ def test_an_engine_that_comes_back_with_other_numerics_is_refused(referenced_art
         run.wait_for("READY", 180)
         _knobs(c, die="exit0")
         _event(run, "exit")
-        run.wait_for("verify failed", 180)
+        run.wait_for("verify FAILED", 180)
         assert _end(run) == 1
     finally:
         _cleanup(run)
