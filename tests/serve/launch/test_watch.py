@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime
@@ -229,6 +231,12 @@ def test_restart_waits_for_memory_starts_again_reverifies_and_is_in_status(tiny_
         record = json.loads((tiny_artifact / SERVE_RECORD.format(profile="dense")).read_text())
         assert record["restarts"] == 1 and record["state"] == "ready"
         assert "killed by SIGKILL" in record["last_fault"]["detail"]
+        said = subprocess.run([sys.executable, "-c", "import sys; from hybrid_build.pipeline.cli import main; "
+                               "sys.exit(main())", "status", str(tiny_artifact)], capture_output=True, text=True,
+                              env=c["env"], timeout=120).stdout
+        line = next(ln for ln in said.splitlines() if ln.startswith("serve    dense:"))
+        assert line.startswith("serve    dense: ready; 1 restart(s) of 1") and "exit: the engine was killed by SIGKILL" \
+            in line, line
         print("timeline:", *[ln for ln in (fault, waiting, back, started, up, verified, ready)], sep="\n  ")
         _knobs(c, die="exit0")
         _event(run, "exit")
