@@ -12,6 +12,11 @@ or a ``CannotVerify``: exit 3, neither a pass nor a failure.
 | 1 | a check failed (or a tool ran and failed) |
 | 2 | bad input: fixing the command line fixes it |
 | 3 | could not run here |
+
+A server's answers (``core/http_client.py``): nothing answers, or an answer the protocol does not
+allow (HTML, not JSON, not Prometheus text, cut off, not UTF-8, over the size cap, nested too deep)
+-> exit 3, nothing could be measured against it; a redirect -> exit 2 (give the server's own URL);
+a 401/403 -> exit 2 (the API key); any other error status -> exit 1 (the server ran and failed).
 """
 
 
@@ -60,6 +65,31 @@ class CannotVerify(HybridBuildError):
     prompt log-probabilities, no reference to compare with. Neither a pass nor a failure: exit 3."""
 
     exit_code = 3
+
+
+class ServerUnreachable(CannotRun, CannotVerify):
+    """No server answers at a URL, the connection broke, or the request's deadline passed. Both a tool
+    that could not run (``bench``, ``serve``) and a check that could not run (``verify``): exit 3."""
+
+
+class ProtocolViolation(CannotRun, CannotVerify):
+    """A server answered what its protocol does not allow: an HTML page or other text where JSON is
+    due, JSON nested too deep to read, bytes that are not UTF-8, a body cut off or over the client's
+    size cap, a ``/metrics`` that is not Prometheus text. Nothing can be measured against it: exit 3."""
+
+
+class RedirectRefused(UserError):
+    """A server answered with a redirect. It is not followed, so the request and its API key go only to
+    the URL given; giving the server's own URL fixes it: exit 2."""
+
+
+class ErrorStatus(ExternalToolError):
+    """A server answered an error status (>= 400, other than 401/403): it ran and failed, exit 1.
+    ``status`` and ``detail`` (the body's first line) let a caller word it or go on."""
+
+    def __init__(self, url: str, status: int, detail: str = "") -> None:
+        super().__init__(f"{url} answered HTTP {status}" + (f": {detail}" if detail else ""))
+        self.url, self.status, self.detail = url, status, detail
 
 
 class KeyRefused(UserError):

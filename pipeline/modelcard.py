@@ -641,7 +641,7 @@ def _eval_section(inp: CardInputs) -> list[str]:
     if not ev.current:
         return lines + [f"`{EVAL.main}` is in this repository but its figures are not shown: {ev.reason}. "
                         "Run `hybrid-build eval` on this build to measure them.", ""]
-    from hybrid_build.validate.task_eval import markdown_rows, settings_line
+    from hybrid_build.validate.eval.task_eval import markdown_rows, settings_line
 
     rep = ev.report
     try:

@@ -44,8 +44,13 @@ mangled) the MTP or drafter weights: the drafter keeps proposing and almost noth
 bonus token is left out of that ratio because it is there even for a useless drafter (a garbage
 1-token MTP has length 1.0 against a healthy one's ~1.8: a ratio of 0.56 that would hide it).
 
+Every request goes through ``core/http_client`` (one pooled client per API key, a deadline for the
+whole request, the body-size cap, SSE parsing, ``/metrics`` through prometheus_client's parser).
 An API key goes to every request (chat, ``/v1/models``, ``/metrics``) as a Bearer token and
-nowhere else; a 401/403 is ``KeyRefused`` (exit 2), one line that names the server, never the key.
+nowhere else: a redirect is not followed (exit 2, one line); a 401/403 is ``KeyRefused`` (exit 2),
+one line that names the server, never the key. An answer the protocol does not allow (HTML, not
+JSON, no model list, a ``/metrics`` that is not Prometheus text, cut off, too large) is one line,
+exit 3.
 """
 from __future__ import annotations
 
@@ -53,18 +58,14 @@ import json
 import logging
 import math
 import operator
-import re
 import statistics
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
-from urllib.parse import urlsplit, urlunsplit
 
-from hybrid_build.core.api_key import bearer, raise_if_refused
-from hybrid_build.core.errors import CannotRun, ExternalToolError, UserError
+from hybrid_build.core.errors import ErrorStatus, ExternalToolError, ProtocolViolation, UserError
+from hybrid_build.core.http_client import HttpClient, Metrics, metrics_url, parse_metrics, shared_client
 
 log = logging.getLogger(__name__)
 
@@ -220,44 +221,15 @@ class SpecCounts:
         return out
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-
-
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Samples of a Prometheus text exposition: name -> [(labels, value)]. Comments are skipped."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-                  for k, v in _LABEL.findall((m.group(2) or "{}")[1:-1])}
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.setdefault(m.group(1), []).append((labels, value))
-    return out
-
-
-def _counter(samples: dict, name: str) -> list[tuple[dict[str, str], float]] | None:
-    # a counter's samples are `<name>_total` in the text format; the bare name is accepted too
-    return samples.get(name + "_total", samples.get(name))
-
-
-def spec_counts(text: str) -> SpecCounts | None:
-    """vLLM's speculative-decoding counters in a ``/metrics`` text, summed over engines; None when
-    the server exposes none (it does not speculate, or it is not vLLM)."""
-    samples = parse_prometheus(text)
-    found = [_counter(samples, n) for n in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED)]
-    if any(f is None for f in found):
+def spec_counts(metrics: Metrics | str) -> SpecCounts | None:
+    """vLLM's speculative-decoding counters in a ``/metrics`` exposition (parsed, or its text), summed
+    over engines; None when the server exposes none (it does not speculate, or it is not vLLM)."""
+    m = parse_metrics("/metrics", metrics.encode()) if isinstance(metrics, str) else metrics
+    found = [m.samples(n) for n in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED)]
+    if any(not f for f in found):
         return None
     per_pos: dict[int, float] = {}
-    for labels, value in _counter(samples, SPEC_ACCEPTED_PER_POS) or []:
+    for labels, value in m.samples(SPEC_ACCEPTED_PER_POS):
         if labels.get("position", "").isdigit():
             per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + value
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
@@ -265,26 +237,25 @@ def spec_counts(text: str) -> SpecCounts | None:
     return SpecCounts(drafts, draft_tokens, accepted, positions)
 
 
-def metrics_url(base_url: str) -> str:
-    """vLLM serves ``/metrics`` at the server root, beside ``/v1``."""
-    parts = urlsplit(base_url.rstrip("/"))
-    path = parts.path[:-3] if parts.path.endswith("/v1") else parts.path
-    return urlunsplit((parts.scheme, parts.netloc, path.rstrip("/") + "/metrics", "", ""))
+def client(api_key: str | None) -> HttpClient:
+    """The process's pooled client for this key, with a connection for every stream at once."""
+    return shared_client(api_key, 600.0, MAX_CONCURRENCY)
+
+
+def read_metrics(base_url: str, timeout: float = 30.0, api_key: str | None = None) -> Metrics | None:
+    """The server's ``/metrics`` now; None when it answers an error status there (none served)."""
+    url = metrics_url(base_url)
+    try:
+        return client(api_key).metrics(url, timeout)
+    except ErrorStatus as e:
+        log.debug("%s: HTTP %s, no acceptance figures", url, e.status)
+        return None
 
 
 def read_spec_counts(base_url: str, timeout: float = 30.0, api_key: str | None = None) -> SpecCounts | None:
     """The server's speculative-decoding counters now; None when it has no ``/metrics`` or none there."""
-    url = metrics_url(base_url)
-    try:
-        with urllib.request.urlopen(_request(url, api_key), timeout=timeout) as r:
-            text = r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        raise_if_refused(e, base_url, bool(api_key))
-        log.debug("%s: HTTP %s, no acceptance figures", url, e.code)
-        return None
-    except (urllib.error.URLError, OSError) as e:
-        raise CannotRun(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
-    return spec_counts(text)
+    m = read_metrics(base_url, timeout, api_key)
+    return None if m is None else spec_counts(m)
 
 
 def acceptance_of(c: SpecCounts) -> dict:
@@ -324,34 +295,19 @@ class RunSample:
         return {**asdict(self), "decode_tok_s": self.decode_tok_s, "e2e_tok_s": self.e2e_tok_s}
 
 
-def _request(url: str, api_key: str | None, data: bytes | None = None) -> urllib.request.Request:
-    """A request to the server, with the API key as a Bearer token where there is one."""
-    headers = {"Content-Type": "application/json"} if data is not None else {}
-    return urllib.request.Request(url, data=data, headers={**headers, **bearer(api_key)})
-
-
-def _open(req: urllib.request.Request, timeout: float, base_url: str):
-    """``urlopen``, with a failure said in one line that names the URL; a 401/403 is the API key's
-    (the line says whether one was sent, never the key)."""
-    url = req.full_url
+def chat_events(base_url: str, body: dict, api_key: str | None, timeout: float):
+    """A streamed chat completion's events (``HttpClient.stream_events``); an error status is one line
+    naming the URL, with what to do where a server refuses tools."""
     try:
-        return urllib.request.urlopen(req, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        raise_if_refused(e, base_url, req.has_header("Authorization"))
-        try:
-            body = e.read().decode("utf-8", "replace").strip().replace("\n", " ")[:300]
-        except (OSError, AttributeError, ValueError):
-            body = ""
-        raise ExternalToolError(f"{url}: HTTP {e.code}" + (f": {body}" if body else "")
-                                + _tools_hint(req, e.code)) from e
-    except (urllib.error.URLError, OSError) as e:
-        raise CannotRun(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
+        yield from client(api_key).stream_events(base_url.rstrip("/") + "/chat/completions", body, timeout)
+    except ErrorStatus as e:
+        raise ExternalToolError(str(e) + _tools_hint(body, e.status)) from None
 
 
-def _tools_hint(req: urllib.request.Request, code: int) -> str:
+def _tools_hint(body: dict, code: int) -> str:
     """What to do when a server refuses a request that carries tools (vLLM started without a
     tool-call parser answers 400): leave the workloads with tools out, or serve with a parser."""
-    if code != 400 or not req.data or b'"tools"' not in req.data:
+    if code != 400 or not body.get("tools"):
         return ""
     with_tools = [name for name, w in WORKLOADS.items() if w.tools]
     rest = ",".join(name for name in WORKLOADS if name not in with_tools)
@@ -360,9 +316,15 @@ def _tools_hint(req: urllib.request.Request, code: int) -> str:
 
 
 def first_model(base_url: str, timeout: float = 10.0, api_key: str | None = None) -> str:
-    with _open(_request(base_url.rstrip("/") + "/models", api_key), timeout, base_url) as r:
-        data = json.loads(r.read().decode())
-    return data["data"][0]["id"]
+    url = base_url.rstrip("/") + "/models"
+    data = client(api_key).get_json(url, timeout)
+    try:
+        model = data["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        raise ProtocolViolation(f"{url} answered no model list (not an OpenAI-compatible server?)") from None
+    if not isinstance(model, str) or not model:
+        raise ProtocolViolation(f"{url} answered a model without an id")
+    return model
 
 
 def request_body(workload: Workload, model: str, max_tokens: int, thinking: bool) -> dict:
@@ -393,34 +355,31 @@ def stream_timed(base_url: str, model: str, workload: Workload | str, max_tokens
     """One streamed chat completion, timed from the request to the first and last token-bearing
     chunks: by the server's running token count where every chunk carries one, else by content."""
     workload = WORKLOADS[workload] if isinstance(workload, str) else workload
-    req = _request(base_url.rstrip("/") + "/chat/completions", api_key,
-                   json.dumps(request_body(workload, model, max_tokens, thinking)).encode())
+    body = request_body(workload, model, max_tokens, thinking)
     t0 = time.perf_counter()
     first = last = None
     chunks = 0
     usage_tokens = None
     counted: list[tuple[float, int]] = []  # (time, running completion-token count) where it grew
-    with _open(req, timeout, base_url) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
+    for event in chat_events(base_url, body, api_key, timeout):
+        usage = event.get("usage") if isinstance(event.get("usage"), dict) else None
+        if usage:
+            usage_tokens = usage.get("completion_tokens")
+            if not isinstance(usage_tokens, int) or isinstance(usage_tokens, bool):
+                usage_tokens = None
+            if event.get("choices") and usage_tokens and (not counted or usage_tokens > counted[-1][1]):
+                counted.append((time.perf_counter(), usage_tokens))
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
+            delta = (choice.get("delta") if isinstance(choice, dict) else None) or {}
+            if not isinstance(delta, dict):
                 continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
-            if event.get("usage"):
-                usage_tokens = event["usage"].get("completion_tokens")
-                if event.get("choices") and usage_tokens and (not counted or usage_tokens > counted[-1][1]):
-                    counted.append((time.perf_counter(), usage_tokens))
-            for choice in event.get("choices") or []:
-                delta = choice.get("delta") or {}
-                if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
-                        or delta.get("tool_calls"):
-                    now = time.perf_counter()
-                    first = first if first is not None else now
-                    last = now
-                    chunks += 1
+            if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
+                    or delta.get("tool_calls"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                chunks += 1
     t_end = time.perf_counter()
     tokens = usage_tokens if usage_tokens is not None else chunks
     if counted:

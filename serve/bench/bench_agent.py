@@ -22,7 +22,6 @@ is the round's.
 """
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -31,9 +30,9 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from hybrid_build.core.errors import ExternalToolError, UserError
-from hybrid_build.validate.verify_http import PREFIX_HITS, PREFIX_QUERIES, counter_sum
+from hybrid_build.validate.verify.verify_paths import PREFIX_HITS, PREFIX_QUERIES
 
-from .bench import _open, _request, _stats, first_model, metrics_url
+from .bench import _stats, chat_events, client, first_model, read_metrics
 
 AGENT_KIND = "hybrid-build bench agent"
 SCHEMA_VERSION = 1
@@ -64,11 +63,13 @@ def messages(session: str, lines: int, turn: str) -> list[dict]:
 
 
 def _first_token(event: dict) -> bool:
-    usage = event.get("usage") or {}
-    if event.get("choices") and (usage.get("completion_tokens") or 0) >= 1:
+    usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
+    count = usage.get("completion_tokens")
+    if event.get("choices") and isinstance(count, (int, float)) and count >= 1:
         return True
-    return any((c.get("delta") or {}).get(k) for c in event.get("choices") or []
-               for k in ("content", "reasoning_content", "reasoning", "tool_calls"))
+    choices = event.get("choices") if isinstance(event.get("choices"), list) else []
+    return any(isinstance(c, dict) and isinstance(c.get("delta"), dict) and c["delta"].get(k)
+               for c in choices for k in ("content", "reasoning_content", "reasoning", "tool_calls"))
 
 
 def ttft_once(base_url: str, model: str, msgs: list[dict], api_key: str | None,
@@ -77,22 +78,13 @@ def ttft_once(base_url: str, model: str, msgs: list[dict], api_key: str | None,
     body = {"model": model, "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "chat_template_kwargs": {"enable_thinking": False}}
-    req = _request(base_url.rstrip("/") + "/chat/completions", api_key, json.dumps(body).encode())
     t0 = time.perf_counter()
     first = prompt_tokens = None
-    with _open(req, timeout, base_url) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
-            if first is None and _first_token(event):
-                first = time.perf_counter()
-            usage = event.get("usage") or {}
-            prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
+    for event in chat_events(base_url, body, api_key, timeout):
+        if first is None and _first_token(event):
+            first = time.perf_counter()
+        usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
+        prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
     if first is None:
         raise ExternalToolError(f"{base_url}: a chat completion streamed no token (max_tokens {MAX_TOKENS})")
     return first - t0, prompt_tokens
@@ -100,13 +92,10 @@ def ttft_once(base_url: str, model: str, msgs: list[dict], api_key: str | None,
 
 def prefix_counts(base_url: str, api_key: str | None) -> tuple[float, float] | None:
     """(tokens looked up, tokens hit) in the server's prefix cache; None without those counters."""
-    req = _request(metrics_url(base_url), api_key)
-    try:
-        with _open(req, 30.0, base_url) as r:
-            text = r.read().decode("utf-8", "replace")
-    except ExternalToolError:
+    m = read_metrics(base_url, 30.0, api_key)
+    if m is None:
         return None
-    q, h = counter_sum(text, PREFIX_QUERIES), counter_sum(text, PREFIX_HITS)
+    q, h = m.counter(PREFIX_QUERIES), m.counter(PREFIX_HITS)
     return None if q is None or h is None else (q, h)
 
 
@@ -269,9 +258,10 @@ def bench_agent(base_url: str, model: str | None = None, contexts: list[int] | N
 
 
 def _max_model_len(base_url: str, model: str, api_key: str | None) -> int | None:
-    with _open(_request(base_url.rstrip("/") + "/models", api_key), 30.0, base_url) as r:
-        data = json.loads(r.read().decode())
-    entry = next((m for m in data.get("data", []) if m.get("id") == model), {})
+    data = client(api_key).get_json(base_url.rstrip("/") + "/models", 30.0)
+    listed = data.get("data") if isinstance(data, dict) else None
+    entry = next((m for m in listed if isinstance(m, dict) and m.get("id") == model), {}) \
+        if isinstance(listed, list) else {}
     v = entry.get("max_model_len")
     return v if isinstance(v, int) and v > 0 else None
 

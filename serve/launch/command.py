@@ -214,6 +214,8 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
     Every event is one line with its time, on stdout and in the serve log, and in the artifact's
     serve record (``status``). A stop signal tears everything down, during a restart too."""
     from .launcher import plan_key, smoke_test, start, wait_ready
+    from hybrid_build.core.http_client import metrics_url
+
     from .serve_record import ServeRecord
     from .watch import WatchEvent, WatchLimits, stop_engine, wait_for_memory, watch
 
@@ -266,7 +268,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
                     print(f"smoke test: {answer[:80]!r}")
                 print("Ctrl-C stops the server.")
             sys.stdout.flush()
-            fault = watch(server.process, plan.base_url.removesuffix("/v1") + "/metrics", limits, log_path)
+            fault = watch(server.process, metrics_url(plan.base_url), limits, log_path)
             t_fault = time.monotonic()
             how = stop_engine(server.process, limits.stop_grace_s)
             detail = fault.detail if fault.kind == "exit" else f"{fault.detail}; engine {how}"
@@ -409,8 +411,8 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     goes on. Returns what ``--json`` reports under ``verify``."""
     from hybrid_build.core.errors import CannotVerify, NumericsError
     from hybrid_build.core.redaction import redact
-    from hybrid_build.validate.verify import load_reference, render, verify_server
-    from hybrid_build.validate.verify_paths import PathOptions, checker
+    from hybrid_build.validate.verify.verify import load_reference, render, verify_server
+    from hybrid_build.validate.verify.verify_paths import PathOptions, checker
 
     from .launcher import plan_key
 

@@ -14,14 +14,12 @@ import os
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybrid_build.core.api_key import REFUSED, bearer, raise_if_refused
-from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError
+from hybrid_build.core.errors import ArtifactError, CannotRun, ErrorStatus, ExternalToolError, KeyRefused, UserError
+from hybrid_build.core.http_client import HttpClient
 from hybrid_build.recipes.profiles import SMOKE_EXPECT, SMOKE_PROMPT
 
 from .engine import LaunchPlan
@@ -45,10 +43,10 @@ def plan_key(plan: LaunchPlan) -> str | None:
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 10.0, api_key: str | None = None) -> dict:
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **bearer(api_key)})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read().decode())
+    """One request through ``core/http_client`` (a deadline for the whole request, no redirect, the
+    body-size cap); a 401/403 is ``KeyRefused`` with serve's hint."""
+    with HttpClient(api_key=api_key, timeout=timeout, refused_hint=serve_hint(bool(api_key))) as c:
+        return c.get_json(url) if payload is None else c.post_json(url, payload)
 
 
 def check_prerequisites(plan: LaunchPlan) -> None:
@@ -139,11 +137,10 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
         try:
             http_json(url, timeout=min(5.0, poll * 5), api_key=key)
             return time.monotonic() - t0
-        except urllib.error.HTTPError as e:
-            if e.code in REFUSED:  # up, and refusing us: waiting longer changes nothing
-                server.stop()
-                raise_if_refused(e, server.plan.base_url, bool(key), serve_hint(bool(key)))
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
+        except (KeyRefused, UserError):  # up, and refusing us (or redirecting): waiting longer changes nothing
+            server.stop()
+            raise
+        except (CannotRun, ErrorStatus):  # not up yet: no answer, 503 while loading, a half-started server
             pass
         elapsed = time.monotonic() - t0
         if on_tick:
@@ -164,11 +161,8 @@ def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | 
         r = http_json(base_url + "/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": SMOKE_PROMPT}],
             "max_tokens": 64, "temperature": 0}, timeout=timeout, api_key=api_key)
-    except urllib.error.HTTPError as e:
-        raise_if_refused(e, base_url, bool(api_key), serve_hint(bool(api_key)))
-        raise ArtifactError(f"smoke test: the server answered HTTP {e.code}: {e.read()[:300].decode(errors='replace')}")
-    except (urllib.error.URLError, OSError) as e:
-        raise ArtifactError(f"smoke test: no answer from {base_url} ({e})")
+    except (ErrorStatus, CannotRun) as e:  # an error status, no answer, an answer that is not JSON
+        raise ArtifactError(f"smoke test: {e}")
     try:
         msg = r["choices"][0]["message"]
         text = (msg.get("content") or "") + (msg.get("reasoning_content") or msg.get("reasoning") or "")

@@ -116,34 +116,23 @@ class Progress:
     tokens: float  # vllm:generation_tokens_total + vllm:prompt_tokens_total, every engine
 
 
-def parse_progress(text: str) -> Progress:
-    """vLLM's ``/metrics`` text -> ``Progress`` (prometheus_client's parser: a family's samples
-    summed over engines and models)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    running = tokens = 0.0
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "vllm:num_requests_running":
-            running += sum(s.value for s in fam.samples)
-        elif fam.name in ("vllm:generation_tokens", "vllm:prompt_tokens"):
-            tokens += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+def progress_of(metrics) -> Progress:
+    """``core.http_client.Metrics`` (prometheus_client's parse of vLLM's ``/metrics``) -> ``Progress``,
+    each family summed over engines and models."""
+    running = sum(v for _, v in metrics.samples("vllm:num_requests_running"))
+    tokens = (metrics.counter("vllm:generation_tokens") or 0.0) + (metrics.counter("vllm:prompt_tokens") or 0.0)
     return Progress(running, tokens)
 
 
-def scrape(metrics_url: str, timeout: float) -> Progress | None:
-    """One ``/metrics`` reading; None when it does not answer 200."""
-    import httpx
+def scrape(client, metrics_url: str) -> Progress | None:
+    """One ``/metrics`` reading; None when it does not answer, or not with Prometheus text."""
+    from hybrid_build.core.errors import HybridBuildError
 
     try:
-        r = httpx.get(metrics_url, timeout=timeout, follow_redirects=False)
-    except httpx.HTTPError:
+        got = client.metrics(metrics_url)
+    except HybridBuildError:
         return None
-    if r.status_code != 200:
-        return None
-    try:
-        return parse_progress(r.text)
-    except ValueError:
-        return None
+    return None if got is None else progress_of(got)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -200,6 +189,16 @@ def watch(process: subprocess.Popen, metrics_url: str, limits: WatchLimits, log_
     """Watch a READY engine until one of the faults (module docstring); returns it. The engine is
     still running when a stall or memory event returns (the caller stops it: ``stop_engine``). A stop
     signal raises ``Interrupted`` out of the wait, as anywhere in the main thread."""
+    from hybrid_build.core.http_client import HttpClient
+
+    client = HttpClient(timeout=max(limits.poll_s, 2.0), connections=1)
+    try:
+        return _watch(process, metrics_url, limits, log_path, meminfo, clock, client)
+    finally:
+        client.close()
+
+
+def _watch(process, metrics_url, limits, log_path, meminfo, clock, client) -> WatchEvent:
     last_tokens: float | None = None
     moved = clock()  # when the counters last moved, or no request was running
     moved_wall = time.time()
@@ -219,7 +218,7 @@ def watch(process: subprocess.Popen, metrics_url: str, limits: WatchLimits, log_
         if available is not None and available < limits.memory_reserve:
             return WatchEvent("memory", time.time(), memory_words(available, limits.memory_reserve,
                                                                   mem.get("MemTotal"), limits.gpu_memory_utilization))
-        got = scrape(metrics_url, timeout=max(limits.poll_s, 1.0))
+        got = scrape(client, metrics_url)
         now = clock()
         answered = answered or got is not None
         if not answered or (got is not None and (got.running == 0 or got.tokens != last_tokens)):

@@ -25,6 +25,9 @@ LAYERS = ("calibration", "core", "recipes", "validate", "serve", "pipeline")
 # serve's sub-packages, one per process they run in, ground first: ``runtime`` runs inside vLLM and
 # imports nothing else of hybrid_build (the docker engine mounts that folder alone)
 SERVE_LAYERS = ("runtime", "speed", "bench", "launch")
+# validate's sub-packages above its own modules (the artifact's checks, the reference): a server
+# checked (verify), then task accuracy (eval)
+VALIDATE_LAYERS = ("verify", "eval")
 RUNTIME = "hybrid_build.serve.runtime"
 
 
@@ -157,6 +160,8 @@ def _layer(name: str) -> tuple[int, int]:
     """(folder, sub-package within serve); the serve package's own __init__ is below its sub-packages."""
     parts = name.split(".")
     sub = SERVE_LAYERS.index(parts[2]) + 1 if parts[1] == "serve" and len(parts) > 2 else 0
+    if parts[1] == "validate" and len(parts) > 3:
+        sub = VALIDATE_LAYERS.index(parts[2]) + 1
     return LAYERS.index(parts[1]), sub
 
 
@@ -167,6 +172,8 @@ def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 def test_every_folder_is_a_layer():
     assert {name.split(".")[1] for name in MODULES} == set(LAYERS)
     assert {name.split(".")[2] for name in MODULES if name.startswith("hybrid_build.serve.")} == set(SERVE_LAYERS)
+    assert {name.split(".")[2] for name in MODULES
+            if name.startswith("hybrid_build.validate.") and name.count(".") > 2} == set(VALIDATE_LAYERS)
 
 
 def _hybrid_build_imports(path: Path) -> set[str]:
@@ -209,7 +216,9 @@ def test_an_upward_import_between_folders_is_caught(monkeypatch):
     for a, b in [("hybrid_build.core.checkpoint", "hybrid_build.pipeline.runner"),
                  ("hybrid_build.recipes.schema", "hybrid_build.serve.launch.engine"),
                  ("hybrid_build.validate.checks", "hybrid_build.serve.runtime.plugin"),
-                 ("hybrid_build.serve.runtime.fixes", "hybrid_build.serve.launch.engine")]:
+                 ("hybrid_build.serve.runtime.fixes", "hybrid_build.serve.launch.engine"),
+                 ("hybrid_build.validate.report", "hybrid_build.validate.verify.verify"),
+                 ("hybrid_build.validate.verify.verify", "hybrid_build.validate.eval.task_eval")]:
         monkeypatch.setitem(GRAPH, a, GRAPH[a] | {b})
         assert (a, b) in _upward(GRAPH)
         monkeypatch.undo()

@@ -271,7 +271,7 @@ def test_provenance_without_kind_or_content_hashes(artifact, old_id):
 def write_eval_report(artifact, pairs=None):
     """An eval report as `hybrid-build eval` writes it, for this build (no lm-eval run: its figures are
     made up, the statistics are the real ones)."""
-    from hybrid_build.validate.task_eval import (
+    from hybrid_build.validate.eval.task_eval import (
         BUNDLED_DATASET,
         HF_NOTE,
         AccuracyReport,

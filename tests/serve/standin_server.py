@@ -607,6 +607,48 @@ def die(how: str) -> None:
     os.kill(os.getpid(), getattr(signal, how))
 
 
+class _Req:
+    """What a fake ``urlopen`` reads of a request (``full_url``, ``data``, ``get_header``), from httpx's."""
+
+    def __init__(self, request):
+        self.full_url, self.data = str(request.url), request.content or None
+        self._headers = request.headers
+
+    def get_header(self, name: str, default=None):
+        return self._headers.get(name, default)
+
+    def has_header(self, name: str) -> bool:
+        return name in self._headers
+
+
+def mock_transport(urlopen):
+    """An ``httpx.MockTransport`` over a fake ``urlopen(req, timeout)``: the stand-in in process behind
+    ``core/http_client.TRANSPORT`` (a test sets it); a streamed body stays lazy, so the fake clock
+    moves as the client reads."""
+    import urllib.error
+
+    import httpx
+
+    def handle(request):
+        try:
+            got = urlopen(_Req(request), None)
+        except urllib.error.HTTPError as e:
+            body = e.fp.read() if getattr(e, "fp", None) is not None else b""
+            return httpx.Response(e.code, content=body)
+        except urllib.error.URLError as e:
+            raise httpx.ConnectError(str(e.reason), request=request) from None
+        return httpx.Response(200, content=iter(got) if got.lines is not None else got.data)
+
+    return httpx.MockTransport(handle)
+
+
+def use_network(monkeypatch, urlopen) -> None:
+    """Every client made after this sends to the fake ``urlopen``."""
+    from hybrid_build.core import http_client
+
+    monkeypatch.setattr(http_client, "TRANSPORT", mock_transport(urlopen))
+
+
 class StandinHTTPServer(ThreadingHTTPServer):
     """Knows whether a request has company: a connection counts from its accept until its handler
     ``release``s it (before the answer's first byte, so that a client's next request, sent after

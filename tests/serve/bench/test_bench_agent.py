@@ -21,7 +21,7 @@ from hybrid_build.serve.bench.bench_agent import MAX_TOKENS, parse_contexts
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from standin_server import Engine, FakeNetwork, FakeServer, PrefixCache, chat_token_ids  # noqa: E402
+from standin_server import Engine, FakeNetwork, FakeServer, PrefixCache, chat_token_ids, use_network  # noqa: E402
 
 FIRST, PREFILL, BLOCK = 0.05, 1e-4, 16
 
@@ -33,7 +33,7 @@ def agent_network(monkeypatch, cache: bool = True, max_model_len: int | None = N
                         max_model_len=max_model_len)
     net = FakeNetwork({"a:1": server})
     monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+    use_network(monkeypatch, net.urlopen)
     return net
 
 

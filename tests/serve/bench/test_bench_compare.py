@@ -20,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_build.core.errors import ProtocolViolation
+from hybrid_build.core.http_client import parse_metrics
 from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.bench import bench as bench_mod
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 import vllm_sources  # noqa: E402
-from standin_server import Engine, FakeNetwork, FakeServer  # noqa: E402
+from standin_server import Engine, FakeNetwork, FakeServer, use_network  # noqa: E402
 
 VERDICT = re.compile(r"^(B (faster|slower) by \d+\.\d%|within noise)$")
 
@@ -35,7 +37,7 @@ def fake_network(monkeypatch, **servers) -> FakeNetwork:
     clock = [1000.0]
     net = FakeNetwork({host: FakeServer(clock, **kw) for host, kw in servers.items()})
     monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+    use_network(monkeypatch, net.urlopen)
     return net
 
 
@@ -70,16 +72,21 @@ def test_spec_counts_sum_engines_and_ignore_the_rest():
         vllm:generation_tokens_total{engine="0",model_name="qwen"} 999.0
         ''')
     assert bench_mod.spec_counts(text) == bench_mod.SpecCounts(15, 60, 27, (11, 7))
-    assert bench_mod.parse_prometheus(text)["vllm:spec_decode_num_accepted_tokens_total"][0][0] == {
+    assert parse_metrics("/metrics", text.encode()).samples("vllm:spec_decode_num_accepted_tokens")[0][0] == {
         "engine": "0", "model_name": 'a "quoted", name'}
     # an exposition without the _total suffix (bare counter names) reads the same
     assert bench_mod.spec_counts(text.replace("_total{", "{")) == bench_mod.SpecCounts(15, 60, 27, (11, 7))
 
 
-@pytest.mark.parametrize("text", ["", "<html>not found</html>", Engine(spec_tokens=0).render()],
-                         ids=["empty", "not-prometheus", "vllm-without-speculation"])
+@pytest.mark.parametrize("text", ["", Engine(spec_tokens=0).render()], ids=["empty", "vllm-without-speculation"])
 def test_no_spec_counters_is_none(text):
     assert bench_mod.spec_counts(text) is None
+
+
+@pytest.mark.parametrize("text", ["<html>not found</html>", '{"data": []}', "this is { not prometheus"])
+def test_a_metrics_text_that_is_not_prometheus_is_one_line(text):
+    with pytest.raises(ProtocolViolation, match="not Prometheus text"):
+        bench_mod.spec_counts(text)
 
 
 @pytest.mark.parametrize("base, metrics", [

@@ -26,7 +26,7 @@ from hybrid_build.serve.bench import bench as bench_mod
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from standin_server import Engine, FakeNetwork, FakeServer, _Body  # noqa: E402
+from standin_server import Engine, FakeNetwork, FakeServer, _Body, use_network  # noqa: E402
 
 KEY = "sk-test-7f3a9c"  # what must never be printed
 TICK = 0.01
@@ -158,7 +158,7 @@ class LockstepNetwork:
 def lockstep(monkeypatch, hosts=("s",), concurrency=4, **kw) -> LockstepNetwork:
     net = LockstepNetwork(hosts, concurrency, **kw)
     monkeypatch.setattr(bench_mod.time, "perf_counter", net.clock.perf_counter)
-    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+    use_network(monkeypatch, net.urlopen)
     return net
 
 
@@ -313,7 +313,7 @@ def _saved(monkeypatch, tmp_path, name: str, concurrency: int, tick: float = TIC
         clock = [0.0]
         net = FakeNetwork({"s": FakeServer(clock, Engine(spec_tokens=4, accepted=(3,)), tokens=TOKENS)})
         monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
-        monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+        use_network(monkeypatch, net.urlopen)
     else:
         lockstep(monkeypatch, concurrency=concurrency, tick=tick, accepted=accepted)
     path = tmp_path / name

@@ -20,7 +20,7 @@ from hybrid_build.serve.launch.launcher import check_prerequisites, smoke_test, 
 
 STANDIN = Path(__file__).resolve().parents[1] / "standin_server.py"
 sys.path.insert(0, str(STANDIN.parent))
-from standin_server import Engine, FakeNetwork, FakeServer  # noqa: E402
+from standin_server import Engine, FakeNetwork, FakeServer, use_network  # noqa: E402
 
 
 def free_port() -> int:
@@ -177,7 +177,7 @@ def _fake(monkeypatch, **servers) -> tuple[list[float], FakeNetwork]:
     clock = [1000.0]
     net = FakeNetwork({host: FakeServer(clock, **kw) for host, kw in servers.items()})
     monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+    use_network(monkeypatch, net.urlopen)
     return clock, net
 
 
@@ -220,7 +220,7 @@ def test_blank_chunks_do_not_shrink_the_decode_window(monkeypatch, blank, window
     clock = [0.0]
     net = FakeNetwork({"t": NoRunningCount(clock, Engine(), tokens=30, first=0.3, steps=0.02, blank=blank)})
     monkeypatch.setattr(bench_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(bench_mod.urllib.request, "urlopen", net.urlopen)
+    use_network(monkeypatch, net.urlopen)
     r = bench_mod.bench("http://t/v1", runs=2, max_tokens=30, workloads=["code"])["results"][0]
     assert r["ttft_s"] == pytest.approx(0.3 + ttft_steps * 0.02)  # the first visible text
     assert r["decode_tok_s"] == pytest.approx(29 / (window_steps * 0.02))  # 29 tokens over the visible window
@@ -300,4 +300,4 @@ def test_bench_cli_errors(capsys):
     assert main(["bench", "http://a/v1", "http://b/v1", "http://c/v1"]) == 2
     assert main(["bench", f"http://127.0.0.1:{free_port()}/v1", "--runs", "1"]) == 3  # no server: could not run
     err = capsys.readouterr().err
-    assert "cannot reach" in err and err.count("\n") == 4
+    assert "no server answers at" in err and err.count("\n") == 4

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.validate.verify import (
+from hybrid_build.validate.verify.verify import (
     LOGPROB_SLACK,
     check_position,
     exceeds,
@@ -29,7 +29,7 @@ from hybrid_build.validate.verify import (
     request_body,
 )
 
-STANDIN = Path(__file__).resolve().parents[1] / "serve" / "standin_server.py"
+STANDIN = Path(__file__).resolve().parents[2] / "serve" / "standin_server.py"
 
 
 # ------------------------------------------------------------------------------------ the estimate
@@ -399,10 +399,11 @@ def test_could_not_run_prints_json_too(referenced_artifact, capsys):
 
 
 def test_the_deadline_holds_while_the_headers_trickle():
-    """A server that never finishes its header lines (one byte every 20 ms): the watchdog ends the
-    read inside http.client at the deadline. The server thread stops on an event the test sets."""
+    """A server that never finishes its header lines (one byte every 20 ms): each read waits at most
+    the time left, so the request ends at its deadline though every read returns within any
+    per-read timeout. The server thread stops on an event the test sets."""
     from hybrid_build.core.errors import CannotVerify
-    from hybrid_build.validate.verify_http import fetch
+    from hybrid_build.core.http_client import HttpClient
 
     stop, listener = threading.Event(), socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -423,7 +424,7 @@ def test_the_deadline_holds_while_the_headers_trickle():
     server.start()
     try:
         with pytest.raises(CannotVerify, match="did not answer within 0.3 s"):
-            fetch(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/models", timeout=0.3)
+            HttpClient(timeout=0.3).get(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/models")
     finally:
         stop.set()
         server.join(timeout=30)

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from hybrid_build.pipeline.cli import main
-from hybrid_build.validate import eval_taskset, task_eval
-from hybrid_build.validate.task_eval import EvalSettings, ServerModel, compare_pairs, mcnemar_exact
+from hybrid_build.validate.eval import eval_taskset, task_eval
+from hybrid_build.validate.eval.task_eval import EvalSettings, ServerModel, compare_pairs, mcnemar_exact
 
 ROW_KEYS = {"task", "metric", "n", "source", "hybrid", "difference", "ci95", "recovery_pct", "only_source",
             "only_hybrid", "p_value", "test", "verdict", "source_stderr", "hybrid_stderr", "dataset", "num_fewshot"}
@@ -26,7 +26,8 @@ def test_the_shipped_jsonl_is_what_the_generator_writes():
     folder = eval_taskset.task_dir()
     for kind, count in eval_taskset.COUNTS.items():
         text = (folder / f"{kind}.jsonl").read_text(encoding="utf-8")
-        assert text == eval_taskset.jsonl_text(kind), f"{kind}.jsonl: run python -m hybrid_build.validate.eval_taskset"
+        assert text == eval_taskset.jsonl_text(kind), \
+            f"{kind}.jsonl: run python -m hybrid_build.validate.eval.eval_taskset"
         items = [json.loads(line) for line in text.splitlines()]
         assert len(items) == count and len({i["id"] for i in items}) == count
         for item in items:

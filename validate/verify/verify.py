@@ -31,23 +31,23 @@ decode path (through the drafter where one is served).
 Outcomes: ``passed``, ``failed`` and ``could not run`` (a path that could not run, for a
 ``VerifyReport``), or ``CannotVerify`` (exit 3, one line): nothing answers, the model asked for is
 not served, no prompt log-probabilities, no reference, a request past its deadline (``--timeout``
-bounds each whole request: ``verify_http``). A server that refuses the API key (none, or another:
-HTTP 401/403) is ``KeyRefused``, a usage mistake (exit 2, one line).
-"""
+bounds each whole request: ``core/http_client``), an answer the protocol does not allow (HTML, not
+JSON, cut off, too large, not UTF-8, nested too deep, a ``/metrics`` that is not Prometheus text).
+A redirect is not followed (``RedirectRefused``, exit 2: give the server's own URL). A server that
+refuses the API key (none, or another: HTTP 401/403) is ``KeyRefused``, a usage mistake (exit 2, one
+line)."""
 from __future__ import annotations
 
 import json
 import math
-import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hybrid_build.core.api_key import client_key, raise_if_refused
-from hybrid_build.core.errors import CannotVerify, HybridBuildError, UserError
+from hybrid_build.core.api_key import client_key
+from hybrid_build.core.errors import CannotVerify, ErrorStatus, HybridBuildError, UserError
+from hybrid_build.core.http_client import HttpClient, one_line, shared_client
 from hybrid_build.recipes.schema import VerifySpec
-
-from .verify_http import fetch_json, http_detail, one_line
 
 KIND = "hybrid-build verify"
 SCHEMA_VERSION = 2  # 2: "violations", "paths", "vocab_size"; "could not run" as an outcome
@@ -220,14 +220,18 @@ def check_prompt(name: str, rows, token_ids: list[int], k: int, vocab: int | Non
 # ------------------------------------------------------------------------------------ the server
 
 
+def client(api_key: str | None, timeout: float) -> HttpClient:
+    """The process's pooled client for this key and deadline (``verify`` and ``serve``'s check)."""
+    return shared_client(api_key, timeout)
+
+
 def served_models(base_url: str, api_key: str | None, timeout: float) -> dict[str, dict]:
     """The models the server lists, by id, each with what it says of itself (vLLM: ``max_model_len``)."""
     url = base_url + "/models"
     try:
-        data = fetch_json(url, None, api_key, timeout)
-    except urllib.error.HTTPError as e:
-        raise_if_refused(e, base_url, bool(api_key))
-        raise CannotVerify(f"could not verify: {url} answered {http_detail(e)}") from None
+        data = client(api_key, timeout).get_json(url)
+    except ErrorStatus as e:
+        raise CannotVerify(f"could not verify: {e}") from None
     try:
         return {str(m["id"]): m for m in data["data"] if isinstance(m, dict)}
     except (KeyError, TypeError):
@@ -257,10 +261,10 @@ def prompt_answer(base_url: str, model: str, token_ids: list[int], k: int, api_k
     url, tried = base_url + "/completions", []
     for protocol in protocols:
         try:
-            data = fetch_json(url, {**request_body(protocol, model, token_ids, k), **(extra or {})}, api_key, timeout)
-        except urllib.error.HTTPError as e:
-            raise_if_refused(e, base_url, bool(api_key))
-            tried.append(f"{protocol}: {http_detail(e)}")
+            data = client(api_key, timeout).post_json(url, {**request_body(protocol, model, token_ids, k),
+                                                            **(extra or {})})
+        except ErrorStatus as e:
+            tried.append(f"{protocol}: HTTP {e.status}" + (f": {e.detail}" if e.detail else ""))
             continue
         choices = data.get("choices") if isinstance(data, dict) else None
         choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
@@ -484,7 +488,7 @@ def could_not_run_json(message: str, exit_code: int, url: str | None = None) -> 
 
 def load_reference(artifact: Path):
     """The artifact's current reference, or ``CannotVerify`` saying why there is none."""
-    from .reference import read_reference
+    from ..reference import read_reference
 
     try:
         return read_reference(Path(artifact))

@@ -400,7 +400,7 @@ def evaluate_hf(source_root: Path, artifact_root: Path, modules: list[str], sett
         spec.write_text(json.dumps({"source": str(source_root), "artifact": str(artifact_root), "modules": modules,
                                     "settings": settings.to_json()}))
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "hybrid_build.validate.task_eval_hf", "--spec", str(spec), "--out", str(out)]
+        cmd = [sys.executable, "-m", "hybrid_build.validate.eval.task_eval_hf", "--spec", str(spec), "--out", str(out)]
         t0 = time.monotonic()
         with open(err, "w") as err_f:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_f, text=True, env=env)

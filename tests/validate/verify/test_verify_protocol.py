@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_build.validate.verify import PROTOCOLS, Served, request_body
-from hybrid_build.validate.verify_http import PREFIX_HITS, PREFIX_QUERIES
-from hybrid_build.validate.verify_paths import SPEC_DRAFTS, generation_body
+from hybrid_build.validate.verify.verify import PROTOCOLS, Served, request_body
+from hybrid_build.validate.verify.verify_paths import PREFIX_HITS, PREFIX_QUERIES, SPEC_DRAFTS, generation_body
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "serve"))
 import vllm_sources  # noqa: E402  (tests/serve: where the unpacked vLLM wheels are found)
 
 PROTOCOL_FILE = "vllm/entrypoints/openai/completion/protocol.py"

@@ -10,9 +10,9 @@ choice with one right answer, so that a model is scored by the log-likelihood of
 - ``toolcall``: the JSON call that answers a request, given five tools; distractors call the wrong
   tool, change an argument's value or swap two arguments.
 
-The files under ``validate/eval_tasks/`` (lm-eval task YAML, the loader ``tasks.py`` and the
+The files under ``validate/eval/eval_tasks/`` (lm-eval task YAML, the loader ``tasks.py`` and the
 JSONL written here) ship with the package; the YAML tasks read the JSONL through the loader, so
-no task needs the network. ``python -m hybrid_build.validate.eval_taskset`` rewrites the JSONL
+no task needs the network. ``python -m hybrid_build.validate.eval.eval_taskset`` rewrites the JSONL
 (byte for byte the same: a test checks it).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ BUNDLED_TASKS = tuple(GROUPS) + GROUPS["hybrid_build"] + GROUPS["hybrid_build_ge
 
 def task_dir() -> Path:
     """The folder of the bundled lm-eval tasks (the TaskManager's include path)."""
-    return Path(str(resources.files("hybrid_build.validate") / TASK_FOLDER))
+    return Path(str(resources.files("hybrid_build.validate.eval") / TASK_FOLDER))
 
 
 # ------------------------------------------------------------------------------------ arithmetic

@@ -98,9 +98,9 @@ def _number(flag: str, text: str, kind=float, least: float = 0.0, strict: bool =
 
 def _options(args: argparse.Namespace):
     from hybrid_build.core.errors import UserError
+    from hybrid_build.core.http_client import check_url
 
     from .verify import claimed_prefix_caching
-    from .verify_http import check_url
     from .verify_paths import PathOptions, checker
 
     check_url(args.url)

@@ -1,7 +1,7 @@
 """The child process of ``hybrid-build eval``'s Hugging Face backend: lm-eval on the source, then on
 the hybrid (the same model object with the artifact's converted modules dequantized into it).
 
-``python -m hybrid_build.validate.task_eval_hf --spec SPEC --out OUT``: the spec names the source,
+``python -m hybrid_build.validate.eval.task_eval_hf --spec SPEC --out OUT``: the spec names the source,
 the artifact, the converted modules and the settings (``accuracy.EvalSettings``); the result is
 ``{"source": lm-eval results, "hybrid": lm-eval results, "modules_replaced": n, "seconds": s}``,
 or ``{"error": sentence, "kind": "user" | "artifact"}`` when it cannot run. Progress goes to
@@ -43,7 +43,7 @@ def _load(source: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .transformers_forward import TOKENIZER_FILES, _upcast
+    from ..transformers_forward import TOKENIZER_FILES, _upcast
 
     folder = Path(source)
     if folder.is_dir() and not any((folder / n).exists() for n in TOKENIZER_FILES):
@@ -61,7 +61,7 @@ def _swap_in(model, artifact: str, modules: list[str]) -> int:
     from hybrid_build.core.checkpoint import Checkpoint
     from hybrid_build.core.weights import load_weight
 
-    from .transformers_forward import _find_module
+    from ..transformers_forward import _find_module
 
     ckpt = Checkpoint.read_folder(Path(artifact))
     for name in modules:
@@ -74,7 +74,7 @@ def _swap_in(model, artifact: str, modules: list[str]) -> int:
 
 
 def _child(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybrid_build.validate.task_eval_hf")
+    ap = argparse.ArgumentParser(prog="python -m hybrid_build.validate.eval.task_eval_hf")
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

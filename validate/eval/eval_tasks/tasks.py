@@ -1,7 +1,7 @@
 """Loader and scorer of hybrid-build's bundled lm-eval tasks (referenced from the YAML beside it).
 
 lm-eval imports this file by path (``!function tasks.NAME``). The items are the JSONL files in
-this folder, written by ``python -m hybrid_build.validate.eval_taskset``; nothing is downloaded.
+this folder, written by ``python -m hybrid_build.validate.eval.eval_taskset``; nothing is downloaded.
 """
 from __future__ import annotations
 

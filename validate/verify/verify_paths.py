@@ -16,7 +16,7 @@ entry is an id, ``ignore_eos`` so that every continuation has its full length, t
   ``CompletionRequest.cache_salt``, through ``renderers/online_renderer.py`` ``preprocess_cmpl``'s
   ``prompt_extras`` in 0.25.1), so the first request cannot hit anything cached before and the
   second hits what the first left. The hit is read from ``/metrics`` (``vllm:prefix_cache_queries``
-  and ``vllm:prefix_cache_hits``, tokens, ``verify_http``): no lookups means caching is off; where the
+  and ``vllm:prefix_cache_hits``, tokens, ``PREFIX_QUERIES``): no lookups means caching is off; where the
   profile turns caching on (``PathOptions.prefix_caching``), caching off or a warm run with zero hits
   is a failure. The warm continuation is compared with the cold one.
 - **concurrency**: N prompts (the reference texts, each stream its own) each answered alone, then
@@ -48,15 +48,13 @@ from __future__ import annotations
 import re
 import threading
 import time
-import urllib.error
 import uuid
 from dataclasses import dataclass, field
 
-from hybrid_build.core.api_key import raise_if_refused
-from hybrid_build.core.errors import CannotVerify
+from hybrid_build.core.errors import CannotVerify, ErrorStatus
+from hybrid_build.core.http_client import HttpClient, metrics_url
 
-from .verify import Position, Served, check_position, check_prompt, exceeds, kl_lumped, p99, prompt_answer
-from .verify_http import Exchange, counter_sum, fetch, http_detail, metrics_url, parse_json, prefix_cache_counts
+from .verify import Position, Served, check_position, check_prompt, client, exceeds, kl_lumped, p99, prompt_answer
 from .verify_options import CACHE_GEN, CACHE_TOKENS, CONCURRENCY, LOGPROB_TOL, PATHS  # noqa: F401
 
 CONCURRENCY_GEN = 16
@@ -66,8 +64,25 @@ TOKEN_ID = re.compile(r"token_id:(\d+)")
 COUNTER_SETTLE_S = (0.1, 0.2, 0.4)  # re-reads of /metrics when a request's lookups are not counted yet
 
 
+# vLLM's prefix-cache counters (v1/metrics/loggers.py, PrometheusStatLogger, in 0.23.0, 0.25.1, 0.26.0
+# and 0.33.0): tokens looked up in the cache and tokens found there, summed over engines. The
+# scheduler counts them in KVCacheManager.get_computed_blocks, which returns before counting for a
+# request that skips reading the cache (one asking for prompt log-probabilities) or when caching is
+# off: no queries means no lookup happened.
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_HITS = "vllm:prefix_cache_hits"
+
+
 class PathCannotRun(CannotVerify):
     """A path could not be checked on this server (no generated log-probabilities, an error status)."""
+
+
+def prefix_cache_counts(base_url: str, api_key: str | None, timeout: float) -> tuple[float, float] | None:
+    """(queries, hits) of the server's prefix cache now, in tokens; None when it serves no
+    ``/metrics`` (404) or no such counters (not vLLM, or stats off)."""
+    m = client(api_key, timeout).metrics(metrics_url(base_url))
+    queries, hits = (None, None) if m is None else (m.counter(PREFIX_QUERIES), m.counter(PREFIX_HITS))
+    return None if queries is None or hits is None else (queries, hits)
 
 
 @dataclass(frozen=True)
@@ -171,17 +186,12 @@ def generation_body(served: Served, prompt: list[int], n: int, salt: str) -> dic
             "ignore_eos": True, "return_tokens_as_token_ids": True, "cache_salt": salt}
 
 
-def _exchange(served: Served, body: dict) -> Exchange:
-    return Exchange(served.base + "/completions", body, served.api_key, served.timeout)
-
-
-def call(served: Served, exchange: Exchange) -> dict:
+def call(served: Served, body: dict, via: HttpClient | None = None) -> dict:
+    """One completion; an error status is this path's "could not run"."""
     try:
-        _, body = exchange.result()
-    except urllib.error.HTTPError as e:
-        raise_if_refused(e, served.base, bool(served.api_key))
-        raise PathCannotRun(f"{exchange.url} answered {http_detail(e)}") from None
-    return parse_json(exchange.url, body)
+        return (via or client(served.api_key, served.timeout)).post_json(served.base + "/completions", body)
+    except ErrorStatus as e:
+        raise PathCannotRun(str(e)) from None
 
 
 def _token_id(key) -> int:
@@ -223,7 +233,7 @@ def parse_generation(served: Served, data, where: str, n: int, res: PathResult) 
 
 
 def generate(served: Served, prompt: list[int], n: int, salt: str, where: str, res: PathResult) -> Generation | None:
-    data = call(served, _exchange(served, generation_body(served, prompt, n, salt)))
+    data = call(served, generation_body(served, prompt, n, salt))
     gen = parse_generation(served, data, where, n, res)
     if gen is not None:
         greedy(res, gen, where, res_tol(res))
@@ -284,11 +294,8 @@ def _settled(served: Served, prev: tuple[float, float] | None, wait: bool) -> tu
 
 
 def _drafts(served: Served) -> float | None:
-    try:
-        text = fetch(metrics_url(served.base), None, served.api_key, served.timeout).decode("utf-8", "replace")
-    except urllib.error.HTTPError:
-        return None
-    return counter_sum(text, SPEC_DRAFTS)
+    m = client(served.api_key, served.timeout).metrics(metrics_url(served.base))
+    return None if m is None else m.counter(SPEC_DRAFTS)
 
 
 # ------------------------------------------------------------------------------------ the paths
@@ -355,32 +362,29 @@ def stream_prompts(ref, n: int) -> list[list[int]]:
 
 
 def at_once(served: Served, bodies: list[dict]) -> list[dict]:
-    """The bodies sent together: every connection opened first, then one thread each released by a
-    barrier, so that the server has all of them before it answers any."""
-    exchanges = [_exchange(served, b) for b in bodies]
-    try:
-        for e in exchanges:
-            e.connect()
-    except BaseException:
-        for e in exchanges:
-            e.close()
-        raise
+    """The bodies sent together, one thread each on a client of their own whose every new connection
+    waits at a barrier until all are open: the server has all of them before it answers any."""
     answers: list = [None] * len(bodies)
     errors: list = [None] * len(bodies)
-    barrier = threading.Barrier(len(bodies))
+    barrier = threading.Barrier(len(bodies), timeout=served.timeout)
 
     def one(i: int) -> None:
         try:
-            barrier.wait()
-            answers[i] = call(served, exchanges[i])
+            answers[i] = call(served, bodies[i], via)
         except BaseException as e:  # raised in the caller's thread below
+            barrier.abort()  # the others would wait for a connection that never comes
             errors[i] = e
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with HttpClient(api_key=served.api_key, timeout=served.timeout, connections=len(bodies),
+                    connected=barrier.wait) as via:
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for e in errors:
+        if e is not None and not isinstance(e, threading.BrokenBarrierError):
+            raise e
     for e in errors:
         if e is not None:
             raise e

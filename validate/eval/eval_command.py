@@ -36,7 +36,7 @@ to %s, where `publish` puts it on the model card.
 
 
 def register(sub, common) -> None:
-    from hybrid_build.validate.task_eval import BACKENDS, DEFAULT_TASKS
+    from hybrid_build.validate.eval.task_eval import BACKENDS, DEFAULT_TASKS
 
     p = sub.add_parser(
         "eval", parents=[common], formatter_class=ExampleFormatter, epilog=EPILOG,
@@ -84,7 +84,7 @@ def register(sub, common) -> None:
 
 
 def _settings(args):
-    from hybrid_build.validate.task_eval import EvalSettings
+    from hybrid_build.validate.eval.task_eval import EvalSettings
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     # ranges are the argparse types' (refused before anything starts); what is left is the form
@@ -98,7 +98,7 @@ def _settings(args):
 
 
 def _servers(args):
-    from hybrid_build.validate.task_eval import ServerModel
+    from hybrid_build.validate.eval.task_eval import ServerModel
 
     if args.url and (args.source_url or args.hybrid_url):
         raise UserError("--url serves both models: give it alone, or --source-url and --hybrid-url")
@@ -119,7 +119,7 @@ def _servers(args):
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()  # the wall time printed: the whole command, lm-eval's import and the report included
-    from hybrid_build.validate import task_eval
+    from hybrid_build.validate.eval import task_eval
 
     if args.verbose < 1:  # lm-eval warns about its own defaults on every task; -v shows it
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
