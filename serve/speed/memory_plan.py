@@ -36,8 +36,9 @@ of it against vLLM's own functions run on CPU.
 
 What a stream of ``C`` tokens takes (``KVCacheManager`` on CPU checks it): per attention group
 ``ceil((C + lookahead) / block)`` blocks (lookahead: the speculative tokens + 1, as the scheduler
-asks), per sliding group the window's blocks, per GDN group ``1 + num_speculative_tokens`` pages
-(align mode: one more). The pool's first block is vLLM's null block.
+asks), the same per sliding group (the manager admits a prompt whole and frees blocks behind the window
+only once computed), per GDN group ``1 + num_speculative_tokens`` pages (the pool vLLM logs counts
+one more in align mode, the page written while the last is kept). The pool's first block is vLLM's null block.
 """
 from __future__ import annotations
 
@@ -155,14 +156,19 @@ class MemoryPlan:
         """Blocks one stream of ``context`` tokens holds (with the scheduler's lookahead)."""
         n = 0
         for g in self.groups:
-            if g.kind == "full_attention":
+            if g.kind in ("full_attention", "sliding_window"):
+                # a sliding layer frees blocks behind its window only once they are computed: a stream
+                # is admitted (its prompt allocated) with the whole context, as a full layer is
                 n += math.ceil((context + self.lookahead) / g.block_size)
-            elif g.kind == "sliding_window":
-                n += min(math.ceil((context + self.lookahead) / g.block_size),
-                         math.ceil((g.window - 1 + self.inputs.max_num_batched_tokens) / g.block_size) + 1)
             else:
-                n += g.state_pages
+                n += g.state_pages - self._align_extra
         return n
+
+    @property
+    def _align_extra(self) -> int:
+        """Align mode counts one more GDN page per request in the pool vLLM logs (the state being
+        written while the last one is kept); the manager admits a stream without it."""
+        return 1 if self.inputs.prefix_caching and self.inputs.engine else 0
 
     def streams_that_fit(self, context: int) -> StreamFit:
         usable = max(self.num_blocks - 1, 0)  # block 0 is the null block
@@ -293,10 +299,12 @@ def _specs(i: MemoryInputs) -> tuple[list[_Spec], int]:
                                     int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
                                     kv_bytes, i.tensor_parallel)
         d_types = d.get("layer_types") or ["full_attention"] * int(d["num_hidden_layers"])
+        if i.engine < "0.25":  # 0.23.0's qwen3_dflash.py reads no layer_types: every layer full attention
+            d_types = ["full_attention"] * int(d["num_hidden_layers"])
         window = int(d.get("sliding_window") or 0)
         for t in d_types:
             if t == "sliding_attention" and window:
-                sw_block = KERNEL_BLOCK if i.engine >= "0.25" else block
+                sw_block = KERNEL_BLOCK
                 specs.append(_Spec("sliding_window", "drafter", sw_block, per_token=d_token, window=window))
             else:
                 specs.append(_Spec("full_attention", "drafter", block, per_token=d_token))
@@ -378,7 +386,7 @@ def plan_memory(i: MemoryInputs) -> MemoryPlan:
         raise MemoryPlanError(f"layout {i.layout!r}: stock or prefix_align")
     d = i.drafter_config or {}
     notes = []
-    if i.method == "dflash" and "sliding_attention" in (d.get("layer_types") or []) and i.engine < "0.26":
+    if i.method == "dflash" and "sliding_attention" in (d.get("layer_types") or []) and "0.25" <= i.engine < "0.26":
         raise MemoryPlanError(f"vLLM {i.engine}'s qwen3_dflash.py raises NotImplementedError for a drafter with "
                               "mixed sliding/full attention layers")
     specs, block = _specs(i)
@@ -423,3 +431,44 @@ def compare_with_log(plan: MemoryPlan, text: str) -> str | None:
     return (f"vLLM's KV pool is {logged:,} tokens, the plan said {plan.pool_tokens:,} ({drift:+.1%}): the reserve "
             f"({plan.reserve_bytes / 1e9:.1f} GB, {plan.inputs.reserve_basis}) or the layout differs from what vLLM "
             "did; plan's stream counts are off by as much")
+
+
+# ------------------------------------------------------------------------------ from a serve profile
+
+# where the runtime fix prefix_align is installed by the plugin (serve/launch/engine_check.py)
+PREFIX_ALIGN_ENGINES = ("0.25.1", "0.26.0")
+
+
+def profile_kv_dtype(profile) -> str:
+    """The KV dtype a serve profile starts vLLM with (its field, or ``--kv-cache-dtype`` in extra_args)."""
+    args = list(getattr(profile, "extra_args", None) or [])
+    for k, a in enumerate(args):
+        if a == "--kv-cache-dtype" and k + 1 < len(args):
+            return args[k + 1]
+        if a.startswith("--kv-cache-dtype="):
+            return a.split("=", 1)[1]
+    return getattr(profile, "kv_cache_dtype", "auto") or "auto"
+
+
+def profile_layout(profile, engine: str, disabled: frozenset[str] = frozenset()) -> str:
+    """``prefix_align`` where serve installs it (a DFlash drafter, prefix caching on, a version the
+    plugin's fix is written for, not disabled), else ``stock``."""
+    spec = getattr(profile, "speculative", None)
+    if (spec is not None and spec.method == "dflash" and profile.enable_prefix_caching
+            and engine in PREFIX_ALIGN_ENGINES and "prefix_align" not in disabled):
+        return "prefix_align"
+    return "stock"
+
+
+def profile_inputs(text_config: dict, profile, engine: str, drafter_config: dict | None = None,
+                   layout: str | None = None, **bytes_) -> MemoryInputs:
+    """``MemoryInputs`` for a recipe's serve profile (``recipes.profiles.ServeProfile``); ``bytes_``:
+    ``total_bytes``, ``weights_bytes``, ``drafter_bytes``, ``reserve_bytes``, ``reserve_basis``,
+    ``kv_cache_memory_bytes``, ``tensor_parallel``."""
+    spec = getattr(profile, "speculative", None)
+    return MemoryInputs(
+        text_config=text_config, drafter_config=drafter_config if spec and spec.method == "dflash" else None,
+        method=spec.method if spec else None, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        kv_cache_dtype=profile_kv_dtype(profile), prefix_caching=bool(profile.enable_prefix_caching),
+        layout=layout or profile_layout(profile, engine), gpu_memory_utilization=profile.gpu_memory_utilization,
+        max_model_len=profile.max_model_len, engine=engine, **bytes_)
