@@ -53,6 +53,11 @@ DEFAULT_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens for the API serve
 LOG_DRIFT = 0.02  # serve warns when vLLM's logged pool differs from the plan by more than this
 DTYPE_BYTES = {"auto": None, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1, "float32": 4, "fp32": 4}
+# z-lab/Qwen3.5-122B-A10B-DFlash's KV shape (what the plan reads of a drafter): 6 layers, 5 sliding
+# (window 4096) + 1 full, 8 KV heads of 128; the 35B's drafter is taken to have the same shape
+DFLASH_DRAFTER = {"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                  "hidden_size": 3072, "sliding_window": 4096,
+                  "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 LOG_POOL = re.compile(r"(?:GPU|CUDA) KV cache size: ([\d,]+) tokens")
 
 
@@ -150,7 +155,7 @@ class MemoryPlan:
     @property
     def state_bytes_per_stream(self) -> int:
         """Pool bytes one stream holds whatever its length (GDN state and its speculative pages)."""
-        return sum(g.state_pages for g in self.groups if g.kind == "mamba") * self.block_bytes
+        return sum(g.state_pages - self._align_extra for g in self.groups if g.kind == "mamba") * self.block_bytes
 
     def blocks_for(self, context: int) -> int:
         """Blocks one stream of ``context`` tokens holds (with the scheduler's lookahead)."""
@@ -472,3 +477,67 @@ def profile_inputs(text_config: dict, profile, engine: str, drafter_config: dict
         kv_cache_dtype=profile_kv_dtype(profile), prefix_caching=bool(profile.enable_prefix_caching),
         layout=layout or profile_layout(profile, engine), gpu_memory_utilization=profile.gpu_memory_utilization,
         max_model_len=profile.max_model_len, engine=engine, **bytes_)
+
+
+# ------------------------------------------------------------------------------ hardware and advice
+
+# Device memory as the hardware presets state it (serve/speed/multinode_plan.MEMORY_GB), and the
+# reserve: what vLLM's budget loses besides weights and KV cache (activation peak, CUDA graphs,
+# allocator). GB10, measured: the public recipe's log of the 122B hybrid + DFlash at 0.82 shows
+# 547 blocks x 55,050,240 B = 30,112,481,280 B of KV cache; 0.82 x 128e9 - 66,137,861,088 B of
+# weights (the dense hybrid, `plan` of synthetic:qwen3.5-122b-a10b) - 1.6e9 B of drafter - that
+# KV cache = 7,109,657,632 B.
+GB10_KV_MEASURED = 547 * 55_050_240
+RESERVE_BYTES = {"gb10": 7_109_657_632}
+RESERVE_BASIS = {"gb10": "measured: the public GB10 log's 547 blocks at 0.82 (122B hybrid + DFlash)"}
+CARRIED_BASIS = "not measured on this hardware: GB10's measured reserve carried over"
+
+
+def reserve_for(hardware: str) -> tuple[int, str]:
+    return RESERVE_BYTES.get(hardware, RESERVE_BYTES["gb10"]), RESERVE_BASIS.get(hardware, CARRIED_BASIS)
+
+
+def with_changes(i: MemoryInputs, **changes) -> MemoryPlan:
+    from dataclasses import replace
+
+    return plan_memory(replace(i, **changes))
+
+
+def mixed_layout(plan: MemoryPlan, context: int, streams: int) -> int:
+    """With one stream at ``context``, the longest context each of ``streams - 1`` others can hold (0: none)."""
+    usable = max(plan.num_blocks - 1, 0) - plan.blocks_for(context)
+    if usable < 0 or streams < 2:
+        return 0
+    return plan._context_in(usable // (streams - 1))
+
+
+def fit_advice(plan: MemoryPlan, context: int, streams: int) -> str | None:
+    """One sentence where ``streams`` streams of ``context`` tokens do not fit, with what would."""
+    fit = plan.streams_that_fit(context)
+    if fit.whole >= streams:
+        return None
+    i = plan.inputs
+    ways = []
+    other = mixed_layout(plan, context, streams)
+    if other >= 1024:
+        ways.append(f"1 x {context:,} + {streams - 1} x {other // 1024 * 1024:,}")
+    alone = plan._context_in(max(plan.num_blocks - 1, 0) // streams)
+    if alone:
+        ways.append(f"{streams} x {min(alone, i.max_model_len):,} tokens")
+    if not i.kv_cache_dtype.startswith("fp8"):
+        alt = with_changes(i, kv_cache_dtype="fp8")
+        if alt.streams_that_fit(context).whole >= streams:
+            ways.append(f"fp8 KV cache ({alt.streams_that_fit(context).whole} fit)")
+    if i.layout == "prefix_align":
+        alt = with_changes(i, layout="stock")
+        if alt.streams_that_fit(context).whole >= streams:
+            ways.append(f"the stock prefix-cache layout ({alt.streams_that_fit(context).whole} fit; coarser warm hits)")
+    if i.method and i.num_speculative_tokens > 4:
+        for k in (8, 6, 4):
+            alt = with_changes(i, num_speculative_tokens=k)
+            if alt.streams_that_fit(context).whole >= streams:
+                ways.append(f"{k} speculative tokens ({alt.streams_that_fit(context).whole} fit)")
+                break
+    got = f"{fit.whole} fit" + (f", the next gets {fit.next_tokens:,} tokens" if fit.next_tokens else "")
+    return (f"{streams} x {context:,} tokens do not fit in the {plan.pool_tokens:,}-token pool ({got}); what fits: "
+            + ("; ".join(ways) if ways else "a shorter context or fewer streams"))
