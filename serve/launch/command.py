@@ -174,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
     from .launcher import check_prerequisites, warn_if_untested
 
+    if args.print_unit:
+        return _print_unit(args)
     _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
@@ -296,6 +298,18 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
         if server is not None:
             server.stop(limits.stop_grace_s)
         record.close()
+
+
+def _print_unit(args: argparse.Namespace) -> int:
+    """The systemd unit for this command line (``unit``); a key given on the command line would be
+    written into it: refused, the file or the variable works."""
+    from .unit import render_unit
+
+    if args.api_key:
+        raise UserError("--print-unit with --api-key would write the key into the unit: give --api-key-file")
+    print(render_unit(args.argv, args.stop_grace, f"hybrid-build serve {args.artifact} ({args.profile or 'default'} "
+                                                   "profile)"), end="")
+    return 0
 
 
 def _gb(n: float) -> str:
