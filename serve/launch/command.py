@@ -461,6 +461,25 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     return report.to_json()
 
 
+def _node_limits(args: argparse.Namespace, mplan):
+    """The watch across nodes: the head's /metrics for stalls; this machine's memory where it is a
+    node (the others' memory is theirs: their vLLM or Ray dying is what is seen of them)."""
+    from .watch import WatchLimits
+
+    local = any(n.local for n in mplan.nodes)
+    return WatchLimits(poll_s=args.watch_interval, stall_timeout_s=args.stall_timeout,
+                       memory_reserve=int(args.memory_reserve * 1e9) if local else 0, stop_grace_s=args.stop_grace)
+
+
+def _node_dead(cluster, mplan):
+    """What ended among the nodes' processes (Ray on each node, vLLM on the head), naming the node."""
+    dead = cluster.dead()
+    if dead is None:
+        return None
+    what = dead.what if " on node " in dead.what else f"{dead.what} ({mplan.nodes[0].describe()})"
+    return what, dead.process.returncode, dead.log_path
+
+
 def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
     """``--node-env [N:]KEY=VALUE`` values by node (None: every node)."""
     out: dict[int | None, dict[str, str]] = {}
@@ -475,7 +494,10 @@ def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
 def _run_nodes(args: argparse.Namespace, plan) -> int:
     """Several nodes: print the bring-up (--dry-run) or perform it, then hold until Ctrl-C. The API
     key is resolved as for one node, for the address the head's vLLM listens on."""
+    from hybrid_build.core.http_client import metrics_url
+
     from .multinode import bring_up, check_tools, parse_nodes, plan_multinode, resolve_nodes, served_host
+    from .watch import watch
 
     specs = parse_nodes(args.nodes, args.nodes_file)
     nodes = resolve_nodes(specs, dry_run=args.dry_run)
@@ -513,13 +535,10 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
                 print(f"smoke test: {info['smoke_answer'][:80]!r}")
             print("Ctrl-C stops vLLM and the Ray nodes.")
         sys.stdout.flush()
-        while True:
-            dead = cluster.dead()
-            if dead is not None:
-                print(f"error: {dead.what} exited with code {dead.process.returncode} (log: {dead.log_path})",
-                      file=sys.stderr)
-                return 1
-            time.sleep(1)
+        fault = watch(None, metrics_url(mplan.base_url), _node_limits(args, mplan),
+                      others=lambda: _node_dead(cluster, mplan))
+        print(fault.line(), flush=True)
+        return 1
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     finally:

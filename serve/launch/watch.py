@@ -184,38 +184,49 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def watch(process: subprocess.Popen, metrics_url: str, limits: WatchLimits, log_path: Path | None = None,
-          meminfo: Path | None = None, clock: Callable[[], float] = time.monotonic) -> WatchEvent:
+def watch(process: subprocess.Popen | None, metrics_url: str, limits: WatchLimits, log_path: Path | None = None,
+          meminfo: Path | None = None, clock: Callable[[], float] = time.monotonic,
+          others: Callable[[], tuple[str, int, Path] | None] | None = None) -> WatchEvent:
     """Watch a READY engine until one of the faults (module docstring); returns it. The engine is
     still running when a stall or memory event returns (the caller stops it: ``stop_engine``). A stop
-    signal raises ``Interrupted`` out of the wait, as anywhere in the main thread."""
+    signal raises ``Interrupted`` out of the wait, as anywhere in the main thread. ``others``: the
+    processes of several nodes (None while all run, else what ended: its words naming the node, its
+    status, its log), watched as the engine is; ``process`` None then."""
     from hybrid_build.core.http_client import HttpClient
 
     client = HttpClient(timeout=max(limits.poll_s, 2.0), connections=1)
     try:
-        return _watch(process, metrics_url, limits, log_path, meminfo, clock, client)
+        return _watch(process, metrics_url, limits, log_path, meminfo, clock, client, others)
     finally:
         client.close()
 
 
-def _watch(process, metrics_url, limits, log_path, meminfo, clock, client) -> WatchEvent:
+def _watch(process, metrics_url, limits, log_path, meminfo, clock, client, others) -> WatchEvent:
     last_tokens: float | None = None
     moved = clock()  # when the counters last moved, or no request was running
     moved_wall = time.time()
     answered = False
     while True:
-        try:
-            code = process.wait(limits.poll_s)
-        except subprocess.TimeoutExpired:
-            code = None
+        code = None
+        if process is None:
+            time.sleep(limits.poll_s)
+        else:
+            try:
+                code = process.wait(limits.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
         if code is not None:
             return WatchEvent("exit", time.time(), "the engine " + exit_cause(code, log_path))
+        ended = others() if others is not None else None
+        if ended is not None:
+            what, code, log = ended
+            return WatchEvent("exit", time.time(), f"{what} " + exit_cause(code, log) + "; stopping every node")
         try:
             mem = read_meminfo(meminfo)
         except OSError:
             mem = {}
         available = mem.get("MemAvailable")
-        if available is not None and available < limits.memory_reserve:
+        if available is not None and limits.memory_reserve and available < limits.memory_reserve:
             return WatchEvent("memory", time.time(), memory_words(available, limits.memory_reserve,
                                                                   mem.get("MemTotal"), limits.gpu_memory_utilization))
         got = scrape(client, metrics_url)
