@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
     version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
-    need = _check_memory(args, plan)  # an engine that does not fit: one line (exit 3), nothing started
+    need = _check_memory(args, plan, version)  # an engine that does not fit: one line (exit 3), nothing started
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
@@ -327,14 +327,14 @@ def _unified_utilization(plan) -> float | None:
     return plan.vllm.profile.gpu_memory_utilization if host is not None and host.unified and plan.vllm else None
 
 
-def _check_memory(args: argparse.Namespace, plan) -> int:
+def _check_memory(args: argparse.Namespace, plan, version: str | None) -> int:
     """The host's memory budget for this plan (``memory_budget``): refuse one that does not fit
     (exit 3), print it otherwise. Returns the MemAvailable a restart waits for (unified memory: the
     engine and the reserve; a discrete GPU: the reserve)."""
     from hybrid_build.core.errors import CannotRun
 
     reserve = int(args.memory_reserve * 1e9)
-    found = _budget(plan, reserve)
+    found = _budget(plan, reserve, version)
     if found is None:
         return reserve
     if not found.fits:
@@ -344,17 +344,19 @@ def _check_memory(args: argparse.Namespace, plan) -> int:
     return found.planned.engine + reserve if found.host.unified else reserve
 
 
-def _budget(plan, reserve: int):
+def _budget(plan, reserve: int, version: str | None = None):
     """``memory_budget.budget`` of the plan on this host; None when the host cannot be read."""
+    from . import engine_check
     from .memory_budget import budget, host_memory, planned_bytes
 
     host = host_memory()
     if host is None or plan.vllm is None:
         return None
     profile = plan.vllm.profile
-    planned = planned_bytes(plan.model, plan.drafter, profile.gpu_memory_utilization, host.total, reserve,
-                            profile.max_model_len)
-    return budget(planned, host, profile.gpu_memory_utilization)
+    target = engine_check.read_config(plan.model)[0] if Path(plan.model).is_dir() else None
+    text_config = (target or {}).get("text_config") or target
+    planned, context_at = planned_bytes(plan.model, plan.drafter, profile, host.total, reserve, version, text_config)
+    return budget(planned, host, profile.gpu_memory_utilization, context_at)
 
 
 def _check_artifact(args: argparse.Namespace) -> None:

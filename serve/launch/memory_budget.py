@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,12 +31,12 @@ class PlannedBytes:
     drafter: int  # the speculative drafter's (0: none, or not known here)
     kv_pool: int  # the profile's KV pool
     reserve: int  # what the host keeps for itself (--memory-reserve)
-    kv_per_token: int | None = None  # bytes of KV one token of context takes, when the planner knows it
-    max_model_len: int | None = None  # the profile's
+    activations: int = 0  # vLLM's budget besides weights and KV: activation peak, CUDA graphs (the planner's)
+    basis: str = "the KV pool as vLLM sizes it: gpu_memory_utilization x total less the weights"
 
     @property
     def engine(self) -> int:
-        return self.weights + self.drafter + self.kv_pool
+        return self.weights + self.drafter + self.activations + self.kv_pool
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,15 @@ class Budget:
         p, h = self.planned, self.host
         against = (f"MemAvailable {human_bytes(h.available)} (unified memory)" if h.unified
                    else f"free GPU memory {human_bytes(h.available)}, MemAvailable {human_bytes(h.host_available)}")
-        words = (f"memory budget: weights {human_bytes(p.weights)} + drafter {human_bytes(p.drafter)} + KV pool "
+        acts = f" + activations {human_bytes(p.activations)}" if p.activations else ""
+        words = (f"memory budget: weights {human_bytes(p.weights)} + drafter {human_bytes(p.drafter)}{acts} + KV pool "
                  f"{human_bytes(p.kv_pool)} + reserve {human_bytes(p.reserve)} = "
                  f"{human_bytes(p.engine + p.reserve)} against {against}: ")
         if self.fits:
             return words + "fits"
         fix = f"gpu_memory_utilization {self.fitting_utilization:.2f} fits (the profile's is {self.utilization:.2f})"
         if self.fitting_max_model_len:
-            fix += f", or max_model_len {self.fitting_max_model_len}"
+            fix += f"; there one stream holds {self.fitting_max_model_len:,} tokens (max_model_len)"
         return words + f"does not fit; {fix}"
 
     def to_json(self) -> dict:
@@ -76,7 +78,8 @@ class Budget:
                 "fitting_max_model_len": self.fitting_max_model_len}
 
 
-def budget(planned: PlannedBytes, host: HostMemory, utilization: float) -> Budget:
+def budget(planned: PlannedBytes, host: HostMemory, utilization: float,
+           context_at: Callable[[float], int | None] | None = None) -> Budget:
     """The arithmetic. Unified memory: engine + reserve <= MemAvailable, and the utilization that
     fits is what is left above the reserve, over the total. Discrete: engine <= the GPU's free
     memory and reserve <= MemAvailable; the utilization that fits is the free share (vLLM refuses
@@ -88,10 +91,7 @@ def budget(planned: PlannedBytes, host: HostMemory, utilization: float) -> Budge
         room = host.available
         fits = planned.engine <= room and planned.reserve <= host.host_available
     fitting = max(0.0, math.floor(room / host.total * 100) / 100) if host.total else 0.0
-    fitting_len = None
-    if not fits and planned.kv_per_token and planned.max_model_len:
-        kv_room = room - planned.weights - planned.drafter
-        fitting_len = max(0, min(planned.max_model_len, kv_room // planned.kv_per_token)) // 256 * 256 or None
+    fitting_len = context_at(fitting) if context_at is not None and not fits else None
     return Budget(planned, host, utilization, fits, fitting, fitting_len)
 
 
@@ -130,10 +130,30 @@ def folder_bytes(folder: str | None) -> int:
     return sum(f.stat().st_size for f in Path(folder).expanduser().glob("*.safetensors"))
 
 
-def planned_bytes(model: str, drafter: str | None, utilization: float, total: int, reserve: int,
-                  max_model_len: int | None = None) -> PlannedBytes:
-    """What the plan serves, in bytes. Without a KV planner the profile's KV pool is what vLLM gives
-    it: its share of the total (``gpu_memory_utilization``) less the weights and the drafter."""
+def planned_bytes(model: str, drafter: str | None, profile, total: int, reserve: int, engine: str | None = None,
+                  text_config: dict | None = None) -> tuple[PlannedBytes, Callable[[float], int | None] | None]:
+    """What the plan serves, in bytes, and how long a context one stream holds at another
+    utilization. With the model's config and a vLLM version the KV planner knows
+    (``serve/speed/memory_plan``), the KV pool and the activation reserve are the planner's;
+    otherwise the pool is what vLLM gives it: its share of the total less weights and drafter."""
+    from hybrid_build.serve.speed import memory_plan as mem
+
     weights, draft = folder_bytes(model), folder_bytes(drafter)
-    kv = max(0, int(utilization * total) - weights - draft)
-    return PlannedBytes(weights, draft, kv, reserve, None, max_model_len)
+    util = profile.gpu_memory_utilization
+    if text_config is not None and engine in mem.ENGINE_VERSIONS:
+        acts, basis = mem.reserve_for("gb10")
+        try:
+            inputs = mem.profile_inputs(text_config, profile, engine, mem.DFLASH_DRAFTER, total_bytes=total,
+                                        weights_bytes=weights, drafter_bytes=draft, reserve_bytes=acts,
+                                        reserve_basis=basis)
+            mp = mem.plan_memory(inputs)
+        except (mem.MemoryPlanError, KeyError, TypeError, ValueError):
+            pass
+        else:
+            def context_at(u: float) -> int | None:
+                return mem.with_changes(inputs, gpu_memory_utilization=u).max_context_tokens or None
+
+            return PlannedBytes(weights, draft, mp.kv_pool_bytes, reserve, acts,
+                                f"the KV planner's pool for vLLM {engine}; activations {basis}"), context_at
+    kv = max(0, int(util * total) - weights - draft)
+    return PlannedBytes(weights, draft, kv, reserve), None
