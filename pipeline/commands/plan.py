@@ -82,7 +82,7 @@ def _handle(args: argparse.Namespace) -> int:
     else:
         print(render_text(data))
         if data["memory_budget"]:
-            print(f"{data['memory_budget']['line']} ({data['memory_budget']['against']})")
+            print(f"note: {data['memory_budget']['line']} ({data['memory_budget']['against']})")
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0

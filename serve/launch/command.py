@@ -215,9 +215,9 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
     ``--restart N`` stop the engine, back off, wait for memory and start again, up to N times.
     Every event is one line with its time, on stdout and in the serve log, and in the artifact's
     serve record (``status``). A stop signal tears everything down, during a restart too."""
-    from .launcher import plan_key, smoke_test, start, wait_ready
     from hybrid_build.core.http_client import metrics_url
 
+    from .launcher import plan_key, smoke_test, start, wait_ready
     from .serve_record import ServeRecord
     from .watch import WatchEvent, WatchLimits, stop_engine, wait_for_memory, watch
 
@@ -245,7 +245,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
                                  f"{args.restart}")
             bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s",
                            bar_format="{desc}: {elapsed}")
-            ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0),
+            ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t, bar=bar: bar.update(0),
                                  poll=min(args.watch_interval, 1.0))
             bar.close()
             if restarts:

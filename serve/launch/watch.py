@@ -139,8 +139,8 @@ def scrape(client, metrics_url: str) -> Progress | None:
 
 def exit_cause(returncode: int, log_path: Path | None, lines: int = 200) -> str:
     """Why the engine ended: its status or signal, and the last error line of its log."""
-    how = (f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in signal.valid_signals()
-           else f"exited with status {returncode}")
+    killed = returncode < 0 and -returncode in signal.valid_signals()
+    how = f"was killed by {signal.Signals(-returncode).name}" if killed else f"exited with status {returncode}"
     if returncode == -signal.SIGKILL:
         how += " (what the kernel's OOM killer sends)"
     last = None

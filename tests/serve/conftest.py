@@ -97,8 +97,9 @@ os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), 
 def write_meminfo(path: Path, available_gb: float, total_gb: float) -> None:
     """A /proc/meminfo with these figures (GB; the file's kB are KiB), written whole (rename)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"MemTotal:       {int(total_gb * 1e9 / 1024)} kB\nMemFree:        {int(available_gb * 1e9 / 2048)} kB\n"
-                   f"MemAvailable:   {int(available_gb * 1e9 / 1024)} kB\n")
+    kib = lambda gb: int(gb * 1e9 / 1024)  # noqa: E731
+    tmp.write_text(f"MemTotal:       {kib(total_gb)} kB\nMemFree:        {kib(available_gb / 2)} kB\n"
+                   f"MemAvailable:   {kib(available_gb)} kB\n")
     os.replace(tmp, path)
 
 

@@ -117,6 +117,7 @@ def test_an_engine_that_exits_0_mid_request_ends_serve_with_1_naming_engine_dead
         line, at = _event(run, "exit")
         assert "exited with status 0" in line and "EngineDeadError" in line, line
         assert at - t0 <= LOOK + SLACK, f"detected {at - t0:.2f} s after the exit"
+        print(f"\nexit 0: seen {at - t0:.3f} s after the fault was asked for (bound {LOOK + SLACK:g} s): {line}")
         assert req.outcome() in ("RemoteProtocolError", "ReadError"), "the request in flight got an error"
         assert _end(run) == 1
     finally:
@@ -155,6 +156,8 @@ def test_a_held_engine_with_health_200_is_a_stall_stopped_by_sigkill(tiny_artifa
         assert "1 requests running and no token generated" in line, line
         assert f"SIGKILL after {GRACE:g} s" in line, line
         assert STALL <= at - t0 + 0.5 and at - t0 <= STALL + GRACE + LOOK + SLACK, f"stall seen after {at - t0:.2f} s"
+        print(f"\nstall: line {at - t0:.3f} s after the last token (stall-timeout {STALL:g} s + grace {GRACE:g} s; "
+              f"bound {STALL + GRACE + LOOK + SLACK:g} s): {line}")
         assert req.outcome() in ("RemoteProtocolError", "ReadError")
         assert _end(run) == 1
     finally:
@@ -178,6 +181,7 @@ def test_memory_below_the_reserve_stops_the_engine_naming_a_utilization_that_fit
         assert "gpu_memory_utilization 0.26 would fit (the profile's is 0.30" in line, line
         assert "stopped by SIGTERM" in line, line
         assert at - t0 <= 2 * LOOK + SLACK
+        print(f"\nmemory: seen {at - t0:.3f} s after the file changed (bound {2 * LOOK + SLACK:g} s): {line}")
         assert _end(run) == 1
     finally:
         _cleanup(run)
@@ -194,6 +198,7 @@ def test_a_start_the_memory_cannot_hold_is_refused_in_one_line_exit_3(tiny_artif
     # 40 GB less the 14 GB reserve is 0.20 of 128 GB; the profile's 0.3 would take 38.4 GB of it
     assert len(err) == 1 and "does not fit; gpu_memory_utilization 0.20 fits (the profile's is 0.30)" in err[0], err
     assert not launches.exists(), "nothing was started"
+    print(f"\nrefused (exit 3): {err[0]}")
 
 
 def test_restart_waits_for_memory_starts_again_reverifies_and_is_in_status(tiny_artifact, serve_env):
@@ -235,8 +240,8 @@ def test_restart_waits_for_memory_starts_again_reverifies_and_is_in_status(tiny_
                                "sys.exit(main())", "status", str(tiny_artifact)], capture_output=True, text=True,
                               env=c["env"], timeout=120).stdout
         line = next(ln for ln in said.splitlines() if ln.startswith("serve    dense:"))
-        assert line.startswith("serve    dense: ready; 1 restart(s) of 1") and "exit: the engine was killed by SIGKILL" \
-            in line, line
+        assert line.startswith("serve    dense: ready; 1 restart(s) of 1"), line
+        assert "exit: the engine was killed by SIGKILL" in line, line
         print("timeline:", *[ln for ln in (fault, waiting, back, started, up, verified, ready)], sep="\n  ")
         _knobs(c, die="exit0")
         _event(run, "exit")
