@@ -879,6 +879,7 @@ def test_a_node_whose_ray_dies_after_ready_stops_the_whole_server_naming_it(tiny
         line = run.wait_for("20", 60)
         assert " exit: Ray worker on node 2 (worker, 127.0.0.3" in line and "was killed by SIGKILL" in line, line
         assert line.endswith("; stopping every node")
+        print(f"\nnode: {line}")
         assert run.proc.wait(timeout=180) == 1
     finally:
         if run.proc.poll() is None:

@@ -136,6 +136,7 @@ def test_an_engine_killed_by_a_signal_is_named(tiny_artifact, serve_env, sig):
         line, at = _event(run, "exit")
         assert f"killed by {sig}" in line, line
         assert at - t0 <= LOOK + SLACK
+        print(f"\n{sig}: seen {at - t0:.3f} s after the fault was asked for (bound {LOOK + SLACK:g} s): {line}")
         assert _end(run) == 1
     finally:
         _cleanup(run)
