@@ -37,7 +37,11 @@ nan: a hit gives NaN; nohit: caching on, nothing ever hits), ``--no-prefix-cachi
 (decode steps after the first read the context one token short), ``--trickle S`` (completion
 bodies one byte every S seconds), ``--model NAME``. With ``--control`` the same knobs are set at
 run time by ``POST /standin/config`` (a JSON object of ``Knobs.FIELDS``), so that one process serves
-many tests. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
+many tests. Engine faults, at run time only: ``hold`` (streaming requests stop after their first
+token: ``vllm:num_requests_running`` counts them, the token counters freeze, ``/health`` stays 200),
+``die`` (``exit0``: vLLM's EngineDeadError line, then status 0; or a signal name), ``ignore_term``
+(SIGTERM does nothing). Streams are chunked, as vLLM's are: a stand-in that dies mid-answer leaves
+its client an incomplete body. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
 the reference needs torch and safetensors (the project's venv); the rest is stdlib.
 
 With ``VLLM_API_KEY`` in its environment the stand-in wants that key, as vLLM's OpenAI server does
