@@ -48,6 +48,7 @@ CARD = "README.md"  # the source's card, copied; publish replaces it with a gene
 ARTIFACT_DIGESTS = f"{WORK_DIR}/artifact-sha256.json"  # sha256 of the artifact's files, by stat
 DEMO_SOURCE = f"{WORK_DIR}/demo-source"  # `run` without SOURCE builds the demo checkpoint here
 RUN_RECIPE = f"{WORK_DIR}/recipe.yaml"  # the resolved recipe of the last run: `status` keys stages with it
+SERVE_RECORD = f"{WORK_DIR}/serve-{{profile}}.json"  # what a `serve` of a profile went through (status reads it)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --print-unit writes it back
     remember(getattr(args, "api_key", None))  # the secrets this command was given, for ``redact``
     remember_file(getattr(args, "api_key_file", None), getattr(args, "ray_token_file", None))
     setup_logging(args.verbose, args.quiet)

@@ -91,6 +91,8 @@ class OutputStatus:
     artifact: dict | None = None
     # the build's validation: state (passed, failed, could not run, missing, stale), reason, finished_at, report
     validation: dict = field(default_factory=dict)
+    # what each profile's `serve` went through (serve.launch.serve_record): state, restarts, faults
+    serving: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -117,7 +119,25 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     reports = [_report_state(out, r, prov is not None) for r in REPORTS.values()]
     return OutputStatus(str(out), prov is not None, provenance_sha256(out), (recipe_data or {}).get("name"),
                         source, stages, reports, unexpected_files(out, prov) if prov else [],
-                        found.to_json() if found else None, _validation(out, prov is not None, found))
+                        found.to_json() if found else None, _validation(out, prov is not None, found),
+                        _serving(out))
+
+
+def _serving(out: Path) -> list[dict]:
+    """The serve records, each with ``alive``: whether the serve that wrote it still runs (a record
+    left "ready" by a serve that was killed says so)."""
+    import os
+
+    from hybrid_build.serve.launch.serve_record import read_records
+
+    records = read_records(out)
+    for r in records:
+        try:
+            os.kill(int(r.get("serve_pid") or 0), 0)
+            r["alive"] = bool(r.get("serve_pid")) and r.get("state") != "stopped"
+        except (OSError, ValueError):
+            r["alive"] = False
+    return records
 
 
 def _validation(out: Path, built: bool, found: Integrity | None) -> dict:

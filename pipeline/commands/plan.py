@@ -39,6 +39,26 @@ from hybrid_build.serve.speed.speed_plan import (
 from ..generators.sources import open_source
 
 
+def _memory_budget(memory: dict, hardware: str | None) -> dict | None:
+    """The start budget `serve` checks (``serve/launch/memory_budget``) for the dense profile's memory
+    plan: against this machine where its GPU can be read, else against the preset's memory all free."""
+    from hybrid_build.serve.launch.memory_budget import HostMemory, PlannedBytes, budget, host_memory
+    from hybrid_build.serve.launch.watch import MEMORY_RESERVE_GB
+
+    if not memory.get("total_bytes") or "kv_pool_bytes" not in memory:
+        return None
+    host = host_memory()
+    against = "this machine"
+    if host is None:
+        total = memory["total_bytes"]
+        host = HostMemory(hardware == "gb10", total, total, total, hardware or "")
+        against = f"the {hardware} preset's {total / 1e9:.0f} GB, all of it free"
+    planned = PlannedBytes(memory["weights_bytes"], memory["drafter_bytes"], memory["kv_pool_bytes"],
+                           int(MEMORY_RESERVE_GB * 1e9), memory["reserve_bytes"], "the KV planner's")
+    found = budget(planned, host, memory["gpu_memory_utilization"])
+    return dict(found.to_json(), line=found.line(), against=against)
+
+
 def _handle(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions) if hasattr(args, f.name)}
     values["contexts"] = values["context"]  # --context takes several; the first is the tables' context
@@ -49,6 +69,7 @@ def _handle(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hybrid-build-plan-") as tmp:
         ckpt = open_source(args.source, args.revision, Path(tmp))
         data = build_plan(ckpt, options)
+    data["memory_budget"] = _memory_budget(data.get("memory") or {}, data.get("hardware", {}).get("name"))
     if args.plot:
         write_plot(data, Path(args.plot), dict(
             experts=data["experts"], top_k=data["top_k"], bandwidth_gbps=data["bandwidth_gbps"],
@@ -60,6 +81,8 @@ def _handle(args: argparse.Namespace) -> int:
         emit_json(data)
     else:
         print(render_text(data))
+        if data["memory_budget"]:
+            print(f"note: {data['memory_budget']['line']} ({data['memory_budget']['against']})")
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
@@ -125,6 +148,8 @@ def register(sub, common) -> None:
     g.add_argument("--drafter-gb", type=NON_NEGATIVE, help="drafter weight bytes in GB (default: 1.6)")
     g.add_argument("--verify-block", type=POSITIVE_INT, metavar="N",
                    help="count experts over N verified positions (drafted + 1) instead of the accepted ones")
+    g.add_argument("--engine", choices=["0.23.0", "0.25.1", "0.26.0", "0.33.0"], default="0.26.0",
+                   help="vLLM version whose KV-cache planning the memory figures follow (default: %(default)s)")
     g.add_argument("--published", action="store_true", help="compare with the published GB10 figures of the 122B")
     g = p.add_argument_group("several nodes")
     g.add_argument("--nodes", type=int_range(2), metavar="N",

@@ -45,6 +45,16 @@ def _render(data: dict) -> str:
     for r in data["reports"]:
         files = ", ".join(r["files"]) if r["files"] else ""
         lines.append(f"  {r['report']:<14} {r['state']:<8} {r['reason']}" + (f"  [{files}]" if files else ""))
+    for r in data.get("serving", []):
+        state = r["state"] if r["alive"] or r["state"] == "stopped" else f"{r['state']}, but serve is gone"
+        line = (f"serve    {r['profile']}: {state}; {r['restarts']} restart(s) of {r['restart_limit']}"
+                f" (log {r['log']})")
+        fault = r.get("last_fault")
+        if fault:
+            from hybrid_build.serve.launch.watch import stamp
+
+            line += f"; last fault {stamp(fault['at'])} {fault['kind']}: {fault['detail']}"
+        lines.append(line)
     for rel in data["unexpected"]:
         lines.append(f"unexpected file: {rel} "
                      "(neither a build output nor a known report: validate and publish refuse it)")

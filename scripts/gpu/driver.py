@@ -1259,6 +1259,10 @@ def main(argv: list[str] | None = None) -> int:
         save(a.out)
         if steps == ["integrity"]:
             return 0
+    if "restart" in steps:  # the engine core killed under load: serve --restart's fault, memory, verify, READY
+        from restart_step import restart_step
+
+        restart_step(a.out, a.hb, a.src, recipe, min(420, left()), record, "dense", a.hb / "drafter-dflash")
     if "verify" in steps or "verify_broken" in steps:  # verify before READY against real vLLM
         verify_step(a.out, a.hb, a.src, recipe, left, None if "verify" in steps else "verify_dense_without_marlin_fix")
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

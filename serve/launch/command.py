@@ -10,6 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from hybrid_build.core.cli_support import (
+    COUNT,
+    NON_NEGATIVE,
     PORT,
     POSITIVE_INT,
     SECONDS,
@@ -26,6 +28,7 @@ from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIX_IDS
 from hybrid_build.serve.speed.bandwidth import HARDWARE
 
 from . import ray_auth, served_key
+from .watch import MEMORY_RESERVE_GB, POLL_S, STALL_TIMEOUT_S, STOP_GRACE_S
 
 
 def register(sub, common) -> None:
@@ -120,6 +123,34 @@ def register(sub, common) -> None:
                         "missing, failed or stale (refused otherwise, --dry-run included; verify still runs), and "
                         "across nodes whose addresses are not private or link-local (refused otherwise: NCCL and "
                         "Gloo traffic is not authenticated; docs/multinode.md, Security)")
+    w = p.add_argument_group(
+        "after READY (docs/serve.md, Keeping it up)",
+        "serve watches the engine and exits 1 on any of: the engine's process ends (whatever its status:\n"
+        "vLLM exits 0 after EngineDeadError), no token while requests run (a hang /health does not see),\n"
+        "MemAvailable below the reserve (unified memory freezes the host rather than failing). Each event\n"
+        "is one line with its time, in the serve log too.")
+    w.add_argument("--stall-timeout", type=SECONDS, default=STALL_TIMEOUT_S, metavar="S",
+                   help=f"seconds without a token while requests run before the engine is stopped (default "
+                        f"{STALL_TIMEOUT_S:g}: the longest prefill the profiles admit, 262,144 tokens, at a "
+                        "pessimistic 500 tokens/s moves no counter for ~9 min)")
+    w.add_argument("--memory-reserve", type=NON_NEGATIVE, default=MEMORY_RESERVE_GB, metavar="GB",
+                   help=f"host memory (MemAvailable, GB) kept free: below it the engine is stopped, and a start "
+                        f"that would not leave it is refused (default {MEMORY_RESERVE_GB:g}: what the public DGX "
+                        "Spark recipe keeps for the OS)")
+    w.add_argument("--restart", type=COUNT, default=0, metavar="N",
+                   help="restart the engine after a fault, up to N times (default 0: exit 1, for a supervisor to "
+                        "restart): backoff, wait for memory, verify again, READY again")
+    w.add_argument("--restart-backoff", type=NON_NEGATIVE, default=10.0, metavar="S",
+                   help="seconds before the first restart, doubled for each next one (at most 300; default 10)")
+    w.add_argument("--memory-wait", type=NON_NEGATIVE, default=300.0, metavar="S",
+                   help="seconds a restart waits for MemAvailable to come back above the start budget (default "
+                        "300; a GB10 gives memory back over ~60 s after a kill)")
+    w.add_argument("--stop-grace", type=SECONDS, default=STOP_GRACE_S, metavar="S",
+                   help=f"seconds between SIGTERM and SIGKILL when serve stops the engine (default {STOP_GRACE_S:g})")
+    w.add_argument("--watch-interval", type=SECONDS, default=POLL_S, metavar="S",
+                   help=f"seconds between two looks at the engine, /metrics and MemAvailable (default {POLL_S:g})")
+    w.add_argument("--print-unit", action="store_true",
+                   help="print a systemd unit that runs this command line (without --print-unit) and start nothing")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -141,8 +172,10 @@ def _api_key(args: argparse.Namespace, host: str):
 
 def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
-    from .launcher import check_prerequisites, plan_key, smoke_test, start, wait_ready, warn_if_untested
+    from .launcher import check_prerequisites, warn_if_untested
 
+    if args.print_unit:
+        return _print_unit(args)
     _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
@@ -170,39 +203,160 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
     version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
+    need = _check_memory(args, plan, version)  # an engine that does not fit: one line (exit 3), nothing started
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
+    return _serve_watched(args, plan, log_path, need)
+
+
+def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) -> int:
+    """Start, prove (verify, smoke test), say READY, then watch (``watch``) until a fault; with
+    ``--restart N`` stop the engine, back off, wait for memory and start again, up to N times.
+    Every event is one line with its time, on stdout and in the serve log, and in the artifact's
+    serve record (``status``). A stop signal tears everything down, during a restart too."""
+    from hybrid_build.core.http_client import metrics_url
+
+    from .launcher import plan_key, smoke_test, start, wait_ready
+    from .serve_record import ServeRecord
+    from .watch import WatchEvent, WatchLimits, stop_engine, wait_for_memory, watch
+
+    say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
+    limits = WatchLimits(poll_s=args.watch_interval, stall_timeout_s=args.stall_timeout,
+                         memory_reserve=int(args.memory_reserve * 1e9), stop_grace_s=args.stop_grace,
+                         gpu_memory_utilization=_unified_utilization(plan))
+    record = ServeRecord.open(args.artifact, plan.profile, log_path, args.restart)
     server = None
+    restarts = 0
+    t_fault = time.monotonic()
+
+    def event(kind: str, detail: str) -> None:
+        e = WatchEvent(kind, time.time(), detail)
+        say(e.line())
+        record.add(e, log_path)
+
     try:
-        # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
-        with stop_signals_held():
-            server = start(plan, log_path)
-        bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
-        ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
-        bar.close()
-        verified = _verify(args, plan, plan.base_url)
-        answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
-                                                       api_key=plan_key(plan))
-        info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
-                "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
-                "api_key": plan.api_key.to_json() if plan.api_key else None}
-        if args.json:
-            emit_json(info)
-        else:
-            print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
-            if answer:
-                print(f"smoke test: {answer[:80]!r}")
-            print("Ctrl-C stops the server.")
-        sys.stdout.flush()
-        while server.process.poll() is None:
-            time.sleep(1)
-        return 0 if server.process.returncode == 0 else 1
+        while True:
+            # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
+            with stop_signals_held():
+                server = start(plan, log_path)
+            if restarts:
+                event("restart", f"engine started again (pid {server.process.pid}), restart {restarts} of "
+                                 f"{args.restart}")
+            bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s",
+                           bar_format="{desc}: {elapsed}")
+            ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t, bar=bar: bar.update(0),
+                                 poll=min(args.watch_interval, 1.0))
+            bar.close()
+            if restarts:
+                event("restart", f"engine up after {ready_s:.1f} s; verifying it again")
+            verified = _verify(args, plan, plan.base_url)
+            if restarts:
+                event("restart", f"verify {verified.get('outcome', '?')}")
+            answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
+                                                           api_key=plan_key(plan))
+            info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
+                    "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
+                    "api_key": plan.api_key.to_json() if plan.api_key else None, "restarts": restarts}
+            record.ready(server.process.pid)  # before the line: whoever reads READY finds the record so
+            if args.json:
+                emit_json(info)
+            elif restarts:
+                event("ready", f"READY again after restart {restarts} of {args.restart} "
+                               f"({time.monotonic() - t_fault:.1f} s after the fault)")
+            else:
+                print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
+                if answer:
+                    print(f"smoke test: {answer[:80]!r}")
+                print("Ctrl-C stops the server.")
+            sys.stdout.flush()
+            fault = watch(server.process, metrics_url(plan.base_url), limits, log_path)
+            t_fault = time.monotonic()
+            how = stop_engine(server.process, limits.stop_grace_s)
+            detail = fault.detail if fault.kind == "exit" else f"{fault.detail}; engine {how}"
+            say(WatchEvent(fault.kind, fault.at, detail).line())
+            record.add(WatchEvent(fault.kind, fault.at, detail), log_path)
+            server = None
+            if restarts >= args.restart:
+                if args.restart:
+                    event("gave-up", f"{restarts} restarts used (--restart {args.restart}); serve exits 1")
+                return 1
+            restarts += 1
+            backoff = min(args.restart_backoff * 2 ** (restarts - 1), 300.0)
+            event("restart", f"restart {restarts} of {args.restart} in {backoff:g} s; then waiting for "
+                             f"MemAvailable >= {_gb(need)} (at most {args.memory_wait:g} s)")
+            time.sleep(backoff)
+            ok, seen = wait_for_memory(need, args.memory_wait, poll=min(args.watch_interval, 1.0))
+            if not ok:
+                event("gave-up", f"MemAvailable {_gb(seen)} still below {_gb(need)} after {args.memory_wait:g} s; "
+                                 "serve exits 1")
+                return 1
+            event("restart", f"memory back: MemAvailable {_gb(seen)} >= {_gb(need)}")
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     finally:
         if server is not None:
-            server.stop()
+            server.stop(limits.stop_grace_s)
+        record.close()
+
+
+def _print_unit(args: argparse.Namespace) -> int:
+    """The systemd unit for this command line (``unit``); a key given on the command line would be
+    written into it: refused, the file or the variable works."""
+    from .unit import render_unit
+
+    if args.api_key:
+        raise UserError("--print-unit with --api-key would write the key into the unit: give --api-key-file")
+    print(render_unit(args.argv, args.stop_grace, f"hybrid-build serve {args.artifact} ({args.profile or 'default'} "
+                                                   "profile)"), end="")
+    return 0
+
+
+def _gb(n: float) -> str:
+    from hybrid_build.core.byte_units import human_bytes
+
+    return human_bytes(n)
+
+
+def _unified_utilization(plan) -> float | None:
+    """The profile's gpu_memory_utilization where it is a share of the host's memory (a GB10), to
+    name one that fits when memory runs low; None elsewhere."""
+    from .memory_budget import host_memory
+
+    host = host_memory()
+    return plan.vllm.profile.gpu_memory_utilization if host is not None and host.unified and plan.vllm else None
+
+
+def _check_memory(args: argparse.Namespace, plan, version: str | None) -> int:
+    """The host's memory budget for this plan (``memory_budget``): refuse one that does not fit
+    (exit 3), print it otherwise. Returns the MemAvailable a restart waits for (unified memory: the
+    engine and the reserve; a discrete GPU: the reserve)."""
+    from hybrid_build.core.errors import CannotRun
+
+    reserve = int(args.memory_reserve * 1e9)
+    found = _budget(plan, reserve, version)
+    if found is None:
+        return reserve
+    if not found.fits:
+        raise CannotRun(found.line() + " (--memory-reserve sets the reserve)")
+    if not (args.quiet or args.json):
+        print(found.line(), flush=True)
+    return found.planned.engine + reserve if found.host.unified else reserve
+
+
+def _budget(plan, reserve: int, version: str | None = None):
+    """``memory_budget.budget`` of the plan on this host; None when the host cannot be read."""
+    from . import engine_check
+    from .memory_budget import budget, host_memory, planned_bytes
+
+    host = host_memory()
+    if host is None or plan.vllm is None:
+        return None
+    profile = plan.vllm.profile
+    target = engine_check.read_config(plan.model)[0] if Path(plan.model).is_dir() else None
+    text_config = (target or {}).get("text_config") or target
+    planned, context_at = planned_bytes(plan.model, plan.drafter, profile, host.total, reserve, version, text_config)
+    return budget(planned, host, profile.gpu_memory_utilization, context_at)
 
 
 def _check_artifact(args: argparse.Namespace) -> None:
@@ -309,6 +463,25 @@ def _verify(args: argparse.Namespace, plan, base_url: str) -> dict:
     return report.to_json()
 
 
+def _node_limits(args: argparse.Namespace, mplan):
+    """The watch across nodes: the head's /metrics for stalls; this machine's memory where it is a
+    node (the others' memory is theirs: their vLLM or Ray dying is what is seen of them)."""
+    from .watch import WatchLimits
+
+    local = any(n.local for n in mplan.nodes)
+    return WatchLimits(poll_s=args.watch_interval, stall_timeout_s=args.stall_timeout,
+                       memory_reserve=int(args.memory_reserve * 1e9) if local else 0, stop_grace_s=args.stop_grace)
+
+
+def _node_dead(cluster, mplan):
+    """What ended among the nodes' processes (Ray on each node, vLLM on the head), naming the node."""
+    dead = cluster.dead()
+    if dead is None:
+        return None
+    what = dead.what if " on node " in dead.what else f"{dead.what} ({mplan.nodes[0].describe()})"
+    return what, dead.process.returncode, dead.log_path
+
+
 def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
     """``--node-env [N:]KEY=VALUE`` values by node (None: every node)."""
     out: dict[int | None, dict[str, str]] = {}
@@ -323,7 +496,10 @@ def _node_env(items: list[str]) -> dict[int | None, dict[str, str]]:
 def _run_nodes(args: argparse.Namespace, plan) -> int:
     """Several nodes: print the bring-up (--dry-run) or perform it, then hold until Ctrl-C. The API
     key is resolved as for one node, for the address the head's vLLM listens on."""
+    from hybrid_build.core.http_client import metrics_url
+
     from .multinode import bring_up, check_tools, parse_nodes, plan_multinode, resolve_nodes, served_host
+    from .watch import watch
 
     specs = parse_nodes(args.nodes, args.nodes_file)
     nodes = resolve_nodes(specs, dry_run=args.dry_run)
@@ -361,13 +537,10 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
                 print(f"smoke test: {info['smoke_answer'][:80]!r}")
             print("Ctrl-C stops vLLM and the Ray nodes.")
         sys.stdout.flush()
-        while True:
-            dead = cluster.dead()
-            if dead is not None:
-                print(f"error: {dead.what} exited with code {dead.process.returncode} (log: {dead.log_path})",
-                      file=sys.stderr)
-                return 1
-            time.sleep(1)
+        fault = watch(None, metrics_url(mplan.base_url), _node_limits(args, mplan),
+                      others=lambda: _node_dead(cluster, mplan))
+        print(fault.line(), flush=True)
+        return 1
     except KeyboardInterrupt as e:
         return interrupt_exit_code(e)
     finally:

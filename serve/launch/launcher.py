@@ -105,21 +105,19 @@ class Server:
     plan: LaunchPlan
     log_path: Path
 
-    def stop(self, grace: float = 10.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    def stop(self, grace: float = 10.0) -> str:
+        """SIGTERM to the server's process group, SIGKILL after ``grace`` seconds; says how it ended."""
+        from .watch import stop_engine
+
+        return stop_engine(self.process, grace)
 
 
 def start(plan: LaunchPlan, log_path: Path) -> Server:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
     env = {**os.environ, **plan.env, **plan.secret_env}  # the key last: it wins over an inherited one
-    proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    # a session of its own: a stop reaches vLLM's engine core and workers too (``watch.stop_engine``)
+    proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     out.close()
     log.info("started %s (pid %d), log %s", plan.argv[0], proc.pid, log_path)
     return Server(proc, plan, log_path)

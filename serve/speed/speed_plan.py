@@ -17,6 +17,7 @@ from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import UserError
 
 from . import bandwidth as bw
+from . import memory_plan as mem
 from . import multinode_plan as mnp
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class PlanOptions:
     stream_overlap: float = 0.0  # share of steps in which the streams emit the same tokens (bandwidth.batch_experts)
     link_gbps: float = mnp.LINK_GBPS
     link_latency_us: float = mnp.LINK_LATENCY_US
+    engine: str = "0.26.0"  # the vLLM version whose KV-cache planning the memory figures follow
 
 
 def _is_hybrid(ckpt: Checkpoint) -> bool:
@@ -238,7 +240,8 @@ def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
     }
     if rows:
         data["concurrency_basis"] = concurrency_basis(ckpt, args, hw, spec_floor, drafter)
-        data["notes"] += _memory_notes(ckpt, args, hw, contexts, streams or [1], drafter, kv_bytes, state_bytes)
+    data["memory"] = memory_section(ckpt, args, hw, plan, contexts, streams or [1], drafter)
+    data["notes"] += data["memory"].get("advice", [])
     if args.nodes is not None:
         data["multinode"] = _multinode(ckpt, args, reads, hw, floor_ms, hybrid)
     if args.published:
@@ -322,21 +325,52 @@ def concurrency_basis(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, spec
     return out
 
 
-def _memory_notes(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, contexts: list[int], streams: list[int],
-                  drafter: bw.Drafter, kv_bytes: int, state_bytes: int | None) -> list[str]:
-    """A note where the weights and the largest asked KV pool exceed the hardware's memory."""
-    memory = mnp.MEMORY_GB.get(hw.name)
-    if memory is None:
-        return []
-    c, n = max(contexts), max(streams)
-    ctx = bw.context_reads(ckpt.text_config, c, kv_bytes, state_bytes)
-    per_stream = ctx["kv_cache"] + ctx["linear_state"] // 2 + drafter.context_bytes(c, kv_bytes)
-    weights = sum(t.nbytes for t in ckpt.tensors.values() if t.klass != "mtp") + drafter.weight_bytes
-    if weights + n * per_stream <= memory * 1e9:
-        return []
-    return [f"{n} streams at {c:,} tokens hold {n * per_stream / 1e9:.1f} GB of KV cache and state on top of "
-            f"{weights / 1e9:.1f} GB of weights: more than the {memory:g} GB of {hw.label}; the engine would "
-            "run fewer streams at once (or --kv-dtype fp8 halves the KV cache)"]
+def memory_inputs(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, plan, drafter: bw.Drafter,
+                  profile: str = "dense") -> mem.MemoryInputs | None:
+    """The memory plan's inputs for a serve profile of the recipe on this hardware (None: no profile)."""
+    from hybrid_build.recipes.schema import load_recipe
+
+    recipe = plan.recipe if plan is not None else None
+    if recipe is None and args.recipe:
+        recipe = load_recipe(args.recipe)
+    prof = recipe.serve.profiles.get(profile) if recipe is not None and recipe.serve else None
+    if prof is None:
+        return None
+    if drafter.weight_bytes == 0 and prof.speculative is not None:
+        prof = prof.model_copy(update={"speculative": None})
+    if args.kv_dtype == "fp8":
+        prof = prof.model_copy(update={"kv_cache_dtype": "fp8"})
+    weights = sum(t.nbytes for t in ckpt.tensors.values() if t.klass != "mtp")
+    if plan is not None and prof.artifact == "hybrid":
+        fp8, head = bw._savings_from_source(plan)
+        weights -= fp8 + head
+    reserve, basis = mem.reserve_for(hw.name)
+    return mem.profile_inputs(
+        ckpt.text_config, prof, args.engine, mem.DFLASH_DRAFTER, total_bytes=int(mnp.MEMORY_GB.get(hw.name, 128) * 1e9),
+        weights_bytes=weights, drafter_bytes=drafter.weight_bytes if prof.speculative else 0, reserve_bytes=reserve,
+        reserve_basis=basis)
+
+
+def memory_section(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, plan, contexts: list[int],
+                   streams: list[int], drafter: bw.Drafter) -> dict:
+    """The KV pool of the recipe's dense profile as vLLM ``args.engine`` plans it, the largest context one
+    stream holds, and how many streams of each context fit (serve/speed/memory_plan.py)."""
+    if not bw.layer_types(ckpt.text_config).count("linear_attention"):
+        return {}
+    try:
+        inputs = memory_inputs(ckpt, args, hw, plan, drafter)
+        if inputs is None:
+            return {}
+        mp = mem.plan_memory(inputs)
+    except mem.MemoryPlanError as e:
+        return {"error": str(e), "advice": [f"memory: {e}"]}
+    out = mp.to_json()
+    out["profile"] = "dense"
+    out["fit"] = [{"context": c, "streams": n, "whole": f.whole, "next_tokens": f.next_tokens,
+                   "blocks_per_stream": f.blocks_per_stream}
+                  for c in contexts for n in streams for f in [mp.streams_that_fit(c)]]
+    out["advice"] = [a for c in contexts for n in streams if (a := mem.fit_advice(mp, c, n))]
+    return out
 
 
 def _multinode(ckpt: Checkpoint, args: PlanOptions, reads: bw.ProfileReads, hw: bw.Hardware, floor_ms: float,
@@ -423,6 +457,8 @@ def render_text(data: dict) -> str:
             lines.append(f"{a:>8g}{first['experts_per_layer']:>15.1f}"
                          + "".join(f"{rows[p]['tok_s']:>11.1f}" for p in shown)
                          + (f"{rows['dense']['tok_s'] / rows['base']['tok_s'] - 1:>+12.1%}" if gain else ""))
+    if data.get("memory", {}).get("pool_tokens"):
+        lines += _render_memory(data["memory"])
     if data.get("concurrency"):
         lines += _render_concurrency(data)
     if data.get("published_gb10"):
@@ -449,6 +485,25 @@ def render_text(data: dict) -> str:
     if data.get("multinode"):
         lines.append(mnp.render_text(data["multinode"]))
     return "\n".join(lines)
+
+
+def _render_memory(m: dict) -> list[str]:
+    kv = {"auto": "bf16"}.get(m["kv_cache_dtype"], m["kv_cache_dtype"])
+    lines = ["", f"memory ({m['profile']} profile as vLLM {m['engine']} plans it; {m['layout']} prefix-cache layout, "
+                 f"{kv} KV, {m['num_speculative_tokens']} speculative tokens, gpu_memory_utilization "
+                 f"{m['gpu_memory_utilization']:g})",
+             f"  weights {m['weights_bytes'] / 1e9:.1f} GB + drafter {m['drafter_bytes'] / 1e9:.1f} GB + reserve "
+             f"{m['reserve_bytes'] / 1e9:.1f} GB ({m['reserve_basis']}) -> KV pool {m['kv_pool_bytes'] / 1e9:.1f} GB = "
+             f"{m['num_blocks']:,} blocks of {m['block_bytes']:,} B",
+             f"  KV per token {m['kv_bytes_per_token'] / 1024:g} KiB (padding included); per stream, whatever its "
+             f"length: {m['state_bytes_per_stream'] / 1e9:.2f} GB of GDN state with its speculative pages",
+             f"  pool {m['pool_tokens']:,} tokens (the figure vLLM logs); largest context one stream holds "
+             f"{m['max_context_tokens']:,}"]
+    for f in m["fit"]:
+        ok = "fit" if f["whole"] >= f["streams"] else "DO NOT FIT"
+        lines.append(f"  {f['streams']} x {f['context']:,} tokens: {ok} ({f['whole']} whole streams"
+                     + (f", the next gets {f['next_tokens']:,} tokens" if f["next_tokens"] else "") + ")")
+    return lines
 
 
 def _render_concurrency(data: dict) -> list[str]:

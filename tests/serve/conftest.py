@@ -80,11 +80,27 @@ if args == ["--version"]:
 if os.environ.get("HB_STANDIN_RECORD"):  # what serve started vLLM with: its argv and its key variable
     with open(os.environ["HB_STANDIN_RECORD"], "w") as f:
         json.dump({{"argv": sys.argv, "VLLM_API_KEY": os.environ.get("VLLM_API_KEY")}}, f)
+flags = os.environ.get("HB_STANDIN_FLAGS", "").split()
+if os.environ.get("HB_STANDIN_LAUNCHES"):  # one line per start; from the second on, the restart flags too
+    path = os.environ["HB_STANDIN_LAUNCHES"]
+    again = os.path.exists(path)
+    with open(path, "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    flags += os.environ.get("HB_STANDIN_RESTART_FLAGS", "").split() if again else []
 opt = lambda name: args[args.index(name) + 1]
 ref = ["--reference", args[1]] if os.path.exists(os.path.join(args[1], "hybrid_build", "reference.json")) else []
 os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), "--model", opt("--served-model-name"),
-                          *ref, *os.environ.get("HB_STANDIN_FLAGS", "").split()])
+                          *ref, *flags])
 '''
+
+
+def write_meminfo(path: Path, available_gb: float, total_gb: float) -> None:
+    """A /proc/meminfo with these figures (GB; the file's kB are KiB), written whole (rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    kib = lambda gb: int(gb * 1e9 / 1024)  # noqa: E731
+    tmp.write_text(f"MemTotal:       {kib(total_gb)} kB\nMemFree:        {kib(available_gb / 2)} kB\n"
+                   f"MemAvailable:   {kib(available_gb)} kB\n")
+    os.replace(tmp, path)
 
 
 @pytest.fixture
@@ -92,8 +108,11 @@ def serve_env(tmp_path):
     """A bin folder with a stand-in `vllm` (it serves the OpenAI stand-in, answering prompt
     log-probabilities from the artifact's reference when there is one; more flags from
     ``HB_STANDIN_FLAGS``; with ``HB_STANDIN_RECORD=FILE`` it writes its argv and ``VLLM_API_KEY``
-    there) and `nvidia-smi` first on PATH, a free port, and a check that the server does not
-    outlive the test."""
+    there; with ``HB_STANDIN_LAUNCHES=FILE`` it adds a line there at each start and, from the
+    second start on, the flags of ``HB_STANDIN_RESTART_FLAGS``) and `nvidia-smi` first on PATH, a
+    free port, a meminfo file serve reads instead of the host's (``meminfo``: plenty available, so
+    that no test depends on this machine's memory) and a check that the server does not outlive
+    the test."""
     from serve_cli import _processes_mentioning, free_port
 
     bindir = tmp_path / "bin"
@@ -103,9 +122,12 @@ def serve_env(tmp_path):
     for f in bindir.iterdir():
         f.chmod(0o755)
     port = free_port()
-    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, available_gb=1000, total_gb=1024)
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               HYBRID_BUILD_MEMINFO=str(meminfo))
     marks = [f"--port {port}"]
-    yield {"env": env, "port": port, "marks": marks, "cwd": tmp_path}
+    yield {"env": env, "port": port, "marks": marks, "cwd": tmp_path, "meminfo": meminfo, "bin": bindir}
     left = _processes_mentioning(marks)
     for line in left:
         try:

@@ -37,7 +37,11 @@ nan: a hit gives NaN; nohit: caching on, nothing ever hits), ``--no-prefix-cachi
 (decode steps after the first read the context one token short), ``--trickle S`` (completion
 bodies one byte every S seconds), ``--model NAME``. With ``--control`` the same knobs are set at
 run time by ``POST /standin/config`` (a JSON object of ``Knobs.FIELDS``), so that one process serves
-many tests. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
+many tests. Engine faults, at run time only: ``hold`` (streaming requests stop after their first
+token: ``vllm:num_requests_running`` counts them, the token counters freeze, ``/health`` stays 200),
+``die`` (``exit0``: vLLM's EngineDeadError line, then status 0; or a signal name), ``ignore_term``
+(SIGTERM does nothing). Streams are chunked, as vLLM's are: a stand-in that dies mid-answer leaves
+its client an incomplete body. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
 the reference needs torch and safetensors (the project's venv); the rest is stdlib.
 
 Chat completions stream as vLLM's do: the running ``usage`` in every chunk where the request asks
@@ -62,6 +66,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -107,6 +112,7 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.per_pos = [0] * spec_tokens
         self.prompt_tokens = self.generation_tokens = 0
+        self.running = 0  # requests being generated (vllm:num_requests_running)
         self.cache = cache  # a PrefixCache whose counts /metrics shows (vLLM shows them, zero, without one)
         self.created = time.time()
 
@@ -161,7 +167,8 @@ class Engine:
                           "# TYPE process_start_time_seconds gauge",
                           f"process_start_time_seconds {go_float(self.created)}"])
             lines.extend(["# HELP vllm:num_requests_running Number of requests in model execution batches.",
-                          "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} 0.0"])
+                          "# TYPE vllm:num_requests_running gauge",
+                          f"vllm:num_requests_running{{{labels}}} {go_float(self.running)}"])
             if self.k:
                 counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", [(labels, self.drafts)])
                 counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", [(labels, self.draft_tokens)])
@@ -327,7 +334,7 @@ class Knobs:
 
     FIELDS = ("model", "noise", "fault", "cache_fault", "prefix_caching", "batch_fault", "decode_fault", "trickle",
               "legacy_echo", "prompt_logprobs", "metrics", "tool_share", "tool_fault", "fail_every",
-              "prompt_tokens_details")
+              "prompt_tokens_details", "hold", "die", "ignore_term")
 
     def __init__(self, **kw):
         self.model, self.noise, self.fault, self.cache_fault = "qwen", 0.0, None, None
@@ -338,6 +345,13 @@ class Knobs:
         # chat request answers 500; usage.prompt_tokens_details.cached_tokens (vLLM's
         # --enable-prompt-tokens-details)
         self.tool_share, self.tool_fault, self.fail_every, self.prompt_tokens_details = 0.75, None, 0, True
+        # engine faults: ``hold`` stops every streaming request after its first token (counters
+        # frozen, /health 200: a deadlocked engine); ``die`` ends the process at once ("exit0": an
+        # EngineDeadError line then status 0, as vLLM's API server does; a signal name: killed by it);
+        # ``ignore_term``: SIGTERM does nothing (an engine stuck in a CUDA call)
+        self.hold, self.die, self.ignore_term = False, None, False
+        self.held = threading.Event()  # set while ``hold`` is off: held requests wait on it
+        self.held.set()
         self.update(kw)
 
     def update(self, kw: dict) -> None:
@@ -349,6 +363,12 @@ class Knobs:
             raise ValueError(f"fault {self.fault!r}: one of {FAULTS}")
         if self.cache_fault is not None and self.cache_fault not in CACHE_FAULTS:
             raise ValueError(f"cache_fault {self.cache_fault!r}: one of {CACHE_FAULTS}")
+        if self.die is not None and self.die != "exit0" and not self.die.startswith("SIG"):
+            raise ValueError(f"die {self.die!r}: exit0 or a signal name")
+        if self.hold:
+            self.held.clear()
+        else:
+            self.held.set()
 
     def to_json(self) -> dict:
         return {n: getattr(self, n) for n in self.FIELDS}
@@ -620,6 +640,16 @@ class FakeNetwork:
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
 
+def die(how: str) -> None:
+    """End the process as an engine dies: "exit0" prints vLLM's EngineDeadError line and exits 0
+    (what vLLM's API server does after the engine core died, vLLM 48966); a signal name kills it."""
+    if how == "exit0":
+        print("ERROR [async_llm.py] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
+              "See stack trace (above) for the root cause.", flush=True)
+        os._exit(0)
+    os.kill(os.getpid(), getattr(signal, how))
+
+
 class _Req:
     """What a fake ``urlopen`` reads of a request (``full_url``, ``data``, ``get_header``), from httpx's."""
 
@@ -805,6 +835,8 @@ def main() -> int:
                 self.end_headers()
                 self.wfile.write(body)
                 return
+            if self.path == "/health":  # vLLM's: process flags, not progress (200 while held)
+                return self._json(200, {})
             if self.path != "/v1/models":
                 return self._json(404, {"error": "not found"})
             if time.monotonic() - START < a.ready_after or (a.ready_file and not os.path.exists(a.ready_file)):
@@ -822,7 +854,11 @@ def main() -> int:
                 except ValueError as e:
                     return self._json(400, {"error": str(e)})
                 apply_cache_knobs()
-                return self._json(200, knobs.to_json())
+                self._json(200, {k: v for k, v in knobs.to_json().items()})
+                self.wfile.flush()
+                if knobs.die:
+                    die(knobs.die)
+                return
             if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 return self._json(404, {"error": "not found"})
             if req.get("model") != knobs.model:
@@ -850,13 +886,28 @@ def main() -> int:
             record(req, serial, {"prompt_tokens": len(ids), "cached_tokens": hit, "completion_tokens": n,
                                  "tool_call": call})
             continuous = bool((req.get("stream_options") or {}).get("continuous_usage_stats"))
+            # chunked, as vLLM's server (uvicorn) streams: a server that dies mid-answer leaves the
+            # client an incomplete body (an error), where an HTTP/1.0 close would read as the end
+            self.protocol_version = "HTTP/1.1"
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
             self.end_headers()
+            with engine.lock:
+                engine.running += 1
+            try:
+                self._stream(ids, n, call, hit, continuous)
+            finally:
+                with engine.lock:
+                    engine.running -= 1
+
+        def _stream(self, ids: list[int], n: int, call: dict | None, hit: int, continuous: bool) -> None:
             time.sleep(a.first_delay)
             sent = 0
             for i, tokens in enumerate(engine.run(n, prompt_tokens=len(ids))):
                 if i:
+                    knobs.held.wait()  # a held engine: the request runs, no token comes
                     time.sleep(a.token_delay)
                 if call is not None:  # the call's JSON streams in pieces, one per engine step
                     piece = call["function"]["arguments"][sent * 4:(sent + tokens) * 4]
@@ -871,16 +922,25 @@ def main() -> int:
                 ev = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
                 if continuous:
                     ev["usage"] = {"prompt_tokens": len(ids), "completion_tokens": sent}
-                self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
-                self.wfile.flush()
+                self._chunk(f"data: {json.dumps(ev)}\n\n".encode())
             usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
             if knobs.prompt_tokens_details:
                 usage["prompt_tokens_details"] = {"cached_tokens": hit}
             done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls" if call else "length"}]}
-            self.wfile.write(f"data: {json.dumps(done)}\n\n".encode())
-            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+            self._chunk(f"data: {json.dumps(done)}\n\n".encode())
+            self._chunk(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+            self._chunk(b"")
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
 
+    def on_term(signum, _frame):
+        if not knobs.ignore_term:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     server = StandinHTTPServer(("127.0.0.1", a.port), Handler)
     if a.exit_after is not None:
         def _die():

@@ -862,3 +862,28 @@ def _nodes_plan_n(ckpt, n: int) -> dict:
 def test_predict_refuses_one_node():
     with pytest.raises(ValueError):
         mnp.predict({}, {"hidden_size": 8, "vocab_size": 8}, bw.HARDWARE["gb10"], 0.0, 1)
+
+
+@pytest.mark.slow
+def test_a_node_whose_ray_dies_after_ready_stops_the_whole_server_naming_it(tiny_artifact, cluster_env, home):
+    """After READY the nodes are watched as one engine is: node 2's `ray start --block` killed, serve
+    says so in one line with its time, naming node 2, stops vLLM and the head, exits 1."""
+    c = cluster_env
+    run = CliRun(_serve_argv(tiny_artifact, c, "--watch-interval", "0.1"), c["env"], c["cwd"])
+    try:
+        run.wait_for("READY", 240)
+        node2 = [line for line in _processes_mentioning([f"{c['ray_tmp']}/node2"])
+                 if "ray start" in line or "/ray start" in line]
+        assert len(node2) == 1, node2
+        os.kill(int(node2[0].split(":", 1)[0]), signal.SIGKILL)
+        line = run.wait_for("20", 60)
+        assert " exit: Ray worker on node 2 (worker, 127.0.0.3" in line and "was killed by SIGKILL" in line, line
+        assert line.endswith("; stopping every node")
+        print(f"\nnode: {line}")
+        assert run.proc.wait(timeout=180) == 1
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+    assert _token_files(home) == []
+    # the fixture asserts that no Ray process and no stand-in server is left

@@ -518,11 +518,17 @@ def test_kv_reads_grow_linearly_with_context_and_fp8_halves_them(real_122b):
     assert bf16["context_layout"]["max_context"] == 262144
 
 
-def test_memory_note_for_a_kv_pool_that_does_not_fit(real_122b):
-    big = _streams_plan(real_122b, context=262144, concurrency=[16], accept=[1.0])
-    assert any("more than the 128 GB" in n and "--kv-dtype fp8" in n for n in big["notes"])
-    small = _streams_plan(real_122b, context=262144, concurrency=[3], accept=[1.0])
-    assert not any("more than the" in n for n in small["notes"])
+def test_memory_section_and_the_fix_for_streams_that_do_not_fit(real_122b):
+    """The dense profile's pool as vLLM 0.26.0 plans it (memory_plan, checked against vLLM on CPU in
+    test_memory_plan.py): 4 streams of 100k do not fit on a GB10, and the note says what does."""
+    big = _streams_plan(real_122b, context=100000, concurrency=[1, 4], accept=[1.0])
+    m = big["memory"]
+    assert m["layout"] == "prefix_align" and m["num_speculative_tokens"] == 12
+    fit = {f["streams"]: f["whole"] for f in m["fit"]}
+    assert fit[1] == fit[4] < 4 and fit[1] >= 1
+    assert any(n.startswith("4 x 100,000 tokens do not fit") and "1 x 100,000 + 3 x" in n for n in big["notes"])
+    small = _streams_plan(real_122b, context=32768, concurrency=[1], accept=[1.0])
+    assert not any("do not fit" in n for n in small["notes"])
 
 
 def test_max_context_from_the_config():
