@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 import logging
 
-from hybrid_build.serve.runtime.kv_cache_fixes import Anchor, _resolve, source_of
+from .kv_cache_fixes import Anchor, _resolve, source_of
 
 log = logging.getLogger(__name__)
 
