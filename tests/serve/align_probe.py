@@ -37,7 +37,11 @@ sys.path.insert(0, str(HERE))
 
 import kv_probe  # noqa: E402
 
-SPEC_TOKENS, BUDGET, MAX_SEQS, MAX_LEN = kv_probe.SPEC_TOKENS, kv_probe.BUDGET, 4, 131072
+BUDGET, MAX_SEQS, MAX_LEN = kv_probe.BUDGET, 4, 131072
+# the drafter shapes (kv_probe.specs) -> the speculative method and its token count: DFlash as the
+# profiles `dense` / `dflash` run it (12), MTP as the profile `mtp` runs it (2)
+SHAPES = {"full6": ("dflash", kv_probe.SPEC_TOKENS), "mixed": ("dflash", kv_probe.SPEC_TOKENS),
+          "sliding6": ("dflash", kv_probe.SPEC_TOKENS), "mtp": ("mtp", 2)}
 # the real drafter's shape (docs/serve.md; FACTS.md), 6 full-attention layers: what the scheduler reads
 DRAFTER = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 3072,
            "intermediate_size": 9728, "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -45,7 +49,18 @@ DRAFTER = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden
            "max_position_embeddings": 262144, "rope_theta": 10000000, "tie_word_embeddings": False,
            "torch_dtype": "bfloat16", "block_size": 16, "target_hidden_size": 3072,
            "dflash_config": {"mask_token_id": 248077, "target_layer_ids": [1, 7, 14, 20, 26, 32, 39, 45]}}
-TARGET = dict(DRAFTER, architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, dflash_config=None)
+# the target: a Qwen3-Next config of the 122B's text shapes (FACTS.md). Qwen3-Next is the GDN hybrid
+# Qwen3.5's text model grew from; vLLM's SpeculativeConfig turns it into its MTP drafter
+# (qwen3_next -> qwen3_next_mtp) exactly as it turns qwen3_5_moe into qwen3_5_mtp, and its model
+# class is inspected on CPU, where Qwen3.5's (through qwen3_vl) needs torchvision's compiled ops
+TARGET = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 3072,
+          "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+          "vocab_size": 248320, "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+          "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+          "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 1024,
+          "shared_expert_intermediate_size": 1024, "intermediate_size": 1024, "num_nextn_predict_layers": 1,
+          "max_position_embeddings": 262144, "torch_dtype": "bfloat16", "rope_theta": 10000000,
+          "partial_rotary_factor": 0.25}
 
 
 def install(enabled: frozenset[str]) -> dict[str, str]:
@@ -56,23 +71,28 @@ def install(enabled: frozenset[str]) -> dict[str, str]:
     return state
 
 
-def vllm_config(work: Path):
+def target_config(work: Path):
+    from vllm.config import ModelConfig
+
+    for name, cfg in (("target", TARGET), ("drafter", DRAFTER)):
+        (work / name).mkdir(parents=True, exist_ok=True)
+        (work / name / "config.json").write_text(json.dumps(cfg))
+    return ModelConfig(model=str(work / "target"), skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="bfloat16")
+
+
+def vllm_config(model, work: Path, method: str, tokens: int):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
-        ModelConfig,
         ParallelConfig,
         SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
     )
 
-    for name, cfg in (("target", TARGET), ("drafter", DRAFTER)):
-        (work / name).mkdir(parents=True, exist_ok=True)
-        (work / name / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
-    model = ModelConfig(model=str(work / "target"), skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="bfloat16")
-    spec = SpeculativeConfig(method="dflash", model=str(work / "drafter"), num_speculative_tokens=SPEC_TOKENS,
-                             target_model_config=model, target_parallel_config=ParallelConfig())
+    drafter = {"model": str(work / "drafter")} if method == "dflash" else {}
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=tokens, target_model_config=model,
+                             target_parallel_config=ParallelConfig(), **drafter)
     return VllmConfig(model_config=model, speculative_config=spec, device_config=DeviceConfig(device="cpu"),
                       cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, mamba_cache_mode="align"),
                       scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET,
@@ -95,9 +115,15 @@ class Violation(AssertionError):
     pass
 
 
-def check_new(sched, groups, state, slot: int, new, step: int) -> dict:
-    """A request scheduled for the first time: every group's hit ends at the same token, its GDN
-    state is a cached block at the hit's column, and the V2 runner seeds that column."""
+def cached_blocks(sched) -> dict[int, object]:
+    """The pool's cached blocks (id -> hash) before a step: a hit may only use these."""
+    return {b.block_id: b.block_hash for b in sched.kv_cache_manager.block_pool.blocks if b.block_hash is not None}
+
+
+def check_new(sched, groups, state, slot: int, new, step: int, before: dict[int, object]) -> dict:
+    """A request scheduled for the first time: every group's hit ends at the same token (each block
+    inside it was a cached block before this step, not one allocated and hashed by this step), its GDN
+    state is such a block at the hit's column, and the V2 runner seeds that column."""
     hit = new.num_computed_tokens
     pool = sched.kv_cache_manager.block_pool.blocks
     where = f"step {step}, request {new.req_id}, hit {hit}"
@@ -106,12 +132,15 @@ def check_new(sched, groups, state, slot: int, new, step: int) -> dict:
         if hit % block:
             raise Violation(f"{where}: group {g} ({kind}, block {block}) cannot end a hit there")
         if kind == "full":
-            cold = [i for i in ids[:hit // block] if i == 0 or pool[i].block_hash is None]
+            cold = [j for j, i in enumerate(ids[:hit // block]) if i == 0 or before.get(i) is None
+                    or pool[i].block_hash != before[i]]
             if cold:
-                raise Violation(f"{where}: group {g} ({kind}) has {len(cold)} uncached blocks inside the hit")
+                raise Violation(f"{where}: group {g} ({kind}, block {block}) has {len(cold)} blocks inside the hit "
+                                f"that held no cached KV before this step (block indexes {cold[:4]}): its hit ends "
+                                f"at {cold[0] * block}")
         if kind == "mamba" and hit:
             col = hit // block - 1
-            if col >= len(ids) or ids[col] == 0 or pool[ids[col]].block_hash is None:
+            if col >= len(ids) or ids[col] == 0 or before.get(ids[col]) is None:
                 got = "past the allocation" if col >= len(ids) else f"block {ids[col]} (null or not cached)"
                 raise Violation(f"{where}: group {g} (GDN) state of the hit at column {col}: {got}; "
                                 f"blocks {[i for i in ids[:col + 2]][-4:]}")
@@ -158,7 +187,8 @@ def runner_output(sched, out, rng: random.Random):
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
 
 
-def converse(sched, groups, state, hasher, rng: random.Random, conversations: int, turns: int) -> list[dict]:
+def converse(sched, groups, state, hasher, rng: random.Random, conversations: int, turns: int, tokens: int,
+             log: list[dict]) -> None:
     """Multi-turn conversations, two at a time: each turn's prompt is the previous turn's prompt and
     answer plus a new message (a resume from the cached prefix); a fork repeats a turn's history with
     another message."""
@@ -167,7 +197,7 @@ def converse(sched, groups, state, hasher, rng: random.Random, conversations: in
     from vllm.v1.request import Request
 
     history = {c: [rng.randrange(100, 240000) for _ in range(rng.randint(3000, 6000))] for c in range(conversations)}
-    log, step, slots = [], 0, {}
+    step, slots = 0, {}
     for turn in range(turns):
         for c in range(conversations):
             for fork in (0, 1) if turn == 1 else (0,):
@@ -179,13 +209,14 @@ def converse(sched, groups, state, hasher, rng: random.Random, conversations: in
                     history[c] = prompt
         outputs: dict[str, list[int]] = {}
         while sched.requests:
+            before = cached_blocks(sched)
             out = sched.schedule()
             step += 1
             for new in out.scheduled_new_reqs:
                 slots[new.req_id] = len(slots) % (MAX_SEQS * 4)
                 prompt = len(sched.requests[new.req_id].prompt_token_ids)
                 log.append({"step": step, "request": new.req_id, "prompt": prompt,
-                            **check_new(sched, groups, state, slots[new.req_id], new, step)})
+                            **check_new(sched, groups, state, slots[new.req_id], new, step, before)})
             check_step(sched, groups, out, step)
             for rid in out.num_scheduled_tokens:
                 outputs[rid] = sched.requests[rid].output_token_ids
@@ -194,33 +225,31 @@ def converse(sched, groups, state, hasher, rng: random.Random, conversations: in
             decoding = [r for r, q in sched.requests.items()
                         if q.num_output_tokens and q.num_computed_tokens >= q.num_prompt_tokens]
             if decoding:
-                sched.update_draft_token_ids(DraftTokenIds(decoding, [[rng.randrange(100, 240000)] * SPEC_TOKENS
+                sched.update_draft_token_ids(DraftTokenIds(decoding, [[rng.randrange(100, 240000)] * tokens
                                                                       for _ in decoding]))
         for c in range(conversations):
             history[c] = history[c] + outputs.get(f"c{c}t{turn}f0", [])
-    return log
 
 
-def main() -> int:
-    shape, fixes, work, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int) -> dict:
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    enabled = frozenset() if fixes == "none" else frozenset(fixes.split(","))
-    res: dict = {"shape": shape, "fixes": sorted(enabled), "install": install(enabled)}
-    config = vllm_config(work)
-    # VllmConfig turns the hybrid manager off for a target without GDN layers (the stand-in); the
-    # 122B's engine keeps it on
+    method, tokens = SHAPES[shape]
+    res: dict = {"shape": shape, "method": method, "fixes": sorted(enabled), "install": install(enabled)}
+    config = vllm_config(model, work, method, tokens)
+    # VllmConfig turns the hybrid manager off on a platform without hybrid KV-cache support (this
+    # CPU); the GPU engine keeps it on for the hybrid target
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    spec, _ = kv_probe.specs(shape)
+    spec, _ = kv_probe.specs(shape, spec_tokens=tokens)
     groups = kcu.get_kv_cache_groups(config, spec)
     kinds = [("mamba" if isinstance(g.kv_cache_spec, MambaSpec) else
               "full" if type(g.kv_cache_spec) is FullAttentionSpec else "window", g.kv_cache_spec.block_size)
              for g in groups]
-    res["groups"] = [f"{k} {b}" for k, b in kinds]
+    res["groups"] = sorted({f"{k} {b}" for k, b in kinds})
     kv_config = KVCacheConfig(num_blocks=4000, kv_cache_tensors=[], kv_cache_groups=groups)
     cache = config.cache_config
     cache.block_size = min(b for _, b in kinds)  # the engine core, after planning
@@ -232,15 +261,37 @@ def main() -> int:
     sched = Scheduler(vllm_config=config, kv_cache_config=kv_config, block_size=scheduler_block,
                       hash_block_size=hash_block, structured_output_manager=StructuredOutputManager(config))
     res.update(scheduler_block=scheduler_block, hash_block=hash_block, cache_block=cache.block_size,
-               scheduler_use_eagle=sched.use_eagle, manager_use_eagle=sched.kv_cache_manager.use_eagle)
+               mamba_block=cache.mamba_block_size, scheduler_use_eagle=sched.use_eagle,
+               manager_use_eagle=sched.kv_cache_manager.use_eagle, requests=[], violation=None, crash=None)
     try:
-        res["requests"] = converse(sched, kinds, model_state(cache), hasher, random.Random(int(sys.argv[5])
-                                                                                           if len(sys.argv) > 5 else 0),
-                                   conversations=2, turns=4)
-        res["violation"] = None
+        converse(sched, kinds, model_state(cache), hasher, random.Random(seed), conversations=2, turns=4,
+                 tokens=tokens, log=res["requests"])
     except Violation as e:
         res["violation"] = str(e)
-    json.dump(res, open(out, "w"), indent=1)
+    except Exception as e:  # vLLM's own code stopped (an assertion of its own): the engine would die here
+        res["crash"] = f"{type(e).__name__}: {e}"[:500]
+    return res
+
+
+def main() -> int:
+    """``CASES`` (``shape:fixes`` joined by ``;``) run in this order in one process. An installed fix
+    stays installed, so each case's fixes must include the previous case's: run a fix off first."""
+    cases, work, out = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    model = target_config(work)
+    results, before = [], frozenset()
+    for case in cases.split(";"):
+        shape, _, fixes = case.partition(":")
+        enabled = frozenset() if fixes in ("", "none") else frozenset(fixes.split(","))
+        if shape not in SHAPES or not before <= enabled:
+            print(f"align_probe: bad case {case!r} (shapes: {', '.join(SHAPES)}; each case's fixes must include "
+                  f"the previous case's)", file=sys.stderr)
+            return 2
+        before = enabled
+        results.append(run_case(model, work, shape, enabled, seed))
+    tmp = Path(out + ".partial")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.rename(out)
     return 0
 
 
