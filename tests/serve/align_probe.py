@@ -106,6 +106,7 @@ def model_state(cache_config):
 
     obj = object.__new__(MambaHybridModelState)
     obj.cache_config, obj._align_mode, obj.rope_state = cache_config, True, None
+    obj.prompt_embeds_state = None  # 0.33.0 reads it too
     obj.num_accepted_tokens_gpu = torch.ones(MAX_SEQS * 4, dtype=torch.int32)
     obj._mamba_state_idx_gpu = torch.zeros(MAX_SEQS * 4, dtype=torch.int32)
     return obj
@@ -245,7 +246,16 @@ def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int) 
     # CPU); the GPU engine keeps it on for the hybrid target
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     spec, _ = kv_probe.specs(shape, spec_tokens=tokens)
-    groups = kcu.get_kv_cache_groups(config, spec)
+    try:  # 0.33: planning has its own module, after the engine core resolves one KV-cache layout
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+
+        layouts = [x.name for x in get_supported_kv_cache_layouts([FlashAttentionBackend])]  # what a worker reports
+        resolve_kv_cache_layout(config, [layouts], list(spec.values()))
+    except ImportError:
+        get_kv_cache_groups = kcu.get_kv_cache_groups
+    groups = get_kv_cache_groups(config, spec)
     kinds = [("mamba" if isinstance(g.kv_cache_spec, MambaSpec) else
               "full" if type(g.kv_cache_spec) is FullAttentionSpec else "window", g.kv_cache_spec.block_size)
              for g in groups]
@@ -258,11 +268,15 @@ def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int) 
     scheduler_block, hash_block = kcu.resolve_kv_cache_block_sizes(kv_config, config)
     kcu.init_none_hash(sha256_cbor)
     hasher = kcu.get_request_block_hasher(hash_block, sha256_cbor)
-    sched = Scheduler(vllm_config=config, kv_cache_config=kv_config, block_size=scheduler_block,
-                      hash_block_size=hash_block, structured_output_manager=StructuredOutputManager(config))
     res.update(scheduler_block=scheduler_block, hash_block=hash_block, cache_block=cache.block_size,
-               mamba_block=cache.mamba_block_size, scheduler_use_eagle=sched.use_eagle,
-               manager_use_eagle=sched.kv_cache_manager.use_eagle, requests=[], violation=None, crash=None)
+               mamba_block=cache.mamba_block_size, requests=[], start=None, violation=None, crash=None)
+    try:
+        sched = Scheduler(vllm_config=config, kv_cache_config=kv_config, block_size=scheduler_block,
+                          hash_block_size=hash_block, structured_output_manager=StructuredOutputManager(config))
+    except AssertionError as e:  # the engine core stops here: this layout does not start
+        res["start"] = f"{type(e).__name__}: {e}"[:300]
+        return res
+    res.update(scheduler_use_eagle=sched.use_eagle, manager_use_eagle=sched.kv_cache_manager.use_eagle)
     try:
         converse(sched, kinds, model_state(cache), hasher, random.Random(seed), conversations=2, turns=4,
                  tokens=tokens, log=res["requests"])

@@ -32,6 +32,15 @@ KERNEL_ALIGN, BUDGET, SUFFIX = 16, 8192, 32
 CONTEXTS = (8192, 32768, 65536)
 
 
+def _spec(cls, **fields):
+    """A spec of this vLLM's class, without the fields its version does not have (0.33.0 has no
+    ``indexes_kv_by_block_stride``: every page there is read by block stride)."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in fields.items() if k in known})
+
+
 def specs(shape: str, block: int | None = None, spec_tokens: int = SPEC_TOKENS) -> tuple[dict, int]:
     """The layers' KV specs: the target's, then the drafter's (``full6``: the DFlash drafter with 6
     full-attention layers; ``mixed``: 5 sliding-window layers of 4096 + 1 full, the real drafter;
@@ -55,27 +64,27 @@ def specs(shape: str, block: int | None = None, spec_tokens: int = SPEC_TOKENS) 
     for i in range(TARGET_FULL + TARGET_GDN):
         name = f"model.layers.{i}"
         if (i + 1) % 4 == 0:
-            out[name + ".self_attn.attn"] = FullAttentionSpec(
+            out[name + ".self_attn.attn"] = _spec(FullAttentionSpec,
                 block_size=block, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
                 indexes_kv_by_block_stride=True)
         else:
-            out[name + ".linear_attn"] = MambaSpec(
+            out[name + ".linear_attn"] = _spec(MambaSpec,
                 shapes=tuple(shapes), dtypes=dtypes, block_size=block, page_size_padded=block * attn_token,
                 mamba_cache_mode="align", num_speculative_blocks=spec_tokens)
         layer += 1
     if shape == "mtp":
-        out["mtp.layers.0.self_attn.attn"] = FullAttentionSpec(
+        out["mtp.layers.0.self_attn.attn"] = _spec(FullAttentionSpec,
             block_size=block, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
             indexes_kv_by_block_stride=True)
         return out, mamba_page
     for i in range(DRAFT_LAYERS):
         name = f"draft_model.layers.{i}.self_attn.attn"
         if (shape == "mixed" and i < DRAFT_LAYERS - 1) or shape == "sliding6":  # sliding-window layers of 4096
-            out[name] = SlidingWindowSpec(block_size=KERNEL_ALIGN, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
+            out[name] = _spec(SlidingWindowSpec, block_size=KERNEL_ALIGN, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
                                           dtype=torch.bfloat16, sliding_window=4096,
                                           indexes_kv_by_block_stride=True)
         else:
-            out[name] = FullAttentionSpec(block_size=block, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
+            out[name] = _spec(FullAttentionSpec, block_size=block, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
                                           dtype=torch.bfloat16, indexes_kv_by_block_stride=True)
     return out, mamba_page
 
