@@ -11,8 +11,10 @@ mamba_eagle_drop (vLLM 0.25.1; 0.23.0 as a source patch). With an EAGLE-style dr
 coordinator looks one block past the candidate hit in every group that drops its last matching
 block, and each manager pops that block. ``MambaManager.find_longest_cache_hit`` takes the
 ``drop_eagle_block`` flag and never reads it, so the GDN group's hit grows one block past the
-attention groups': the request resumes at the attention hit with the GDN state block one column
-further on and a null block where its state should be (upstream PR 48375). vLLM 0.26.0 gives the
+attention groups', and 0.25.1's coordinator returns that longer hit: the attention groups keep one
+block less, and the resumed request gets a fresh block inside its context whose KV was never
+computed (wrong output; upstream PR 48375). ``tests/serve/align_probe.py`` shows it with the ``mtp``
+profile's layout, where every group has the GDN block and MTP drops the last block. vLLM 0.26.0 gives the
 GDN group no margin instead (``drop_eagle_block and not isinstance(spec, MambaSpec)`` in the
 coordinator): the anchor reads that as upstream. The fix searches one block less when the flag is
 set, which lands the GDN hit back on the candidate, as 0.26.0's coordinator does.
@@ -24,6 +26,9 @@ prefix-cacheable groups, which a drafter's sliding-window group (16 tokens) pull
 block: the pre-copy then reads ``block_table[column]`` past the row (upstream 53142, PR 55601). vLLM
 0.33.0 divides by ``cache_config.mamba_block_size``; the fix does the same after the stock seed.
 0.26.0 runs the V2 runner for the real (mixed sliding/full) drafter; 0.25.1 only when told to.
+Unreachable on 0.25.1 and 0.26.0 as far as their own code shows: a group below the GDN block makes
+``resolve_kv_cache_block_sizes`` take the LCM as the hash block, and the coordinator then refuses to
+start (``block_size must be divisible by hash_block_size``); the fix stays for a vLLM that starts.
 
 align_accept_snapshot (0.25.1, 0.26.0, 0.33.0; the V2 runner). ``preprocess_state`` launches the
 align preprocess kernel on the live ``num_accepted_tokens_gpu`` buffer, which the kernel both reads

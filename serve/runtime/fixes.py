@@ -72,9 +72,10 @@ FIXES: tuple[Fix, ...] = (
         hook="kv_cache_fixes:install", patch="prefix_align"),
     Fix("mamba_eagle_drop", "prefix caching on a hybrid GDN model with an EAGLE-style drafter whose last matching "
         "block is dropped (MTP, EAGLE; DFlash without prefix_align): MambaManager ignores the drop the other groups "
-        "apply, so the GDN hit runs one block past the attention hit and the resumed request reads its state from a "
-        "null block (wrong output, or an illegal address in the align pre-copy); the fix searches one block less, "
-        "as vLLM 0.26.0's coordinator does", "48375, 43559", ("0.23.0", "0.25.1"),
+        "apply, so the coordinator returns the GDN hit, one block past the attention groups', and the resumed "
+        "request's attention layers get a block inside their context whose KV was never computed (wrong output; "
+        "shown on CPU with the mtp profile's layout); the fix searches one block less, as vLLM 0.26.0's "
+        "coordinator does", "48375, 43559", ("0.23.0", "0.25.1"),
         hook="align_mode_fixes:install", patch="mamba_eagle_drop"),
     Fix("mamba_state_seed", "the V2 model runner seeds a resumed request's GDN state column with the smallest group "
         "block (16 tokens with the real drafter's sliding layers) instead of the GDN block: the align pre-copy reads "

@@ -2,20 +2,23 @@
 decoding, prefix caching in GDN "align" mode and the 122B's KV layout, checking the block-table
 invariants on every step (run as a subprocess with a vLLM version's sources on PYTHONPATH).
 
-Usage: ``python align_probe.py {full6,mixed} FIXES WORK OUT.json`` (FIXES: ``none``, or fix ids
-joined by commas, installed as the plugin installs them).
+Usage: ``python align_probe.py CASES WORK OUT.json [SEED]``; CASES: ``shape:fixes`` joined by ``;``
+(shapes: ``full6``, ``mixed``, ``sliding6`` DFlash drafters, ``mtp`` the model's own MTP layer; fixes:
+``none`` or fix ids joined by commas, installed as the plugin installs them), run in that order in one
+process, each case's fixes including the previous case's.
 
 What is vLLM's here: ``VllmConfig`` with its ``SchedulerConfig``, ``CacheConfig`` (prefix caching,
-``mamba_cache_mode="align"``) and a DFlash ``SpeculativeConfig`` (12 tokens) read from a config-only
-drafter of the real drafter's shape; ``get_kv_cache_groups``; the real ``Scheduler.__init__`` (which
+``mamba_cache_mode="align"``) and the ``SpeculativeConfig`` vLLM builds: DFlash (12 tokens) read from
+a config-only drafter of the real drafter's shape, or MTP (2 tokens, the ``mtp`` profile) converted
+from the target's own config; ``get_kv_cache_groups``; the real ``Scheduler.__init__`` (which
 builds the ``KVCacheManager``, its coordinator and block pool); ``schedule`` / ``update_from_output``
 / ``update_draft_token_ids`` every step; ``Request`` with vLLM's block hasher; and, for the state
 column the V2 model runner seeds on a resumed request, the real ``MambaHybridModelState.add_request``
 on an object holding the fields it reads. What stands in: the target's ``ModelConfig`` is a
-config-only Qwen3 text model (the Qwen3.5 model class does not import on CPU; the scheduler reads
-only lengths from it), the KV specs are those ``kv_probe.specs`` builds for the 122B (its GDN state,
+config-only Qwen3-Next model of the 122B's shapes (``TARGET``: the Qwen3.5 class needs torchvision's
+compiled ops on CPU; the scheduler reads only lengths from it), the KV specs are those ``kv_probe.specs`` builds for the 122B (its GDN state,
 ``Platform._align_hybrid_block_size``'s block), and the model: each step accepts a random number of
-the drafts (1 to 13 tokens, varying step by step) and emits random token ids.
+the drafts (1 to all of them plus one, varying step by step) and emits random token ids.
 
 Invariants, every step: for every scheduled request, each group's block list covers the tokens
 computed after the step, and the block at the running GDN column is a real block; for a request

@@ -1,6 +1,6 @@
 """The align-mode crash-family fixes (``serve/runtime/align_mode_fixes.py``) against each vLLM
 version's real source, and vLLM's own Scheduler and KV-cache manager driven through multi-turn
-conversations with the fixes installed (``align_probe.py``, one subprocess per case)."""
+conversations with each fix off and on (``align_probe.py``, one subprocess per version)."""
 from __future__ import annotations
 
 import json
