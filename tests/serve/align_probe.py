@@ -18,7 +18,8 @@ on an object holding the fields it reads. What stands in: the target's ``ModelCo
 config-only Qwen3-Next model of the 122B's shapes (``TARGET``: the Qwen3.5 class needs torchvision's
 compiled ops on CPU; the scheduler reads only lengths from it), the KV specs are those
 ``kv_probe.specs`` builds for the 122B (its GDN state, ``Platform._align_hybrid_block_size``'s block),
-and the model: each step accepts a random number of the drafts (1 to all of them plus one, varying step by step) and emits random token ids.
+and the model: each step accepts a random number of the drafts (1 to all of them plus one, varying
+step by step) and emits random token ids.
 
 Invariants, every step: for every scheduled request, each group's block list covers the tokens
 computed after the step, and the block at the running GDN column is a real block; for a request
