@@ -54,6 +54,9 @@ class ServeProfile(BaseModel):
     prefix_caching_note: str | None = Field(
         None, description="why this profile cannot cache a warm prefix well (or has caching off): `serve` prints "
                           "it, and `plan` / the model card claim no warm-prefix TTFT for it")
+    note: str | None = Field(
+        None, description="what this profile is not shown to survive (a defect no runtime fix removes, or a fix "
+                          "not yet shown on a GPU): `serve` prints it at start")
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's --kv-cache-dtype: 'fp8' halves the bytes each decode step reads per token of "
                             "context in the full-attention layers (plan --kv-dtype fp8 shows the effect); check "

@@ -406,7 +406,8 @@ def _check_engine(args: argparse.Namespace, plan) -> str | None:
     from .launcher import served_vllm_version
 
     version = served_vllm_version(plan)
-    notes = [n for n in plan.notes if n.startswith("prefix caching (")]  # the profile's own
+    notes = [n for n in plan.notes  # the profile's own
+             if n.startswith("prefix caching (") or n.startswith(f"{plan.profile!r} profile: ")]
     if plan.drafter is not None:
         drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
         target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)

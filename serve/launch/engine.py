@@ -384,6 +384,8 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     checked = _drafter_fields(profile, drafter)
     if profile.prefix_caching_note:
         notes.append(f"prefix caching ({name!r} profile): {profile.prefix_caching_note}")
+    if profile.note:
+        notes.append(f"{name!r} profile: {profile.note}")
     local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
     vllm = VllmServe(profile, local_model, port, host, drafter, revision)
     if engine == "local":

@@ -70,6 +70,21 @@ FIXES: tuple[Fix, ...] = (
         "GDN block with padded pages and keeps the last block for DFlash, as vLLM 0.33 does (0.23.0: rounds "
         "mamba_block_size up to the attention block)", "", ("0.23.0", "0.25.1", "0.26.0"),
         hook="kv_cache_fixes:install", patch="prefix_align"),
+    Fix("mamba_eagle_drop", "prefix caching on a hybrid GDN model with an EAGLE-style drafter whose last matching "
+        "block is dropped (MTP, EAGLE; DFlash without prefix_align): MambaManager ignores the drop the other groups "
+        "apply, so the coordinator returns the GDN hit, one block past the attention groups', and the resumed "
+        "request's attention layers get a block inside their context whose KV was never computed (wrong output; "
+        "shown on CPU with the mtp profile's layout); the fix searches one block less, as vLLM 0.26.0's "
+        "coordinator does", "48375, 43559", ("0.23.0", "0.25.1"),
+        hook="align_mode_fixes:install", patch="mamba_eagle_drop"),
+    Fix("mamba_state_seed", "the V2 model runner seeds a resumed request's GDN state column with the smallest group "
+        "block (16 tokens with the real drafter's sliding layers) instead of the GDN block: the align pre-copy reads "
+        "past the block-table row (Xid 31); the fix divides by mamba_block_size, as vLLM 0.33.0 does",
+        "53142 (PR 55601)", ("0.25.1", "0.26.0"), hook="align_mode_fixes:install"),
+    Fix("align_accept_snapshot", "the V2 model runner's align preprocess reads and resets the live accepted-token "
+        "buffer that async scheduling may be updating: the pre-copy gets an out-of-range offset (Xid 31); the fix "
+        "hands the kernel a snapshot and writes its resets back (GPU kernel: shown on a GPU only)",
+        "56736 (PR 56756)", ("0.25.1", "0.26.0", "0.33.0"), hook="align_mode_fixes:install"),
     Fix("fla_smem_sm121", "FLA chunk kernels on GB10 (sm121, 99 KiB shared memory per block) pick the small "
         "tiles (speed only); threshold from HYBRID_BUILD_FLA_SMEM_BYTES", "", ("0.23.0",),
         patch="fla_smem_sm121"),
@@ -103,16 +118,20 @@ class TestedVersion:
 TESTED_VERSIONS: tuple[TestedVersion, ...] = (
     TestedVersion("0.23.0", "docker", "the DGX Spark image with the source patches (anchors checked against "
                   "the real 0.23.0 source)",
-                  ("kv_unify", "prefix_align", "inc_fp8_dispatch", "int8_lm_head", "fla_smem_sm121"),
+                  ("kv_unify", "prefix_align", "inc_fp8_dispatch", "int8_lm_head", "mamba_eagle_drop",
+                   "fla_smem_sm121"),
                   image="ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"),
     TestedVersion("0.25.1", "local", "served on the H200 with the plugin (docs/gpu.md); a DFlash drafter with mixed "
                   "sliding/full layers does not start on it (docs/serve.md, Start table)",
-                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "kv_unify", "prefix_align")),
+                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "kv_unify", "prefix_align",
+                   "mamba_eagle_drop", "mamba_state_seed", "align_accept_snapshot")),
     TestedVersion("0.26.0", "local", "the full-depth 122B with the real drafter's shape started on the H200 (prefix "
                   "caching on); the plugin checked against its source on CPU",
-                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "prefix_align")),
+                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "prefix_align", "mamba_state_seed",
+                   "align_accept_snapshot")),
     TestedVersion("0.33.0", "local", "the plugin checked against its source on CPU (layer dispatch, Marlin "
-                  "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale")),
+                  "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale",
+                                                             "align_accept_snapshot")),
 )
 
 

@@ -32,12 +32,26 @@ KERNEL_ALIGN, BUDGET, SUFFIX = 16, 8192, 32
 CONTEXTS = (8192, 32768, 65536)
 
 
-def specs(shape: str, block: int | None = None) -> tuple[dict, int]:
+def _spec(cls, **fields):
+    """A spec of this vLLM's class, without the fields its version does not have (0.33.0 has no
+    ``indexes_kv_by_block_stride``: every page there is read by block stride)."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in fields.items() if k in known})
+
+
+def specs(shape: str, block: int | None = None, spec_tokens: int = SPEC_TOKENS) -> tuple[dict, int]:
+    """The layers' KV specs: the target's, then the drafter's (``full6``: the DFlash drafter with 6
+    full-attention layers; ``mixed``: 5 sliding-window layers of 4096 + 1 full, the real drafter;
+    ``sliding6``: all 6 sliding, a drafter of that width that ships nowhere; ``mtp``: the model's own
+    MTP layer, a full-attention layer of the target's shape, which vLLM builds with the target's
+    config and cache config)."""
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 64, 128, 128, 4, SPEC_TOKENS)
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 64, 128, 128, 4, spec_tokens)
     dtypes = (torch.bfloat16, torch.float32)
     mamba_page = sum(math.prod(s) * torch.tensor([], dtype=d).element_size() for s, d in zip(shapes, dtypes))
     attn_token = FullAttentionSpec(block_size=1, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
@@ -50,22 +64,27 @@ def specs(shape: str, block: int | None = None) -> tuple[dict, int]:
     for i in range(TARGET_FULL + TARGET_GDN):
         name = f"model.layers.{i}"
         if (i + 1) % 4 == 0:
-            out[name + ".self_attn.attn"] = FullAttentionSpec(
+            out[name + ".self_attn.attn"] = _spec(FullAttentionSpec,
                 block_size=block, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
                 indexes_kv_by_block_stride=True)
         else:
-            out[name + ".linear_attn"] = MambaSpec(
+            out[name + ".linear_attn"] = _spec(MambaSpec,
                 shapes=tuple(shapes), dtypes=dtypes, block_size=block, page_size_padded=block * attn_token,
-                mamba_cache_mode="align", num_speculative_blocks=SPEC_TOKENS)
+                mamba_cache_mode="align", num_speculative_blocks=spec_tokens)
         layer += 1
+    if shape == "mtp":
+        out["mtp.layers.0.self_attn.attn"] = _spec(FullAttentionSpec,
+            block_size=block, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
+            indexes_kv_by_block_stride=True)
+        return out, mamba_page
     for i in range(DRAFT_LAYERS):
         name = f"draft_model.layers.{i}.self_attn.attn"
-        if shape == "mixed" and i < DRAFT_LAYERS - 1:  # 5 sliding-window layers of 4096, 1 full
-            out[name] = SlidingWindowSpec(block_size=KERNEL_ALIGN, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
+        if (shape == "mixed" and i < DRAFT_LAYERS - 1) or shape == "sliding6":  # sliding-window layers of 4096
+            out[name] = _spec(SlidingWindowSpec, block_size=KERNEL_ALIGN, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
                                           dtype=torch.bfloat16, sliding_window=4096,
                                           indexes_kv_by_block_stride=True)
         else:
-            out[name] = FullAttentionSpec(block_size=block, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
+            out[name] = _spec(FullAttentionSpec, block_size=block, num_kv_heads=DRAFT_KV, head_size=DRAFT_HD,
                                           dtype=torch.bfloat16, indexes_kv_by_block_stride=True)
     return out, mamba_page
 
