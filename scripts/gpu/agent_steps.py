@@ -129,7 +129,10 @@ def gpu_recipe(out: Path, caching: bool, max_model_len: int, kv_bytes: int) -> P
         # kv_bytes 0: the profile's own gpu_memory_utilization sizes the pool (what `plan` predicts)
         prof.update(load_format="dummy", max_model_len=max_model_len, enable_prefix_caching=caching)
         prof["extra_args"] = list(prof.get("extra_args") or []) + [
-            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0}),
+            # the GPU image has no flashinfer, which vLLM 0.26.0 picks for the GDN prefill on sm90
+            # (the engine failed its warm-up with ModuleNotFoundError there)
+            "--gdn-prefill-backend", "triton"]
         if kv_bytes:
             prof["gpu_memory_utilization"] = 0.9
             prof["extra_args"] += ["--kv-cache-memory-bytes", str(kv_bytes)]
@@ -143,7 +146,7 @@ def serve_command(case: Case, floor: Path, recipe: Path, port: int, ready_timeou
     artifact = floor / ("L48-dense" if case.profile == "dense" else "L48-base")
     return ["hybrid-build", "serve", str(artifact), "--profile", case.profile, "--recipe", str(recipe),
             "--drafter", str(floor / f"drafter-{case.shape}"), "--port", str(port), "--no-smoke", "--no-verify",
-            "--ready-timeout", str(int(ready_timeout)), "--log", str(log), "--json"]
+            "--ready-timeout", str(int(ready_timeout)), "--log", str(log), "--json", "--force"]
 
 
 EXCEPTION_LINE = re.compile(r"\b([A-Za-z_][A-Za-z0-9_.]*(?:Error|Exception))\b:?(.*)$")
