@@ -71,8 +71,9 @@ def register(sub, common) -> None:
                                     "beside it")
     p.add_argument("--image", default=DOCKER_IMAGE, help="docker image (docker engine)")
     p.add_argument("--hardware", choices=sorted(HARDWARE),
-                   help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
-                        "levers are predicted to gain little there")
+                   help="the GPU, as a `plan` preset (default: what nvidia-smi names): its memory sizes the KV pool "
+                        "serve prints before it starts, and it says when this profile's levers are predicted to "
+                        "gain little there")
     p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
@@ -153,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if several:
         return _run_nodes(args, plan)
     if args.dry_run:
+        memory = _memory(args, plan, _dry_run_version(plan))
         if args.json:
-            emit_json(plan.to_json())
+            emit_json(dict(plan.to_json(), memory=memory.to_json()))
         else:
             for k, v in sorted(plan.env.items()):
                 print(f"export {k}={v}")
@@ -163,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
             print(shlex.join(plan.argv))
             for n in plan.notes:
                 print(f"# {n}")
+            for line in memory.lines():
+                print(f"# {line}")
             if plan.api_key is not None:
                 print(f"# {plan.api_key.announce()}")
         return 0
@@ -170,22 +174,29 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
     version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
+    memory = _memory(args, plan, version)
+    if not args.quiet:
+        for line in memory.lines():  # stdout stays JSON with --json
+            print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
     server = None
     try:
         # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
+        log_from = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to: this start's part
         with stop_signals_held():
             server = start(plan, log_path)
         bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
         ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0))
         bar.close()
+        memory_json = _check_logged_pool(args, memory, log_path, log_from)
         verified = _verify(args, plan, plan.base_url)
         answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
                                                        api_key=plan_key(plan))
         info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
-                "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
+                "smoke_answer": answer, "verify": verified, "memory": memory_json, "pid": server.process.pid,
+                "log": str(log_path),
                 "api_key": plan.api_key.to_json() if plan.api_key else None}
         if args.json:
             emit_json(info)
@@ -240,6 +251,47 @@ def _check_artifact(args: argparse.Namespace) -> None:
         raise ArtifactError(f"{artifact}: {problem}; not served (fix it, or --force to serve it anyway: verify "
                             "still runs)")
     print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
+
+
+def _dry_run_version(plan) -> str | None:
+    """The vLLM a dry run's plan would serve, without starting anything: the docker image's tested
+    version, or the installed package's."""
+    from hybrid_build.serve.runtime.fixes import tested_image
+
+    from .memory import installed_vllm
+
+    if plan.engine == "docker":
+        known = tested_image(plan.image or "")
+        return known.version if known else None
+    return installed_vllm()
+
+
+def _memory(args: argparse.Namespace, plan, version: str | None):
+    """The KV pool, largest context and streams that fit for this launch (``memory.plan_for_launch``)."""
+    from .engine import detect_hardware, fixes_off
+    from .memory import plan_for_launch
+
+    return plan_for_launch(plan, version, args.hardware or detect_hardware(), fixes_off(args.disable_fix))
+
+
+def _check_logged_pool(args: argparse.Namespace, memory, log_path: Path, offset: int) -> dict:
+    """The pool vLLM logged at this start against the plan: one line when they agree, a warning naming
+    both when they differ by more than 2%. Returns what ``--json`` reports under ``memory``."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        text = ""
+    agree, warning, logged = memory.check_log(text)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    elif agree and not args.quiet:
+        print(agree, file=sys.stderr if args.json else sys.stdout, flush=True)
+    elif memory.plan is not None and logged is None and not args.quiet:
+        print("memory: vLLM's log holds no \"GPU KV cache size\" line to compare with the plan",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+    return dict(memory.to_json(), logged_pool_tokens=logged, warning=warning)
 
 
 def _check_engine(args: argparse.Namespace, plan) -> str | None:
