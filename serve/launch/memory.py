@@ -111,14 +111,6 @@ def installed_vllm() -> str | None:
         return None
 
 
-def _device_bytes(hardware: str | None) -> tuple[str | None, int | None]:
-    from hybrid_build.serve.speed.multinode_plan import MEMORY_GB
-
-    if hardware in MEMORY_GB:
-        return hardware, int(MEMORY_GB[hardware] * 1e9)
-    return hardware, None
-
-
 def _drafter(name: str | None, revision: str | None) -> tuple[dict | None, int, str]:
     """The drafter's config, weight bytes, and where they come from."""
     from hybrid_build.serve.speed.bandwidth import DFLASH_122B
@@ -156,8 +148,7 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
     profile = launch.vllm.profile if launch.vllm is not None else None
     if profile is None:
         return LaunchMemory(None, "no serve profile resolved")
-    hardware, total = _device_bytes(hardware)
-    if total is None:
+    if mem.device_bytes(hardware) is None:
         return LaunchMemory(None, "the device's memory is not known here: --hardware gb10|h200|h100|rtx-pro-6000")
     folder = Path(launch.model).expanduser()
     if not folder.is_dir():
@@ -166,24 +157,17 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
         ckpt = Checkpoint.read_folder(folder)
     except HybridBuildError as e:
         return LaunchMemory(None, f"the served checkpoint's headers cannot be read ({e})")
+    if "linear_attention" not in mem._layer_types(ckpt.text_config):
+        return LaunchMemory(None, "not a hybrid Gated DeltaNet model: the memory plan models those")
     spec = profile.speculative
-    keep = ("mtp",) if spec is not None and spec.method == "mtp" else ()
-    weights = sum(t.nbytes for t in ckpt.tensors.values() if t.klass != "mtp" or t.klass in keep)
-    if launch.env.get("HYBRID_BUILD_LM_HEAD"):  # a BF16 head quantized at load: served at half its bytes
-        weights -= sum(t.nbytes for t in ckpt.tensors.values() if t.klass == "lm_head") // 2
+    weights = mem.served_weight_bytes(ckpt.tensors.values(), spec.method if spec else None,
+                                      bool(launch.env.get("HYBRID_BUILD_LM_HEAD")))
     drafter_cfg, drafter_bytes = None, 0
     if spec is not None and spec.method == "dflash":
         drafter_cfg, drafter_bytes, _ = _drafter(launch.drafter, launch.drafter_revision)
     engine, basis = engine_for(version)
-    reserve, reserve_basis = mem.reserve_for(hardware)
     try:
-        inputs = mem.profile_inputs(
-            ckpt.text_config, profile, engine, drafter_cfg, layout=mem.profile_layout(profile, engine, disabled),
-            total_bytes=total, weights_bytes=weights, drafter_bytes=drafter_bytes, reserve_bytes=reserve,
-            reserve_basis=reserve_basis)
-        if "linear_attention" not in mem._layer_types(ckpt.text_config):
-            return LaunchMemory(None, "not a hybrid Gated DeltaNet model: the memory plan models those")
-        plan = mem.plan_memory(inputs)
+        plan = mem.plan_on(hardware, ckpt.text_config, profile, engine, weights, drafter_cfg, drafter_bytes, disabled)
     except mem.MemoryPlanError as e:
         return LaunchMemory(None, str(e), hardware, basis)
     except (KeyError, TypeError, ValueError) as e:

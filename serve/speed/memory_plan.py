@@ -497,6 +497,38 @@ def reserve_for(hardware: str) -> tuple[int, str]:
     return RESERVE_BYTES.get(hardware, RESERVE_BYTES["gb10"]), RESERVE_BASIS.get(hardware, CARRIED_BASIS)
 
 
+def device_bytes(hardware: str | None) -> int | None:
+    """The device memory of a ``plan`` hardware preset, in bytes (None: not a preset)."""
+    from .multinode_plan import MEMORY_GB
+
+    return int(MEMORY_GB[hardware] * 1e9) if hardware in MEMORY_GB else None
+
+
+def served_weight_bytes(tensors, method: str | None, head_at_load: bool = False) -> int:
+    """The weights vLLM loads for a profile, from a checkpoint's tensors (``TensorInfo``): the MTP
+    layers only when the profile drafts with them; a BF16 head quantized at load at half its bytes."""
+    tensors = list(tensors)
+    out = sum(t.nbytes for t in tensors if t.klass != "mtp" or method == "mtp")
+    if head_at_load:
+        out -= sum(t.nbytes for t in tensors if t.klass == "lm_head") // 2
+    return out
+
+
+def plan_on(hardware: str, text_config: dict, profile, engine: str, weights_bytes: int,
+            drafter_config: dict | None = None, drafter_bytes: int = 0, disabled: frozenset[str] = frozenset(),
+            ) -> MemoryPlan:
+    """The memory plan of a serve profile on a hardware preset: its memory, its reserve
+    (``reserve_for``), the layout serve installs on ``engine`` (``profile_layout``)."""
+    total = device_bytes(hardware)
+    if total is None:
+        raise MemoryPlanError(f"hardware {hardware!r}: its memory is not known")
+    reserve, basis = reserve_for(hardware)
+    return plan_memory(profile_inputs(
+        text_config, profile, engine, drafter_config, layout=profile_layout(profile, engine, disabled),
+        total_bytes=total, weights_bytes=weights_bytes, drafter_bytes=drafter_bytes, reserve_bytes=reserve,
+        reserve_basis=basis))
+
+
 def with_changes(i: MemoryInputs, **changes) -> MemoryPlan:
     from dataclasses import replace
 
