@@ -146,15 +146,17 @@ def run(args: argparse.Namespace) -> int:
 
     _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
+    version = None if several else _vllm_version(args)
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
                        host=args.host,
                        hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
-                       api_key=None if several else _api_key(args, args.host))  # several: for the head's address
+                       api_key=None if several else _api_key(args, args.host),  # several: for the head's address
+                       vllm_version=version)
     if several:
         return _run_nodes(args, plan)
     if args.dry_run:
-        memory = _memory(args, plan, _dry_run_version(plan))
+        memory = _memory(args, plan, version)
         if args.json:
             emit_json(dict(plan.to_json(), memory=memory.to_json()))
         else:
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     check_prerequisites(plan)
     check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
-    version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
+    version = _check_engine(args, plan, version)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
     memory = _memory(args, plan, version)
     if not args.quiet:
@@ -253,25 +255,30 @@ def _check_artifact(args: argparse.Namespace) -> None:
     print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
 
 
-def _dry_run_version(plan) -> str | None:
-    """The vLLM a dry run's plan would serve, without starting anything: the docker image's tested
-    version, or the installed package's."""
+def _vllm_version(args: argparse.Namespace) -> str | None:
+    """The vLLM to be served, before the launch is planned: the docker image's tested version (an
+    untested image is asked once planned), or the local one (``vllm --version``; a dry run reads the
+    installed package's metadata and starts nothing)."""
     from hybrid_build.serve.runtime.fixes import tested_image
 
+    from .launcher import local_vllm_version
     from .memory import installed_vllm
 
-    if plan.engine == "docker":
-        known = tested_image(plan.image or "")
+    if args.engine == "docker":
+        known = tested_image(args.image or "")
         return known.version if known else None
-    return installed_vllm()
+    return installed_vllm() if args.dry_run else local_vllm_version()
 
 
 def _memory(args: argparse.Namespace, plan, version: str | None):
     """The KV pool, largest context and streams that fit for this launch (``memory.plan_for_launch``)."""
+    from hybrid_build.serve.runtime.fixes import ENV_DISABLE
+
     from .engine import detect_hardware, fixes_off
     from .memory import plan_for_launch
 
-    return plan_for_launch(plan, version, args.hardware or detect_hardware(), fixes_off(args.disable_fix))
+    off = fixes_off(args.disable_fix) | frozenset(filter(None, plan.env.get(ENV_DISABLE, "").split(",")))
+    return plan_for_launch(plan, version, args.hardware or detect_hardware(), off)
 
 
 def _check_logged_pool(args: argparse.Namespace, memory, log_path: Path, offset: int) -> dict:
@@ -294,7 +301,7 @@ def _check_logged_pool(args: argparse.Namespace, memory, log_path: Path, offset:
     return dict(memory.to_json(), logged_pool_tokens=logged, warning=warning)
 
 
-def _check_engine(args: argparse.Namespace, plan) -> str | None:
+def _check_engine(args: argparse.Namespace, plan, version: str | None = None) -> str | None:
     """The engine's vLLM version, once the DFlash drafter's config has been checked against it
     (``engine_check``): a combination that will not start raises (exit 3: another vLLM is needed; 2:
     a switch of this command line stops it); notes (a drafter that could not be read, a warm prefix
@@ -303,15 +310,15 @@ def _check_engine(args: argparse.Namespace, plan) -> str | None:
     from .engine import fixes_off
     from .launcher import served_vllm_version
 
-    version = served_vllm_version(plan)
-    notes = [n for n in plan.notes if n.startswith("prefix caching (")]  # the profile's own
+    version = version or served_vllm_version(plan)
+    notes = [n for n in plan.notes if n.startswith(("prefix caching (", "prefix cache: --prefix-match-unit"))]
     if plan.drafter is not None:
         drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
         target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
         notes += [f"the DFlash drafter was not checked against the engine: {why}"] if drafter is None else \
             engine_check.check(version, plan.engine, engine_check.shapes(drafter, target),
                                fixes_off(args.disable_fix), engine_check.server_env(plan.env),
-                               plan.prefix_caching).notes
+                               plan.prefix_caching, plan.prefix_match_unit).notes
     if not args.quiet:
         for note in notes:  # stdout stays JSON with --json
             print(f"note: {note}", file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -29,6 +29,7 @@ class LaunchMemory:
     hardware: str | None = None
     engine_basis: str = ""
     max_num_seqs: int = 1
+    unit: int | None = None  # --prefix-match-unit, when the launch passes it
 
     def contexts(self) -> list[int]:
         i = self.plan.inputs
@@ -51,7 +52,8 @@ class LaunchMemory:
             f"memory: KV pool {p.pool_tokens:,} tokens ({self.engine_basis}; {self.hardware}: "
             f"{i.total_bytes / 1e9:g} GB x gpu_memory_utilization {i.gpu_memory_utilization:g} - weights "
             f"{i.weights_bytes / 1e9:.1f} GB - drafter {i.drafter_bytes / 1e9:.1f} GB - reserve "
-            f"{i.reserve_bytes / 1e9:.1f} GB, {i.reserve_basis}; {i.layout} prefix-cache layout, {kv} KV, "
+            f"{i.reserve_bytes / 1e9:.1f} GB, {i.reserve_basis}; {i.layout} prefix-cache layout"
+            + (f" with --prefix-match-unit {self.unit}" if self.unit else "") + f", {kv} KV, "
             f"{i.num_speculative_tokens} speculative tokens)",
             f"memory: largest context one stream holds {p.max_context_tokens:,} tokens; streams that fit: "
             + ", ".join(fits) + seqs,
@@ -111,7 +113,7 @@ def installed_vllm() -> str | None:
         return None
 
 
-def _drafter(name: str | None, revision: str | None) -> tuple[dict | None, int, str]:
+def drafter_config(name: str | None, revision: str | None) -> tuple[dict, int, str]:
     """The drafter's config, weight bytes, and where they come from."""
     from hybrid_build.serve.speed.bandwidth import DFLASH_122B
 
@@ -122,7 +124,7 @@ def _drafter(name: str | None, revision: str | None) -> tuple[dict | None, int, 
 
             cfg = json.loads((folder / "config.json").read_text())
         except (OSError, ValueError):
-            cfg = None
+            cfg = dict(mem.DFLASH_DRAFTER)
         return cfg, sum(f.stat().st_size for f in folder.glob("*.safetensors")), "its folder"
     cfg = None
     try:
@@ -135,7 +137,9 @@ def _drafter(name: str | None, revision: str | None) -> tuple[dict | None, int, 
             cfg = json.loads(Path(cached).read_text())
     except Exception:  # noqa: BLE001 - an unreadable cache entry: the stated shape below
         cfg = None
-    return cfg or dict(mem.DFLASH_DRAFTER), DFLASH_122B.weight_bytes, "the Hub drafter's stated shape and size"
+    if cfg:
+        return cfg, DFLASH_122B.weight_bytes, "its cached config"
+    return dict(mem.DFLASH_DRAFTER), DFLASH_122B.weight_bytes, "not read here: the z-lab drafter's stated shape"
 
 
 def plan_for_launch(launch, version: str | None, hardware: str | None, disabled: frozenset[str] = frozenset(),
@@ -164,7 +168,7 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
                                       bool(launch.env.get("HYBRID_BUILD_LM_HEAD")))
     drafter_cfg, drafter_bytes = None, 0
     if spec is not None and spec.method == "dflash":
-        drafter_cfg, drafter_bytes, _ = _drafter(launch.drafter, launch.drafter_revision)
+        drafter_cfg, drafter_bytes, _ = drafter_config(launch.drafter, launch.drafter_revision)
     engine, basis = engine_for(version)
     try:
         plan = mem.plan_on(hardware, ckpt.text_config, profile, engine, weights, drafter_cfg, drafter_bytes, disabled)
@@ -172,4 +176,4 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
         return LaunchMemory(None, str(e), hardware, basis)
     except (KeyError, TypeError, ValueError) as e:
         return LaunchMemory(None, f"the config lacks what the plan reads ({type(e).__name__}: {e})", hardware, basis)
-    return LaunchMemory(plan, None, hardware, basis, profile.max_num_seqs)
+    return LaunchMemory(plan, None, hardware, basis, profile.max_num_seqs, launch.prefix_match_unit)

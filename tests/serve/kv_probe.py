@@ -1,8 +1,12 @@
 """vLLM's own KV-cache planning and prefix-cache bookkeeping for the 122B target with a DFlash
 drafter, on CPU (run as a subprocess with a vLLM version's sources on PYTHONPATH).
 
-Usage: ``python kv_probe.py {full6,mixed} FIXES OUT.json`` (FIXES: ``none``, or ids of
-``serve/kv_cache_fixes`` joined by commas, installed as the plugin installs them).
+Usage: ``python kv_probe.py {full6,mixed} FIXES OUT.json [UNIT]`` (FIXES: ``none``, or ids of
+``serve/kv_cache_fixes`` joined by commas, installed as the plugin installs them; UNIT: vLLM
+0.26.0's ``--prefix-match-unit``, the ``hash_block_size`` of ``resolve_kv_cache_block_sizes``).
+Besides the hits it writes the pool vLLM would log for this layout at the KV budget of the public
+GB10 log (547 blocks of 55,050,240 B: ``get_kv_cache_config_from_groups`` and
+``get_max_concurrency_for_kv_cache_config`` x ``max_model_len``, as ``kv_pool_probe.py``).
 
 What is vLLM's here: the KV-cache spec classes, ``get_kv_cache_groups`` (with its page
 unification), ``resolve_kv_cache_block_sizes``, the ``KVCacheManager`` with its coordinator and
@@ -30,6 +34,7 @@ TARGET_FULL, TARGET_GDN, KV_HEADS, HEAD_DIM = 12, 36, 2, 256
 DRAFT_LAYERS, DRAFT_KV, DRAFT_HD, SPEC_TOKENS = 6, 8, 128, 12
 KERNEL_ALIGN, BUDGET, SUFFIX = 16, 8192, 32
 CONTEXTS = (8192, 32768, 65536)
+POOL_BUDGET, MAX_MODEL_LEN = 547 * 55_050_240, 262144
 
 
 def specs(shape: str, block: int | None = None) -> tuple[dict, int]:
@@ -125,8 +130,30 @@ def serve_request(mgr, sched, split, rid: str, prompt: list[int], hasher, lookah
     return hit
 
 
+def kv_pool_probe_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
 def main() -> int:
-    shape, fixes, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    if sys.argv[1] == "--cases":  # many cases in one process: [{"shape", "fixes", "unit"}, ...]
+        results = []
+        for case in json.load(open(sys.argv[2])):
+            try:
+                results.append(dict(case, **run_case(case["shape"], case["fixes"], case.get("unit"))))
+            except Exception as e:  # one case's failure is that case's result
+                import traceback
+
+                results.append(dict(case, crash=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:]))
+        json.dump(results, open(sys.argv[3], "w"))
+        return 0
+    json.dump(run_case(sys.argv[1], sys.argv[2], int(sys.argv[4]) if len(sys.argv) > 4 else None),
+              open(sys.argv[3], "w"))
+    return 0
+
+
+def run_case(shape: str, fixes: str, unit: int | None) -> dict:
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.sched import scheduler as sched_mod
@@ -134,8 +161,10 @@ def main() -> int:
 
     from hybrid_build.serve.runtime import kv_cache_fixes
 
+    current = kcu.unify_kv_cache_spec_page_size  # each case starts from vLLM's own unify
+    kcu.unify_kv_cache_spec_page_size = getattr(current, "stock", current)
     enabled = frozenset() if fixes == "none" else frozenset(fixes.split(","))
-    res: dict = {"shape": shape, "fixes": sorted(enabled), "install": kv_cache_fixes.install(enabled)}
+    res: dict = {"shape": shape, "fixes": sorted(enabled), "unit": unit, "install": kv_cache_fixes.install(enabled)}
     spec, mamba_page = specs(shape)
     res["mamba_page_bytes"] = mamba_page
     res["block_size"] = next(iter(spec.values())).block_size
@@ -143,26 +172,36 @@ def main() -> int:
         scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
         speculative_config=types.SimpleNamespace(method="dflash", use_eagle=lambda: True),
         cache_config=types.SimpleNamespace(enable_prefix_caching=True, hash_block_size=None,
-                                           prefix_match_unit=None, block_size=None),
+                                           prefix_match_unit=unit, block_size=None),
         parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
         kv_transfer_config=None)
     try:
         groups = kcu.get_kv_cache_groups(config, spec)
     except (AssertionError, NotImplementedError, ValueError) as e:
         res["error"] = f"{type(e).__name__}: {e}"
-        json.dump(res, open(out, "w"))
-        return 0
+        return res
     res["groups"] = [{"type": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
                       "block_size": g.kv_cache_spec.block_size, "page": g.kv_cache_spec.page_size_bytes}
                      for g in groups]
+    from kv_pool_probe import config_of
+
+    pool_cfg = config_of({"caching": True, "method": "dflash", "num_speculative_tokens": SPEC_TOKENS,
+                          "max_model_len": MAX_MODEL_LEN}, kv_pool_probe_version())
+    sized = kcu.get_kv_cache_config_from_groups(pool_cfg, groups, POOL_BUDGET)
+    res["num_blocks"] = sized.num_blocks
+    res["pool_tokens"] = int(kcu.get_max_concurrency_for_kv_cache_config(pool_cfg, sized) * MAX_MODEL_LEN)
     kv_config = KVCacheConfig(num_blocks=6000, kv_cache_tensors=[], kv_cache_groups=groups)
     config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in groups)  # EngineCore does this
-    scheduler_block, hash_block = kcu.resolve_kv_cache_block_sizes(kv_config, config)
+    try:
+        scheduler_block, hash_block = kcu.resolve_kv_cache_block_sizes(kv_config, config)
+    except ValueError as e:  # a unit that does not divide every group's block
+        res["error"] = f"{type(e).__name__}: {e}"
+        return res
     res.update(cache_block_size=config.cache_config.block_size, scheduler_block_size=scheduler_block,
                hash_block_size=hash_block)
     kcu.init_none_hash(sha256_cbor)
     hasher = kcu.get_request_block_hasher(hash_block, sha256_cbor)
-    no_drop = "prefix_align" in enabled and res["install"].get("prefix_align") == "applied"
+    no_drop = res["install"].get("dflash_keep_last_block") == "applied"
     token = kv_cache_fixes._NO_BLOCK_DROP.set(no_drop)  # what the Scheduler.__init__ wrapper sets
     try:
         mgr = sched_mod.KVCacheManager(kv_config, max_model_len=262144, scheduler_block_size=scheduler_block,
@@ -176,12 +215,17 @@ def main() -> int:
     res["hits"] = {}
     for i, ctx in enumerate(CONTEXTS):
         prefix = [(97 * j + 13 * i) % 240000 + 100 for j in range(ctx)]
-        cold = serve_request(mgr, sched, split, f"cold{ctx}", prefix + [5] * SUFFIX, hasher, lookahead)
-        warm = serve_request(mgr, sched, split, f"warm{ctx}", prefix + [7] * SUFFIX, hasher, lookahead)
+        try:
+            cold = serve_request(mgr, sched, split, f"cold{ctx}", prefix + [5] * SUFFIX, hasher, lookahead)
+            warm = serve_request(mgr, sched, split, f"warm{ctx}", prefix + [7] * SUFFIX, hasher, lookahead)
+        except AssertionError as e:  # vLLM's own asserts (a manager that cannot take partial hits)
+            if "no slots" in str(e):
+                raise
+            res["error"] = f"AssertionError: {e}"
+            break
         res["hits"][str(ctx)] = {"prompt": ctx + SUFFIX, "cold_hit": cold, "warm_hit": warm,
                                  "recomputed": ctx + SUFFIX - warm}
-    json.dump(res, open(out, "w"))
-    return 0
+    return res
 
 
 if __name__ == "__main__":
