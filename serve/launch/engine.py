@@ -18,6 +18,8 @@ from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_rec
 from hybrid_build.core.errors import UserError
 from hybrid_build.recipes.serve_names import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER
 from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
+from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES as UNIT_VERSIONS
+from hybrid_build.serve.speed.memory_plan import uses_match_unit
 
 from .served_key import SERVER_ENV, ApiKey, is_loopback
 
@@ -416,9 +418,6 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
                       rec.serve.smoke_expect, image=image, api_key=api_key, recipe=rec, vllm=vllm, **checked)
 
 
-# where a profile's prefix_match_unit was measured to give full-prefix hits on vLLM's own code with
-# dflash_keep_last_block (tests/serve/kv_probe.py; lab/results/prefix_layout_hits_and_pool_cpu.json)
-UNIT_VERSIONS = ("0.26.0",)
 
 
 def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter: str | None,
@@ -440,7 +439,7 @@ def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter:
     from .memory import drafter_config
 
     cfg, _, basis = drafter_config(drafter or spec.model, spec.revision if not drafter else None)
-    if "sliding_attention" in (cfg.get("layer_types") or []):
+    if not uses_match_unit(profile, v, cfg, off):
         return None, (f"prefix cache: {keep}: the DFlash drafter ({basis}) has sliding-window layers, and vLLM {v}'s "
                       "SlidingWindowManager asserts on a partial (fine-grained) cache hit")
     return unit, (f"prefix cache: --prefix-match-unit {unit} on the stock KV layout: a warm prefix hits within "

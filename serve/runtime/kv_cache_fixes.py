@@ -36,8 +36,8 @@ Two fixes, each switchable alone:
   scheduler block and the cached GDN states then all sit on the same 2,240-token grid; the cost
   is the padding: the target's attention pages hold 2,048 B of 4,096 B per token (KV bytes per
   token 72 KiB instead of 48 KiB for the 122B with this drafter);
-- dflash_keep_last_block, no EAGLE trailing-block drop for DFlash: a DFlash drafter's context K/V at a position come from
-  the target's hidden state there alone (``precompute_and_store_context_kv``), not from the next
+- dflash_keep_last_block, no EAGLE trailing-block drop for DFlash: a DFlash drafter's context K/V
+  at a position come from the target's hidden state there alone (``precompute_and_store_context_kv``), not from the next
   token, so nothing in the last block is provisional. vLLM 0.33 says the same
   (``SpeculativeConfig.needs_eagle_block_drop``); 0.25.1 and 0.26.0 drop it for every method that
   ``use_eagle()``. The fix gives the scheduler's KV-cache manager and its GDN chunk split
@@ -276,8 +276,9 @@ def verdicts(fix_id: str) -> list[str]:
 
 def install(enabled: frozenset[str]) -> dict[str, str]:
     """Install ``kv_unify``, ``prefix_align`` and ``dflash_keep_last_block`` where named in
-    ``enabled`` and where this vLLM's source is the one they were written against; per fix: ``applied``, ``upstream`` (not needed
-    here) or ``refused: ...``. Idempotent. A vLLM without these modules: ``absent``."""
+    ``enabled`` and where this vLLM's source is the one they were written against; per fix:
+    ``applied``, ``upstream`` (not needed here) or ``refused: ...``. Idempotent. A vLLM without
+    these modules: ``absent``."""
     try:
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.sched import scheduler

@@ -455,10 +455,29 @@ def profile_kv_dtype(profile) -> str:
     return getattr(profile, "kv_cache_dtype", "auto") or "auto"
 
 
-def profile_layout(profile, engine: str, disabled: frozenset[str] = frozenset()) -> str:
-    """``prefix_align`` where serve installs it (a DFlash drafter, prefix caching on, a version the
-    plugin's fix is written for, not disabled), else ``stock``."""
+# where a profile's prefix_match_unit is passed (serve/launch/engine.match_unit): measured there on
+# vLLM's own code to hit within one unit with the stock layout (tests/serve/runtime/test_kv_cache_fixes.py)
+UNIT_ENGINES = ("0.26.0",)
+
+
+def uses_match_unit(profile, engine: str, drafter_config: dict | None, disabled: frozenset[str] = frozenset()) -> bool:
+    """Whether serve passes the profile's ``prefix_match_unit`` (the stock layout then, prefix_align off):
+    a DFlash profile caching prefixes, on a version where the unit was measured, with a drafter known
+    to have no sliding-window layers (vLLM 0.26.0 asserts on a partial hit there) and the last block kept."""
     spec = getattr(profile, "speculative", None)
+    return bool(getattr(profile, "prefix_match_unit", None) and spec is not None and spec.method == "dflash"
+                and profile.enable_prefix_caching and engine in UNIT_ENGINES and drafter_config is not None
+                and "sliding_attention" not in (drafter_config.get("layer_types") or [])
+                and "dflash_keep_last_block" not in disabled)
+
+
+def profile_layout(profile, engine: str, disabled: frozenset[str] = frozenset(),
+                   drafter_config: dict | None = None) -> str:
+    """``prefix_align`` where serve installs it (a DFlash drafter, prefix caching on, a version the
+    plugin's fix is written for, not disabled, no prefix-match unit passed), else ``stock``."""
+    spec = getattr(profile, "speculative", None)
+    if uses_match_unit(profile, engine, drafter_config, disabled):
+        return "stock"
     if (spec is not None and spec.method == "dflash" and profile.enable_prefix_caching
             and engine in PREFIX_ALIGN_ENGINES and "prefix_align" not in disabled):
         return "prefix_align"
@@ -475,7 +494,8 @@ def profile_inputs(text_config: dict, profile, engine: str, drafter_config: dict
         text_config=text_config, drafter_config=drafter_config if spec and spec.method == "dflash" else None,
         method=spec.method if spec else None, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         kv_cache_dtype=profile_kv_dtype(profile), prefix_caching=bool(profile.enable_prefix_caching),
-        layout=layout or profile_layout(profile, engine), gpu_memory_utilization=profile.gpu_memory_utilization,
+        layout=layout or profile_layout(profile, engine, drafter_config=drafter_config),
+        gpu_memory_utilization=profile.gpu_memory_utilization,
         max_model_len=profile.max_model_len, engine=engine, **bytes_)
 
 
@@ -524,7 +544,7 @@ def plan_on(hardware: str, text_config: dict, profile, engine: str, weights_byte
         raise MemoryPlanError(f"hardware {hardware!r}: its memory is not known")
     reserve, basis = reserve_for(hardware)
     return plan_memory(profile_inputs(
-        text_config, profile, engine, drafter_config, layout=profile_layout(profile, engine, disabled),
+        text_config, profile, engine, drafter_config, layout=profile_layout(profile, engine, disabled, drafter_config),
         total_bytes=total, weights_bytes=weights_bytes, drafter_bytes=drafter_bytes, reserve_bytes=reserve,
         reserve_basis=basis))
 
