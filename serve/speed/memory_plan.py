@@ -585,7 +585,7 @@ def fit_advice(plan: MemoryPlan, context: int, streams: int) -> str | None:
         if alt.streams_that_fit(context).whole >= streams:
             ways.append(f"the stock prefix-cache layout ({alt.streams_that_fit(context).whole} fit; coarser warm hits)")
     if i.method and i.num_speculative_tokens > 4:
-        for k in (8, 6, 4):
+        for k in (k for k in (8, 6, 4) if k < i.num_speculative_tokens):
             alt = with_changes(i, num_speculative_tokens=k)
             if alt.streams_that_fit(context).whole >= streams:
                 ways.append(f"{k} speculative tokens ({alt.streams_that_fit(context).whole} fit)")

@@ -127,6 +127,7 @@ def test_the_turn5_figures_of_the_122b_with_the_real_drafter():
     """The pool vLLM 0.26.0's own planning gave on CPU (448,102 stock, 327,380 prefix_align) at 547
     blocks, and the streams of 100k the manager admitted (3 and 2)."""
     prof = load_recipe("qwen3.5-122b-a10b").serve.profiles["dense"]
+    prof = prof.model_copy(update={"speculative": prof.speculative.model_copy(update={"num_speculative_tokens": 12})})
     tc = text_config("qwen3.5-122b-a10b")
     got = {}
     for layout in ("stock", "prefix_align"):
