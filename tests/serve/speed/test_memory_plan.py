@@ -119,7 +119,7 @@ def test_pool_and_streams_match_vllms_own_planning(version, tmp_path):
     out = os.environ.get("HYBRID_BUILD_MEMORY_TABLE")
     if out:  # the lab table: HYBRID_BUILD_MEMORY_TABLE=FILE pytest ...
         prev = json.loads(Path(out).read_text()) if Path(out).exists() else {}
-        prev[version] = rows
+        prev["rows"] = [r for r in prev.get("rows", []) if r["version"] != version] + rows
         Path(out).write_text(json.dumps(prev, indent=1))
 
 
