@@ -429,19 +429,25 @@ def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter:
     if not unit or not profile.enable_prefix_caching or spec is None or spec.method != "dflash":
         return None, None
     v = base_version(version) if version else None
-    keep = f"runtime fix prefix_align's padded layout is kept, not the profile's prefix_match_unit {unit}"
+    from hybrid_build.serve.speed.memory_plan import PREFIX_ALIGN_ENGINES
+
+    keep = (f"runtime fix prefix_align's padded layout is kept, not the profile's prefix_match_unit {unit}"
+            if v is None or v in PREFIX_ALIGN_ENGINES else
+            f"the stock layout is served without the profile's prefix_match_unit {unit}")
     if engine != "local" or v not in UNIT_VERSIONS:
         served = f"vLLM {v} ({engine} engine)" if v else f"not known here ({engine} engine)"
         return None, (f"prefix cache: {keep}: the unit is passed where its hits were measured, vLLM "
-                      f"{', '.join(UNIT_VERSIONS)} with the local engine, and the served vLLM is {served}")
+                      f"{' or '.join(UNIT_VERSIONS)} with the local engine, and the served vLLM is {served}")
     if "dflash_keep_last_block" in off:
         return None, f"prefix cache: {keep}: the unit needs runtime fix dflash_keep_last_block, which is off"
     from .memory import drafter_config
 
     cfg, _, basis = drafter_config(drafter or spec.model, spec.revision if not drafter else None)
     if not uses_match_unit(profile, v, cfg, off):
-        return None, (f"prefix cache: {keep}: the DFlash drafter ({basis}) has sliding-window layers, and vLLM {v}'s "
-                      "SlidingWindowManager asserts on a partial (fine-grained) cache hit")
+        why = ("SlidingWindowManager asserts on a partial (fine-grained) cache hit" if v == "0.26.0" else
+               "KV-cache planning turns partial (fine-grained) hits off for it")
+        return None, (f"prefix cache: {keep}: the DFlash drafter ({basis}) has sliding-window layers, and vLLM "
+                      f"{v}'s {why}")
     return unit, (f"prefix cache: --prefix-match-unit {unit} on the stock KV layout: a warm prefix hits within "
                   f"{unit:,} tokens of its end, without prefix_align's padded pages (runtime fix prefix_align off, "
                   "dflash_keep_last_block on)")

@@ -166,7 +166,9 @@ def _mixed(v: str, engine: str, spec: Shapes, env: dict[str, str], out: Verdict)
 
 def _caching(v: str, engine: str, spec: Shapes, off: frozenset[str], out: Verdict, unit: int | None = None) -> None:
     pages_differ = spec.larger_drafter_pages is not False  # unknown counts as differing
-    if unit and engine == "local" and v == "0.26.0" and not spec.mixed and "dflash_keep_last_block" not in off:
+    from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES
+
+    if unit and engine == "local" and v in UNIT_ENGINES and not spec.mixed and "dflash_keep_last_block" not in off:
         return  # the stock layout with a finer hash unit: hits within one unit (engine.match_unit)
     if engine == "local" and v in PREFIX_ALIGN_LOCAL:
         if "prefix_align" in off or "dflash_keep_last_block" in off:

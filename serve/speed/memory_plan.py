@@ -457,13 +457,14 @@ def profile_kv_dtype(profile) -> str:
 
 # where a profile's prefix_match_unit is passed (serve/launch/engine.match_unit): measured there on
 # vLLM's own code to hit within one unit with the stock layout (tests/serve/runtime/test_kv_cache_fixes.py)
-UNIT_ENGINES = ("0.26.0",)
+UNIT_ENGINES = ("0.26.0", "0.33.0")
 
 
 def uses_match_unit(profile, engine: str, drafter_config: dict | None, disabled: frozenset[str] = frozenset()) -> bool:
     """Whether serve passes the profile's ``prefix_match_unit`` (the stock layout then, prefix_align off):
     a DFlash profile caching prefixes, on a version where the unit was measured, with a drafter known
-    to have no sliding-window layers (vLLM 0.26.0 asserts on a partial hit there) and the last block kept."""
+    to have no sliding-window layers (vLLM 0.26.0 asserts on a partial hit there, 0.33.0 turns partial
+    hits off) and the last block kept (0.26.0: dflash_keep_last_block; 0.33.0 keeps it itself)."""
     spec = getattr(profile, "speculative", None)
     return bool(getattr(profile, "prefix_match_unit", None) and spec is not None and spec.method == "dflash"
                 and profile.enable_prefix_caching and engine in UNIT_ENGINES and drafter_config is not None

@@ -35,6 +35,14 @@ DRAFT_LAYERS, DRAFT_KV, DRAFT_HD, SPEC_TOKENS = 6, 8, 128, 12
 KERNEL_ALIGN, BUDGET, SUFFIX = 16, 8192, 32
 CONTEXTS = (8192, 32768, 65536)
 POOL_BUDGET, MAX_MODEL_LEN = 547 * 55_050_240, 262144
+# the same shapes as configs (kv_pool_probe.build_specs reads these; 0.33's spec classes are built there)
+TEXT_122B = {"num_hidden_layers": TARGET_FULL + TARGET_GDN, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+             "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32"}
+DRAFTER = {"num_hidden_layers": DRAFT_LAYERS, "num_key_value_heads": DRAFT_KV, "head_dim": DRAFT_HD,
+           "sliding_window": 4096}
+DRAFTER_TYPES = {"full6": ["full_attention"] * DRAFT_LAYERS,
+                 "mixed": ["sliding_attention"] * (DRAFT_LAYERS - 1) + ["full_attention"]}
 
 
 def specs(shape: str, block: int | None = None) -> tuple[dict, int]:
@@ -161,33 +169,49 @@ def run_case(shape: str, fixes: str, unit: int | None) -> dict:
 
     from hybrid_build.serve.runtime import kv_cache_fixes
 
-    current = kcu.unify_kv_cache_spec_page_size  # each case starts from vLLM's own unify
-    kcu.unify_kv_cache_spec_page_size = getattr(current, "stock", current)
+    try:
+        from vllm.v1.core import kv_cache_planning as planning  # 0.33 plans here
+    except ImportError:
+        planning = kcu
+    v33 = planning is not kcu
+    current = planning.unify_kv_cache_spec_page_size  # each case starts from vLLM's own unify
+    planning.unify_kv_cache_spec_page_size = getattr(current, "stock", current)
+    if hasattr(kcu, "unify_kv_cache_spec_page_size"):
+        kcu.unify_kv_cache_spec_page_size = planning.unify_kv_cache_spec_page_size
     enabled = frozenset() if fixes == "none" else frozenset(fixes.split(","))
     res: dict = {"shape": shape, "fixes": sorted(enabled), "unit": unit, "install": kv_cache_fixes.install(enabled)}
-    spec, mamba_page = specs(shape)
+    from kv_pool_probe import build_specs, config_of
+
+    pool_case = {"caching": True, "method": "dflash", "num_speculative_tokens": SPEC_TOKENS,
+                 "max_model_len": MAX_MODEL_LEN, "kv_bytes": 2, "text_config": TEXT_122B,
+                 "drafter_config": dict(DRAFTER, layer_types=DRAFTER_TYPES[shape])}
+    if v33:  # 0.33's spec classes and config fields (kv_pool_probe builds both for every version)
+        spec, mamba_page = build_specs(pool_case, kv_pool_probe_version()), None
+        config = config_of(pool_case, kv_pool_probe_version())
+        config.cache_config.prefix_match_unit = unit
+        config.speculative_config.use_eagle_block_drop = lambda: False  # 0.33: only EAGLE / MTP drop
+        config.speculative_config.needs_eagle_block_drop = lambda: False
+    else:
+        spec, mamba_page = specs(shape)
+        config = types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+            speculative_config=types.SimpleNamespace(method="dflash", use_eagle=lambda: True),
+            cache_config=types.SimpleNamespace(enable_prefix_caching=True, hash_block_size=None,
+                                               prefix_match_unit=unit, block_size=None),
+            parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+            kv_transfer_config=None)
     res["mamba_page_bytes"] = mamba_page
     res["block_size"] = next(iter(spec.values())).block_size
-    config = types.SimpleNamespace(
-        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-        speculative_config=types.SimpleNamespace(method="dflash", use_eagle=lambda: True),
-        cache_config=types.SimpleNamespace(enable_prefix_caching=True, hash_block_size=None,
-                                           prefix_match_unit=unit, block_size=None),
-        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
-        kv_transfer_config=None)
     try:
-        groups = kcu.get_kv_cache_groups(config, spec)
+        groups = planning.get_kv_cache_groups(config, spec)
     except (AssertionError, NotImplementedError, ValueError) as e:
         res["error"] = f"{type(e).__name__}: {e}"
         return res
     res["groups"] = [{"type": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
                       "block_size": g.kv_cache_spec.block_size, "page": g.kv_cache_spec.page_size_bytes}
                      for g in groups]
-    from kv_pool_probe import config_of
-
-    pool_cfg = config_of({"caching": True, "method": "dflash", "num_speculative_tokens": SPEC_TOKENS,
-                          "max_model_len": MAX_MODEL_LEN}, kv_pool_probe_version())
-    sized = kcu.get_kv_cache_config_from_groups(pool_cfg, groups, POOL_BUDGET)
+    pool_cfg = config_of(pool_case, kv_pool_probe_version())
+    sized = planning.get_kv_cache_config_from_groups(pool_cfg, groups, POOL_BUDGET)
     res["num_blocks"] = sized.num_blocks
     res["pool_tokens"] = int(kcu.get_max_concurrency_for_kv_cache_config(pool_cfg, sized) * MAX_MODEL_LEN)
     kv_config = KVCacheConfig(num_blocks=6000, kv_cache_tensors=[], kv_cache_groups=groups)
@@ -205,11 +229,25 @@ def run_case(shape: str, fixes: str, unit: int | None) -> dict:
     token = kv_cache_fixes._NO_BLOCK_DROP.set(no_drop)  # what the Scheduler.__init__ wrapper sets
     try:
         mgr = sched_mod.KVCacheManager(kv_config, max_model_len=262144, scheduler_block_size=scheduler_block,
-                                       hash_block_size=hash_block, enable_caching=True, use_eagle=True)
+                                       hash_block_size=hash_block, enable_caching=True, use_eagle=not v33)
     finally:
         kv_cache_fixes._NO_BLOCK_DROP.reset(token)
     res["manager_use_eagle"] = mgr.use_eagle
     sched = scheduler_object(config.cache_config.block_size, hash_block, scheduler_block, True, no_drop)
+    if v33:  # the fields 0.33's split reads, as its Scheduler.__init__ sets them for this configuration
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        sched.use_eagle_block_drop = False
+        sched.num_hash_lookahead_tokens = 0
+        sched.max_num_scheduled_tokens = BUDGET
+        sched.scheduler_config = types.SimpleNamespace(long_prefill_token_threshold=0)
+        mamba = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+        sched.mamba_prefill_checkpoint_alignment = mamba[0].prefill_checkpoint_alignment
+        sched.mamba_has_prefill_checkpoint_blocks = all(m.num_prefill_checkpoint_blocks > 0 for m in mamba)
+        sched.mamba_partial_cache_hit = (hash_block < scheduler_block
+                                         and mgr.coordinator.enable_partial_hash_hits)
+        sched.mamba_shared_prefix_checkpoint = False
+        res["partial_hits"] = sched.mamba_partial_cache_hit
     split = sched_mod.Scheduler._mamba_block_aligned_split
     lookahead = SPEC_TOKENS + 1  # DFlash: a query for the last sampled token plus one per draft
     res["hits"] = {}

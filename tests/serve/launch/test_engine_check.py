@@ -178,19 +178,20 @@ def test_serve_starts_what_the_version_runs_and_prints_its_notes(served, monkeyp
 
 
 def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypatch, capsys):
-    """The 122B profiles' prefix_match_unit reaches vLLM 0.26.0 with a drafter without sliding-window
-    layers, and turns prefix_align (its padded pages) off there; with the mixed drafter, on 0.25.1 or
-    0.33.0, or with dflash_keep_last_block off, prefix_align's layout stays and no unit is passed."""
+    """The 122B profiles' prefix_match_unit reaches vLLM 0.26.0 and 0.33.0 with a drafter without
+    sliding-window layers, and turns prefix_align (its padded pages) off there; with the mixed drafter,
+    on 0.25.1, or with dflash_keep_last_block off, prefix_align's layout stays and no unit is passed."""
     tmp, mark = served
     unit = "--prefix-match-unit 1120"
-    monkeypatch.setenv("STANDIN_VERSION", "0.26.0")
-    assert _serve(tmp, "full6") == 1
-    said = mark.read_text()
-    assert unit in said and said.strip().endswith("off: prefix_align")
-    out = capsys.readouterr().out
-    assert "note: prefix cache: --prefix-match-unit 1120 on the stock KV layout" in out and "coarse" not in out
-    assert "no warm-prefix TTFT" not in out
-    for version, shape, extra in (("0.26.0", "mixed", ()), ("0.33.0", "full6", ()), ("0.25.1", "full6", ()),
+    for version in ("0.26.0", "0.33.0"):
+        monkeypatch.setenv("STANDIN_VERSION", version)
+        assert _serve(tmp, "full6") == 1
+        said = mark.read_text()
+        assert unit in said and said.strip().endswith("off: prefix_align"), (version, said)
+        out = capsys.readouterr().out
+        assert "note: prefix cache: --prefix-match-unit 1120 on the stock KV layout" in out and "coarse" not in out
+        assert "no warm-prefix TTFT" not in out
+    for version, shape, extra in (("0.26.0", "mixed", ()), ("0.33.0", "mixed", ()), ("0.25.1", "full6", ()),
                                   ("0.26.0", "full6", ("--disable-fix", "dflash_keep_last_block"))):
         monkeypatch.setenv("STANDIN_VERSION", version)
         assert _serve(tmp, shape, *extra) == 1, (version, shape)

@@ -89,8 +89,11 @@ LAYOUTS = {
                ("prefix_align", f"kv_unify,prefix_align,{KEEP}", None)],
     "0.26.0": [("stock", "none", None), ("stock+keep_last", KEEP, None), ("stock+unit1120", KEEP, 1120),
                ("stock+unit16", KEEP, 16), ("prefix_align", f"prefix_align,{KEEP}", None)],
+    # 0.33 keeps DFlash's last block itself and plans in kv_cache_planning (prefix_align does not install)
+    "0.33.0": [("stock", "none", None), ("stock+unit1120", "none", 1120), ("stock+unit64", "none", 64)],
 }
-SHAPES = {"0.25.1": ("full6",), "0.26.0": ("full6", "mixed")}  # 0.25.1 refuses a mixed drafter (test_engine_check)
+# 0.25.1 refuses a mixed drafter (test_engine_check)
+SHAPES = {"0.25.1": ("full6",), "0.26.0": ("full6", "mixed"), "0.33.0": ("full6", "mixed")}
 _RUNS: dict[str, dict] = {}
 
 
@@ -155,34 +158,42 @@ def test_prefix_align_hits_up_to_the_last_block_boundary(version, shape, tmp_pat
 
 
 @pytest.mark.vllm
-def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding_on_0260(tmp_path):
-    """The default the 122B's profiles ship (prefix_match_unit 1120, passed on vLLM 0.26.0 with a
-    drafter without sliding-window layers): on vLLM's own code, with dflash_keep_last_block and the
-    stock layout, a warm prefix hits within one unit of the prompt at 8k / 32k / 64k, the pool is the
-    stock layout's (prefix_align's padding costs 27%), and each part is needed: without the kept last
-    block, or with the physical block as the unit, the hit falls back. With the mixed (sliding) drafter
-    vLLM 0.26.0 asserts on the first partial hit: prefix_align stays there."""
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding(version, tmp_path):
+    """The default the 122B's profiles ship (prefix_match_unit 1120, passed on the versions of
+    UNIT_ENGINES with a drafter without sliding-window layers): on vLLM's own code, with the last
+    block kept and the stock layout, a warm prefix hits within one unit of the prompt at 8k / 32k /
+    64k and the pool is the stock layout's (prefix_align's padding costs 27% on 0.26.0); without the
+    unit the hit falls back. With the mixed (sliding) drafter vLLM 0.26.0 asserts on the first
+    partial hit and 0.33.0 turns partial hits off: no unit is passed there."""
     from hybrid_build.recipes.schema import load_recipe
-    from hybrid_build.serve.launch.engine import UNIT_VERSIONS
+    from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES
 
-    runs = _layouts("0.26.0", tmp_path)
+    runs = _layouts(version, tmp_path)
     unit = load_recipe("qwen3.5-122b-a10b").serve.profiles["dense"].prefix_match_unit
-    assert "0.26.0" in UNIT_VERSIONS and unit == BLOCK // 2
+    assert version in UNIT_ENGINES and unit == BLOCK // 2
     res = runs[("full6", f"stock+unit{unit}")]
-    assert res["hash_block_size"] == unit and res["install"] == {KEEP: "applied"} and _blocks(res) == {BLOCK, 2 * BLOCK}
+    assert res["hash_block_size"] == unit and _blocks(res) == {BLOCK, 2 * BLOCK}
+    assert res["install"] == ({KEEP: "applied"} if version == "0.26.0" else {})
     for ctx, h in res["hits"].items():
         assert h["cold_hit"] == 0 and 0 <= h["prompt"] - h["warm_hit"] < unit, (ctx, h)
-    aligned = runs[("full6", "prefix_align")]
-    assert all(res["hits"][c]["warm_hit"] >= aligned["hits"][c]["warm_hit"] for c in res["hits"])
-    assert res["pool_tokens"] == runs[("full6", "stock")]["pool_tokens"] > aligned["pool_tokens"] * 1.3
-    assert _hits(runs[("full6", "stock+keep_last")])["65536"] < res["hits"]["65536"]["warm_hit"]
-    assert "SlidingWindowManager does not support fine-grained" in runs[("mixed", f"stock+unit{unit}")]["error"]
+    stock = runs[("full6", "stock+keep_last" if version == "0.26.0" else "stock")]
+    assert res["pool_tokens"] == stock["pool_tokens"]
+    assert _hits(stock)["65536"] < res["hits"]["65536"]["warm_hit"]
+    if version == "0.26.0":
+        aligned = runs[("full6", "prefix_align")]
+        assert all(res["hits"][c]["warm_hit"] >= aligned["hits"][c]["warm_hit"] for c in res["hits"])
+        assert res["pool_tokens"] > aligned["pool_tokens"] * 1.3
+        assert "SlidingWindowManager does not support fine-grained" in runs[("mixed", f"stock+unit{unit}")]["error"]
+    else:
+        mixed = runs[("mixed", f"stock+unit{unit}")]
+        assert mixed["partial_hits"] is False and _hits(mixed) == _hits(runs[("mixed", "stock")])
     out = os.environ.get("HYBRID_BUILD_LAYOUT_TABLE")
     if out:  # the lab table: HYBRID_BUILD_LAYOUT_TABLE=FILE pytest -m vllm this file
         rows = [{k: r.get(k) for k in ("version", "shape", "layout", "fixes", "unit", "pool_tokens", "num_blocks",
                                        "hash_block_size", "scheduler_block_size", "error")}
                 | {"warm_hits": _hits(r) if r.get("hits") else None}
-                for v in ("0.25.1", "0.26.0") for r in _layouts(v, tmp_path).values()]
+                for v in ("0.25.1", "0.26.0", "0.33.0") for r in _layouts(v, tmp_path).values()]
         Path(out).write_text(json.dumps({
             "basis": "vLLM's own get_kv_cache_groups, get_kv_cache_config_from_groups, KVCacheManager, block hasher "
                      "and Scheduler._mamba_block_aligned_split on CPU (tests/serve/kv_probe.py): the 122B target, a "
@@ -193,8 +204,13 @@ def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding_on_0260(tm
             "chosen": {"0.25.1": "prefix_align (no --prefix-match-unit in 0.25.1; a mixed drafter does not start)",
                        "0.26.0/full6": "stock+unit1120 (hits within one unit, the stock pool)",
                        "0.26.0/mixed": "prefix_align (a partial hit asserts in SlidingWindowManager)",
-                       "0.33.0": "not probed here: its KV planning and scheduler split are other code; prefix_align "
-                                 "is not installed there (its anchor differs), DFlash keeps its last block upstream"},
+                       "0.33.0/full6": "stock+unit1120 (as 0.26.0; unit 64 hits the whole prefix here but hit less "
+                                       "on 0.26.0 at 16, so one unit for both)",
+                       "0.33.0/mixed": "stock (0.33.0 turns partial hits off with a sliding-window drafter; "
+                                       "prefix_align does not install there; DFlash keeps its last block upstream)"},
+            "stand_in_0.33.0": "0.33.0's GDN spec as tests/serve/kv_pool_probe.py builds it: no prefill-checkpoint "
+                               "blocks (num_prefill_checkpoint_blocks 0), so the scheduler's internal-checkpoint path "
+                               "is not taken",
             "rows": rows}, indent=1))
 
 
