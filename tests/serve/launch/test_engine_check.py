@@ -182,14 +182,14 @@ def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypat
     sliding-window layers, and turns prefix_align (its padded pages) off there; with the mixed drafter,
     on 0.25.1, or with dflash_keep_last_block off, prefix_align's layout stays and no unit is passed."""
     tmp, mark = served
-    unit = "--prefix-match-unit 1120"
+    unit = "--prefix-match-unit 64"
     for version in ("0.26.0", "0.33.0"):
         monkeypatch.setenv("STANDIN_VERSION", version)
         assert _serve(tmp, "full6") == 1
         said = mark.read_text()
         assert unit in said and said.strip().endswith("off: prefix_align"), (version, said)
         out = capsys.readouterr().out
-        assert "note: prefix cache: --prefix-match-unit 1120 on the stock KV layout" in out and "coarse" not in out
+        assert "note: prefix cache: --prefix-match-unit 64 on the stock KV layout" in out and "coarse" not in out
         assert "no warm-prefix TTFT" not in out
     for version, shape, extra in (("0.26.0", "mixed", ()), ("0.33.0", "mixed", ()), ("0.25.1", "full6", ()),
                                   ("0.26.0", "full6", ("--disable-fix", "dflash_keep_last_block"))):

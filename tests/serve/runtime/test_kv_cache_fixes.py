@@ -88,7 +88,7 @@ LAYOUTS = {
     "0.25.1": [("vllm", "none", None), ("stock", "kv_unify", None), ("stock+keep_last", f"kv_unify,{KEEP}", None),
                ("prefix_align", f"kv_unify,prefix_align,{KEEP}", None)],
     "0.26.0": [("stock", "none", None), ("stock+keep_last", KEEP, None), ("stock+unit1120", KEEP, 1120),
-               ("stock+unit16", KEEP, 16), ("prefix_align", f"prefix_align,{KEEP}", None)],
+               ("stock+unit64", KEEP, 64), ("stock+unit16", KEEP, 16), ("prefix_align", f"prefix_align,{KEEP}", None)],
     # 0.33 keeps DFlash's last block itself and plans in kv_cache_planning (prefix_align does not install)
     "0.33.0": [("stock", "none", None), ("stock+unit1120", "none", 1120), ("stock+unit64", "none", 64)],
 }
@@ -160,23 +160,24 @@ def test_prefix_align_hits_up_to_the_last_block_boundary(version, shape, tmp_pat
 @pytest.mark.vllm
 @pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
 def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding(version, tmp_path):
-    """The default the 122B's profiles ship (prefix_match_unit 1120, passed on the versions of
+    """The default the 122B's profiles ship (prefix_match_unit 64, passed on the versions of
     UNIT_ENGINES with a drafter without sliding-window layers): on vLLM's own code, with the last
     block kept and the stock layout, a warm prefix hits within one unit of the prompt at 8k / 32k /
-    64k and the pool is the stock layout's (prefix_align's padding costs 27% on 0.26.0); without the
-    unit the hit falls back. With the mixed (sliding) drafter vLLM 0.26.0 asserts on the first
+    64k (the whole shared prefix) and the pool is the stock layout's (prefix_align's padding costs 27%
+    on 0.26.0); without the unit the hit falls back. With the mixed (sliding) drafter vLLM 0.26.0 asserts on the first
     partial hit and 0.33.0 turns partial hits off: no unit is passed there."""
     from hybrid_build.recipes.schema import load_recipe
     from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES
 
     runs = _layouts(version, tmp_path)
     unit = load_recipe("qwen3.5-122b-a10b").serve.profiles["dense"].prefix_match_unit
-    assert version in UNIT_ENGINES and unit == BLOCK // 2
+    assert version in UNIT_ENGINES and BLOCK % unit == 0
     res = runs[("full6", f"stock+unit{unit}")]
     assert res["hash_block_size"] == unit and _blocks(res) == {BLOCK, 2 * BLOCK}
     assert res["install"] == ({KEEP: "applied"} if version == "0.26.0" else {})
     for ctx, h in res["hits"].items():
         assert h["cold_hit"] == 0 and 0 <= h["prompt"] - h["warm_hit"] < unit, (ctx, h)
+        assert h["warm_hit"] >= int(ctx) - int(ctx) % unit  # the shared prefix, to the unit
     stock = runs[("full6", "stock+keep_last" if version == "0.26.0" else "stock")]
     assert res["pool_tokens"] == stock["pool_tokens"]
     assert _hits(stock)["65536"] < res["hits"]["65536"]["warm_hit"]
@@ -202,10 +203,9 @@ def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding(version, t
                      "32-token suffix, prompts of 8,224 / 32,800 / 65,568 tokens; pool: the tokens vLLM logs at a KV "
                      "budget of 547 x 55,050,240 B (the public GB10 log at gpu_memory_utilization 0.82)",
             "chosen": {"0.25.1": "prefix_align (no --prefix-match-unit in 0.25.1; a mixed drafter does not start)",
-                       "0.26.0/full6": "stock+unit1120 (hits within one unit, the stock pool)",
+                       "0.26.0/full6": "stock+unit64 (the whole shared prefix, the stock pool)",
                        "0.26.0/mixed": "prefix_align (a partial hit asserts in SlidingWindowManager)",
-                       "0.33.0/full6": "stock+unit1120 (as 0.26.0; unit 64 hits the whole prefix here but hit less "
-                                       "on 0.26.0 at 16, so one unit for both)",
+                       "0.33.0/full6": "stock+unit64 (as 0.26.0)",
                        "0.33.0/mixed": "stock (0.33.0 turns partial hits off with a sliding-window drafter; "
                                        "prefix_align does not install there; DFlash keeps its last block upstream)"},
             "stand_in_0.33.0": "0.33.0's GDN spec as tests/serve/kv_pool_probe.py builds it: no prefill-checkpoint "
