@@ -370,6 +370,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     model, revision = _served_model(artifact, config, profile, source)
     drafter = resolve_drafter(name, profile, drafter, artifact, config, source)
     unit, unit_note = match_unit(profile, engine, vllm_version, drafter, off)
+    asked_off = off  # what the user switched off (the note below); the unit's layout adds prefix_align
     if unit is not None:  # the stock layout: prefix_align's padding is what the unit makes unneeded
         off = off | {"prefix_align"}
     env = dict(profile.extra_env)
@@ -379,7 +380,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if profile.artifact == "hybrid" and profile.int8_lm_head and formats.head_quantized_at_load(hybrid.get("lm_head")):
         # the plugin's switch takes the same word (it runs inside vLLM and cannot import core)
         env["HYBRID_BUILD_LM_HEAD"] = formats.AT_LOAD_LABEL
-    notes = [fixes_off_note(off, engine)] if off else []
+    notes = [fixes_off_note(asked_off, engine)] if asked_off else []
     kv_note = _kv_cache_note(name, profile, model)
     if kv_note:
         notes.append(kv_note)
