@@ -67,7 +67,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("prefix_align", "prefix caching with a DFlash drafter on a hybrid model: the groups' blocks differ (the "
         "target's attention grows to 2x the GDN block), so a warm prefix hits only on their common multiple; the "
         "fix keeps every group at the GDN block with padded pages (0.23.0: rounds mamba_block_size up to the "
-        "attention block; the docker patch also keeps DFlash's last block). Not installed where a profile's "
+        "attention block). Not installed where a profile's "
         "--prefix-match-unit gives finer hits without the padding", "", ("0.23.0", "0.25.1", "0.26.0"),
         hook="kv_cache_fixes:install", patch="prefix_align"),
     Fix("dflash_keep_last_block", "DFlash drops the last matching prefix-cache block as EAGLE does (0.25.1 / 0.26.0 "
