@@ -535,11 +535,26 @@ def served_weight_bytes(tensors, method: str | None, head_at_load: bool = False)
     return out
 
 
+def profile_kv_memory_bytes(profile) -> int | None:
+    """vLLM's ``--kv-cache-memory-bytes`` in a serve profile's extra_args (it replaces the budget)."""
+    args = list(getattr(profile, "extra_args", None) or [])
+    for k, a in enumerate(args):
+        value = args[k + 1] if a == "--kv-cache-memory-bytes" and k + 1 < len(args) else \
+            a.split("=", 1)[1] if a.startswith("--kv-cache-memory-bytes=") else None
+        if value is not None:
+            try:
+                return int(float(value))
+            except ValueError:
+                return None
+    return None
+
+
 def plan_on(hardware: str, text_config: dict, profile, engine: str, weights_bytes: int,
             drafter_config: dict | None = None, drafter_bytes: int = 0, disabled: frozenset[str] = frozenset(),
             ) -> MemoryPlan:
     """The memory plan of a serve profile on a hardware preset: its memory, its reserve
-    (``reserve_for``), the layout serve installs on ``engine`` (``profile_layout``)."""
+    (``reserve_for``), the layout serve installs on ``engine`` (``profile_layout``), and a
+    ``--kv-cache-memory-bytes`` in its extra_args where it sets one."""
     total = device_bytes(hardware)
     if total is None:
         raise MemoryPlanError(f"hardware {hardware!r}: its memory is not known")
@@ -547,7 +562,7 @@ def plan_on(hardware: str, text_config: dict, profile, engine: str, weights_byte
     return plan_memory(profile_inputs(
         text_config, profile, engine, drafter_config, layout=profile_layout(profile, engine, disabled, drafter_config),
         total_bytes=total, weights_bytes=weights_bytes, drafter_bytes=drafter_bytes, reserve_bytes=reserve,
-        reserve_basis=basis))
+        reserve_basis=basis, kv_cache_memory_bytes=profile_kv_memory_bytes(profile)))
 
 
 def with_changes(i: MemoryInputs, **changes) -> MemoryPlan:

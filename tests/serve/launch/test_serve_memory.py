@@ -84,3 +84,18 @@ def test_serve_compares_the_pool_vllm_logs_with_the_plan(tiny_artifact, serve_en
     else:
         assert not warning
         assert f"memory: vLLM logged a KV pool of {logged:,} tokens; the plan said {pool:,} (+1.0%)" in said
+
+
+def test_a_kv_cache_memory_bytes_in_the_profile_sizes_the_pool(tiny_artifact, tmp_path, capsys):
+    """vLLM's --kv-cache-memory-bytes replaces the gpu_memory_utilization budget (what the GPU driver's
+    agent starts pass): the printed pool follows it, so the comparison with vLLM's log holds there too."""
+    import yaml
+
+    data = load_recipe("tiny").model_dump(mode="json")
+    data["serve"]["profiles"]["dense"]["extra_args"] = ["--kv-cache-memory-bytes", str(2 << 30)]
+    path = tmp_path / "kv-bytes.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    small = _dry_run_memory(tiny_artifact, capsys, "--recipe", str(path))
+    whole = _dry_run_memory(tiny_artifact, capsys)
+    assert small["plan"]["kv_pool_bytes"] <= 2 << 30 < whole["plan"]["kv_pool_bytes"]
+    assert small["plan"]["kv_pool_bytes"] > (2 << 30) - small["plan"]["block_bytes"]
