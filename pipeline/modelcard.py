@@ -88,6 +88,7 @@ class CardInputs:
     evaluation: EvalStatus | None = None  # hybrid_build/eval.json, when present
     bench: dict | None = None  # hybrid_build/bench.json, when present and readable
     reference: bool = False  # hybrid_build/reference.*, made for this build (``reference_current``)
+    memory: dict | None = None  # the dense profile's KV pool per hardware (``memory_figures``)
 
 
 # ------------------------------------------------------------------------------------ gathering
@@ -145,6 +146,95 @@ def converted_sizes(artifact: Path, provenance: Provenance) -> dict[str, dict[st
             t = headers[shard].get(name)
             entry["stored"] += t.nbytes if t else 0
     return out
+
+
+CARD_HARDWARE = ("gb10", "h200")  # the hardware the card states the dense profile's memory for
+CARD_ENGINE = "0.26.0"  # the vLLM version whose KV-cache planning the card's figures follow
+
+
+def memory_figures(artifact: Path, provenance: Provenance) -> dict | None:
+    """The recipe's ``dense`` profile as vLLM plans its KV cache on each of ``CARD_HARDWARE``
+    (``serve.speed.memory_plan``, what ``plan`` and ``serve`` print): the pool in tokens, the largest
+    context one stream holds, and the streams that fit at ``max_model_len`` and at 100k and 32k
+    tokens. The weights come from the artifact's headers; a DFlash drafter on the Hub at the z-lab
+    drafter's stated shape and size, one that is not published (a folder on the build machine) left
+    out, as the card's plain vLLM command leaves it out. None when the artifact is no hybrid GDN
+    model or has no dense profile."""
+    from hybrid_build.core.checkpoint import Checkpoint
+    from hybrid_build.core.errors import HybridBuildError
+    from hybrid_build.recipes.profiles import ServeProfile
+    from hybrid_build.serve.speed import bandwidth as bw
+    from hybrid_build.serve.speed import memory_plan as mem
+
+    dense = ((provenance.recipe.get("serve") or {}).get("profiles") or {}).get("dense")
+    if not dense:
+        return None
+    try:
+        profile = ServeProfile(**dense)
+        ckpt = Checkpoint.read_folder(artifact)
+    except (ValueError, HybridBuildError):
+        return None
+    if "linear_attention" not in bw.layer_types(ckpt.text_config):
+        return None
+    spec = profile.speculative
+    drafter, drafter_bytes, without = None, 0, None
+    if spec is not None and spec.method == "dflash":
+        if _local_drafter(dense):
+            profile = profile.model_copy(update={"speculative": None})
+            without = "without the drafter, which is not in this repository"
+        else:
+            drafter, drafter_bytes = dict(mem.DFLASH_DRAFTER), bw.DFLASH_122B.weight_bytes
+    head = formats.head_quantized_at_load((ckpt.hybrid_info or {}).get("lm_head")) and profile.int8_lm_head
+    weights = mem.served_weight_bytes(ckpt.tensors.values(), spec.method if spec else None, head)
+    rows = []
+    for hw in CARD_HARDWARE:
+        try:
+            p = mem.plan_on(hw, ckpt.text_config, profile, CARD_ENGINE, weights, drafter, drafter_bytes)
+        except (mem.MemoryPlanError, KeyError, TypeError):
+            continue
+        contexts = [profile.max_model_len] + [c for c in (100_000, 32_768) if c < profile.max_model_len]
+        fits = {c: p.streams_that_fit(c) for c in contexts}
+        rows.append({"hardware": hw, "label": bw.HARDWARE[hw].label, "pool_tokens": p.pool_tokens,
+                     "max_context_tokens": p.max_context_tokens, "reserve_basis": p.inputs.reserve_basis,
+                     "fit": {c: (f.whole, f.next_tokens) for c, f in fits.items()},
+                     "layout": p.inputs.layout, "num_speculative_tokens": p.inputs.num_speculative_tokens,
+                     "kv_cache_dtype": p.inputs.kv_cache_dtype})
+    if not rows:
+        return None
+    return {"engine": CARD_ENGINE, "gpu_memory_utilization": profile.gpu_memory_utilization,
+            "max_model_len": profile.max_model_len, "without": without, "rows": rows}
+
+
+def _memory_section(inp: CardInputs) -> list[str]:
+    m = inp.memory
+    if not m:
+        return []
+    first = m["rows"][0]
+    kv = {"auto": "bf16"}.get(first["kv_cache_dtype"], first["kv_cache_dtype"])
+    contexts = sorted({c for r in m["rows"] for c in r["fit"]}, reverse=True)
+    lines = ["### Memory: the KV pool and the streams that fit", "",
+             f"The `dense` profile's KV cache as vLLM {m['engine']} plans it (`gpu_memory_utilization` "
+             f"{m['gpu_memory_utilization']:g}, `max_model_len` {m['max_model_len']:,}, {first['layout']} prefix-cache "
+             f"layout, {kv} KV, {first['num_speculative_tokens']} speculative tokens"
+             + (f"; {m['without']}" if m["without"] else "") + "), from this repository's configs and "
+             "safetensors headers by the memory model `hybrid-build plan` and `hybrid-build serve` print, which "
+             "matches vLLM's own planning functions run on CPU. The pool is the figure vLLM logs as \"GPU KV cache "
+             "size\"; a stream holds its context's KV blocks plus the Gated DeltaNet state with one page per "
+             "speculative token, whatever its length.", "",
+             "| hardware | KV pool (tokens) | largest context | " + " | ".join(f"streams of {c:,}" for c in contexts)
+             + " |", "|---|---|---|" + "---|" * len(contexts)]
+    for r in m["rows"]:
+        cells = []
+        for c in contexts:
+            whole, nxt = r["fit"].get(c, (0, 0))
+            cells.append(f"{whole:,}" + (f" (the next gets {nxt:,})" if nxt else ""))
+        lines.append(f"| {r['label']} | {r['pool_tokens']:,} | {r['max_context_tokens']:,} | " + " | ".join(cells)
+                     + " |")
+    bases = "; ".join(f"{r['label']}: {r['reserve_basis']}" for r in m["rows"])
+    lines += ["", f"What vLLM keeps besides weights and KV cache (activations, CUDA graphs) is taken as: {bases}. "
+              "`hybrid-build serve` prints these figures for the device it starts on and warns when the pool vLLM "
+              "logs differs from them by more than 2%.", ""]
+    return lines
 
 
 def _json_object(path: Path) -> dict | None:
@@ -473,7 +563,7 @@ def _serve_section(inp: CardInputs) -> list[str]:
                   "drafter of your own to speculate.", ""]
     if spec.get("method") == "dflash":
         lines += [_drafter_engine_note(dense), ""]
-    return lines
+    return lines + _memory_section(inp)
 
 
 def _drafter_engine_note(dense: dict) -> str:

@@ -45,6 +45,7 @@ from .modelcard import (
     ValidationStatus,
     converted_sizes,
     find_license,
+    memory_figures,
     read_bench,
     read_evaluation,
     read_frontmatter,
@@ -230,7 +231,7 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
         forced=force and not validation.passed,
         evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)),
-        reference=reference_current(artifact))
+        reference=reference_current(artifact), memory=memory_figures(artifact, typed))
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))

@@ -57,6 +57,14 @@ class ServeProfile(BaseModel):
     note: str | None = Field(
         None, description="what this profile is not shown to survive (a defect no runtime fix removes, or a fix "
                           "not yet shown on a GPU): `serve` prints it at start")
+    prefix_match_unit: int | None = Field(
+        None, ge=16, multiple_of=16,
+        description="vLLM's --prefix-match-unit (0.26.0 and later): prefix-cache hits land on this many tokens, "
+                    "finer than the physical block (copy-on-write partial hits). serve passes it where the served "
+                    "vLLM has it and the DFlash drafter has no sliding-window layers (0.26.0 asserts on a partial hit "
+                    "there, 0.33.0 turns them off), and then serves the stock KV layout (runtime fix prefix_align and "
+                    "its padded pages off; dflash_keep_last_block on); elsewhere prefix_align stays "
+                    "(lab/results/prefix_layout_hits_and_pool_cpu.json)")
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's --kv-cache-dtype: 'fp8' halves the bytes each decode step reads per token of "
                             "context in the full-attention layers (plan --kv-dtype fp8 shows the effect); check "

@@ -74,8 +74,9 @@ def register(sub, common) -> None:
                                     "beside it")
     p.add_argument("--image", default=DOCKER_IMAGE, help="docker image (docker engine)")
     p.add_argument("--hardware", choices=sorted(HARDWARE),
-                   help="the GPU, as a `plan` preset (default: what nvidia-smi names), to say when this profile's "
-                        "levers are predicted to gain little there")
+                   help="the GPU, as a `plan` preset (default: what nvidia-smi names): its memory sizes the KV pool "
+                        "serve prints before it starts, and it says when this profile's levers are predicted to "
+                        "gain little there")
     p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
     p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
@@ -178,16 +179,19 @@ def run(args: argparse.Namespace) -> int:
         return _print_unit(args)
     _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
+    version = None if several else _vllm_version(args)
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
                        host=args.host,
                        hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
-                       api_key=None if several else _api_key(args, args.host))  # several: for the head's address
+                       api_key=None if several else _api_key(args, args.host),  # several: for the head's address
+                       vllm_version=version)
     if several:
         return _run_nodes(args, plan)
     if args.dry_run:
+        memory = _memory(args, plan, version)
         if args.json:
-            emit_json(plan.to_json())
+            emit_json(dict(plan.to_json(), memory=memory.to_json()))
         else:
             for k, v in sorted(plan.env.items()):
                 print(f"export {k}={v}")
@@ -196,21 +200,27 @@ def run(args: argparse.Namespace) -> int:
             print(shlex.join(plan.argv))
             for n in plan.notes:
                 print(f"# {n}")
+            for line in memory.lines():
+                print(f"# {line}")
             if plan.api_key is not None:
                 print(f"# {plan.api_key.announce()}")
         return 0
     check_prerequisites(plan)
     check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
-    version = _check_engine(args, plan)  # a drafter this vLLM cannot run: one line, nothing started
+    version = _check_engine(args, plan, version)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
+    memory = _memory(args, plan, version)
+    if not args.quiet:
+        for line in memory.lines():  # stdout stays JSON with --json
+            print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
     need = _check_memory(args, plan, version)  # an engine that does not fit: one line (exit 3), nothing started
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
     log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
-    return _serve_watched(args, plan, log_path, need)
+    return _serve_watched(args, plan, log_path, need, memory)
 
 
-def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) -> int:
+def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, memory) -> int:
     """Start, prove (verify, smoke test), say READY, then watch (``watch``) until a fault; with
     ``--restart N`` stop the engine, back off, wait for memory and start again, up to N times.
     Every event is one line with its time, on stdout and in the serve log, and in the artifact's
@@ -238,6 +248,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
     try:
         while True:
             # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
+            log_from = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to
             with stop_signals_held():
                 server = start(plan, log_path)
             if restarts:
@@ -248,6 +259,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
             ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t, bar=bar: bar.update(0),
                                  poll=min(args.watch_interval, 1.0))
             bar.close()
+            memory_json = _check_logged_pool(args, memory, log_path, log_from)
             if restarts:
                 event("restart", f"engine up after {ready_s:.1f} s; verifying it again")
             verified = _verify(args, plan, plan.base_url)
@@ -256,7 +268,8 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int) ->
             answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
                                                            api_key=plan_key(plan))
             info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
-                    "smoke_answer": answer, "verify": verified, "pid": server.process.pid, "log": str(log_path),
+                    "smoke_answer": answer, "verify": verified, "memory": memory_json, "pid": server.process.pid,
+                    "log": str(log_path),
                     "api_key": plan.api_key.to_json() if plan.api_key else None, "restarts": restarts}
             record.ready(server.process.pid)  # before the line: whoever reads READY finds the record so
             if args.json:
@@ -396,7 +409,53 @@ def _check_artifact(args: argparse.Namespace) -> None:
     print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
 
 
-def _check_engine(args: argparse.Namespace, plan) -> str | None:
+def _vllm_version(args: argparse.Namespace) -> str | None:
+    """The vLLM to be served, before the launch is planned: the docker image's tested version (an
+    untested image is asked once planned), or the local one (``vllm --version``; a dry run reads the
+    installed package's metadata and starts nothing)."""
+    from hybrid_build.serve.runtime.fixes import tested_image
+
+    from .launcher import local_vllm_version
+    from .memory import installed_vllm
+
+    if args.engine == "docker":
+        known = tested_image(args.image or "")
+        return known.version if known else None
+    return installed_vllm() if args.dry_run else local_vllm_version()
+
+
+def _memory(args: argparse.Namespace, plan, version: str | None):
+    """The KV pool, largest context and streams that fit for this launch (``memory.plan_for_launch``)."""
+    from hybrid_build.serve.runtime.fixes import ENV_DISABLE
+
+    from .engine import detect_hardware, fixes_off
+    from .memory import plan_for_launch
+
+    off = fixes_off(args.disable_fix) | frozenset(filter(None, plan.env.get(ENV_DISABLE, "").split(",")))
+    return plan_for_launch(plan, version, args.hardware or detect_hardware(), off)
+
+
+def _check_logged_pool(args: argparse.Namespace, memory, log_path: Path, offset: int) -> dict:
+    """The pool vLLM logged at this start against the plan: one line when they agree, a warning naming
+    both when they differ by more than 2%. Returns what ``--json`` reports under ``memory``."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        text = ""
+    agree, warning, logged = memory.check_log(text)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    elif agree and not args.quiet:
+        print(agree, file=sys.stderr if args.json else sys.stdout, flush=True)
+    elif memory.plan is not None and logged is None and not args.quiet:
+        print("memory: vLLM's log holds no \"GPU KV cache size\" line to compare with the plan",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+    return dict(memory.to_json(), logged_pool_tokens=logged, warning=warning)
+
+
+def _check_engine(args: argparse.Namespace, plan, version: str | None = None) -> str | None:
     """The engine's vLLM version, once the DFlash drafter's config has been checked against it
     (``engine_check``): a combination that will not start raises (exit 3: another vLLM is needed; 2:
     a switch of this command line stops it); notes (a drafter that could not be read, a warm prefix
@@ -405,16 +464,16 @@ def _check_engine(args: argparse.Namespace, plan) -> str | None:
     from .engine import fixes_off
     from .launcher import served_vllm_version
 
-    version = served_vllm_version(plan)
+    version = version or served_vllm_version(plan)
     notes = [n for n in plan.notes  # the profile's own
-             if n.startswith("prefix caching (") or n.startswith(f"{plan.profile!r} profile: ")]
+             if n.startswith(("prefix caching (", "prefix cache: --prefix-match-unit", f"{plan.profile!r} profile: "))]
     if plan.drafter is not None:
         drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
         target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
         notes += [f"the DFlash drafter was not checked against the engine: {why}"] if drafter is None else \
             engine_check.check(version, plan.engine, engine_check.shapes(drafter, target),
                                fixes_off(args.disable_fix), engine_check.server_env(plan.env),
-                               plan.prefix_caching).notes
+                               plan.prefix_caching, plan.prefix_match_unit).notes
     if not args.quiet:
         for note in notes:  # stdout stays JSON with --json
             print(f"note: {note}", file=sys.stderr if args.json else sys.stdout, flush=True)

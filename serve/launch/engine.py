@@ -18,6 +18,8 @@ from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_rec
 from hybrid_build.core.errors import UserError
 from hybrid_build.recipes.serve_names import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER
 from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
+from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES as UNIT_VERSIONS
+from hybrid_build.serve.speed.memory_plan import uses_match_unit
 
 from .served_key import SERVER_ENV, ApiKey, is_loopback
 
@@ -76,6 +78,7 @@ class LaunchPlan:
     drafter: str | None = None
     drafter_revision: str | None = None
     prefix_caching: bool = False
+    prefix_match_unit: int | None = None  # --prefix-match-unit when passed (``match_unit``)
     # the served API's key (``served_key``): in the child's environment only, never in argv or env
     api_key: ApiKey | None = field(default=None, repr=False)
     # what the plan was made from, resolved once: the recipe (verify's thresholds) and vLLM's request
@@ -346,13 +349,15 @@ def _lever_note(artifact: Path, hardware: str | None) -> str | None:
 def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,
                 host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
                 source: str | None = None, image: str = DOCKER_IMAGE, hardware: str | None = None,
-                disable_fixes: tuple[str, ...] | list[str] = (), api_key: ApiKey | None = None) -> LaunchPlan:
+                disable_fixes: tuple[str, ...] | list[str] = (), api_key: ApiKey | None = None,
+                vllm_version: str | None = None) -> LaunchPlan:
     """``hardware`` (a ``plan`` preset; default: the GPU ``nvidia-smi`` names, if it is one) is
     only used to say when the profile's levers are predicted to gain little there. ``disable_fixes``
     (``--disable-fix``) adds to the ids ``HYBRID_BUILD_DISABLE_FIXES`` already names here; the
     union goes into the served processes' environment. ``api_key`` (``served_key.resolve``) goes
     into vLLM's environment as ``VLLM_API_KEY`` when the plan starts; the docker engine's argv
-    names the variable (``-e VLLM_API_KEY``) without its value."""
+    names the variable (``-e VLLM_API_KEY``) without its value. ``vllm_version``: the vLLM to be
+    served, where known (the profile's ``prefix_match_unit`` is passed only where it was measured)."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
     off = fixes_off(disable_fixes)
@@ -364,6 +369,10 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     profile = profiles[name]
     model, revision = _served_model(artifact, config, profile, source)
     drafter = resolve_drafter(name, profile, drafter, artifact, config, source)
+    unit, unit_note = match_unit(profile, engine, vllm_version, drafter, off)
+    asked_off = off  # what the user switched off (the note below); the unit's layout adds prefix_align
+    if unit is not None:  # the stock layout: prefix_align's padding is what the unit makes unneeded
+        off = off | {"prefix_align"}
     env = dict(profile.extra_env)
     if off:
         env[ENV_DISABLE] = ",".join(sorted(off))
@@ -371,7 +380,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if profile.artifact == "hybrid" and profile.int8_lm_head and formats.head_quantized_at_load(hybrid.get("lm_head")):
         # the plugin's switch takes the same word (it runs inside vLLM and cannot import core)
         env["HYBRID_BUILD_LM_HEAD"] = formats.AT_LOAD_LABEL
-    notes = [fixes_off_note(off, engine)] if off else []
+    notes = [fixes_off_note(asked_off, engine)] if asked_off else []
     kv_note = _kv_cache_note(name, profile, model)
     if kv_note:
         notes.append(kv_note)
@@ -386,13 +395,16 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         notes.append(f"prefix caching ({name!r} profile): {profile.prefix_caching_note}")
     if profile.note:
         notes.append(f"{name!r} profile: {profile.note}")
+    if unit_note:
+        notes.append(unit_note)
     local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
-    vllm = VllmServe(profile, local_model, port, host, drafter, revision)
+    vllm = VllmServe(profile, local_model, port, host, drafter, revision,
+                     extra=("--prefix-match-unit", str(unit)) if unit else ())
     if engine == "local":
         env.update(PLUGIN_ENV)
         return LaunchPlan(["vllm"] + vllm.argv(), env, profile.served_model_name, port, host, name, engine,
                           local_model, notes, rec.serve.smoke_expect, api_key=api_key, recipe=rec, vllm=vllm,
-                          **checked)
+                          prefix_match_unit=unit, **checked)
 
     # docker: the container serves on 8000 inside; the runtime folder is mounted read-only and its
     # patches applied to the image's vLLM before `vllm serve` starts
@@ -407,6 +419,41 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
              "-p", docker_publish(host, port)] + mounts.flags + env_flags + [image, "bash", "-c", script])
     return LaunchPlan(argv, {}, profile.served_model_name, port, host, name, engine, model, notes,
                       rec.serve.smoke_expect, image=image, api_key=api_key, recipe=rec, vllm=vllm, **checked)
+
+
+
+
+def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter: str | None,
+               off: frozenset[str]) -> tuple[int | None, str | None]:
+    """The ``--prefix-match-unit`` to pass (None: prefix_align's layout stays), and a note saying why."""
+    from hybrid_build.serve.runtime.fixes import base_version
+
+    unit, spec = profile.prefix_match_unit, profile.speculative
+    if not unit or not profile.enable_prefix_caching or spec is None or spec.method != "dflash":
+        return None, None
+    v = base_version(version) if version else None
+    from hybrid_build.serve.speed.memory_plan import PREFIX_ALIGN_ENGINES
+
+    keep = (f"runtime fix prefix_align's padded layout is kept, not the profile's prefix_match_unit {unit}"
+            if v is None or v in PREFIX_ALIGN_ENGINES else
+            f"the stock layout is served without the profile's prefix_match_unit {unit}")
+    if engine != "local" or v not in UNIT_VERSIONS:
+        served = f"vLLM {v} ({engine} engine)" if v else f"not known here ({engine} engine)"
+        return None, (f"prefix cache: {keep}: the unit is passed where its hits were measured, vLLM "
+                      f"{' or '.join(UNIT_VERSIONS)} with the local engine, and the served vLLM is {served}")
+    if "dflash_keep_last_block" in off:
+        return None, f"prefix cache: {keep}: the unit needs runtime fix dflash_keep_last_block, which is off"
+    from .memory import drafter_config
+
+    cfg, _, basis = drafter_config(drafter or spec.model, spec.revision if not drafter else None)
+    if not uses_match_unit(profile, v, cfg, off):
+        why = ("SlidingWindowManager asserts on a partial (fine-grained) cache hit" if v == "0.26.0" else
+               "KV-cache planning turns partial (fine-grained) hits off for it")
+        return None, (f"prefix cache: {keep}: the DFlash drafter ({basis}) has sliding-window layers, and vLLM "
+                      f"{v}'s {why}")
+    return unit, (f"prefix cache: --prefix-match-unit {unit} on the stock KV layout: a warm prefix hits within "
+                  f"{unit:,} tokens of its end, without prefix_align's padded pages (runtime fix prefix_align off, "
+                  "dflash_keep_last_block on)")
 
 
 def _drafter_fields(profile: ServeProfile, drafter: str | None) -> dict:

@@ -117,10 +117,11 @@ class Verdict:
 
 
 def check(version: str | None, engine: str, spec: Shapes, off: frozenset[str], env: dict[str, str],
-          prefix_caching: bool) -> Verdict:
+          prefix_caching: bool, prefix_match_unit: int | None = None) -> Verdict:
     """The verdict for a DFlash drafter of ``spec`` on vLLM ``version`` (``engine``: local or docker)
     with the fixes in ``off`` switched off; raises EngineCannotRun / UserError for a combination that
-    will not start. ``env``: the server's environment (a profile's extra_env over this process's)."""
+    will not start. ``env``: the server's environment (a profile's extra_env over this process's).
+    ``prefix_match_unit``: the unit the launch passes (the stock layout with it, prefix_align off)."""
     v = base_version(version) if version else None
     out = Verdict(caching="effective" if prefix_caching else "off")
     if v not in CHECKED:
@@ -140,7 +141,7 @@ def check(version: str | None, engine: str, spec: Shapes, off: frozenset[str], e
             raise UserError("vLLM 0.23.0 cannot place this DFlash drafter's KV pages beside the hybrid target's; the "
                             "runtime patch kv_unify pads them: do not disable it")
     if prefix_caching and spec.target_hybrid:
-        _caching(v, engine, spec, off, out)
+        _caching(v, engine, spec, off, out, prefix_match_unit)
     return out
 
 
@@ -163,15 +164,20 @@ def _mixed(v: str, engine: str, spec: Shapes, env: dict[str, str], out: Verdict)
                          f"({engine} engine; its image may differ)")
 
 
-def _caching(v: str, engine: str, spec: Shapes, off: frozenset[str], out: Verdict) -> None:
+def _caching(v: str, engine: str, spec: Shapes, off: frozenset[str], out: Verdict, unit: int | None = None) -> None:
     pages_differ = spec.larger_drafter_pages is not False  # unknown counts as differing
+    from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES
+
+    if unit and engine == "local" and v in UNIT_ENGINES and not spec.mixed and "dflash_keep_last_block" not in off:
+        return  # the stock layout with a finer hash unit: hits within one unit (engine.match_unit)
     if engine == "local" and v in PREFIX_ALIGN_LOCAL:
-        if "prefix_align" in off:
+        if "prefix_align" in off or "dflash_keep_last_block" in off:
             out.caching = "coarse"
             out.notes.append("prefix caching with this drafter on the hybrid target: a warm prefix hits an earlier "
                              "chunk end (DFlash drops the last block as EAGLE does" +
                              ("; the groups' blocks differ" if pages_differ else "") +
-                             "): runtime fix prefix_align is off, so no warm-prefix TTFT is claimed")
+                             "): runtime fix prefix_align or dflash_keep_last_block is off, so no warm-prefix TTFT "
+                             "is claimed")
         return
     out.caching = "unclaimed"
     why = ("vLLM 0.33's KV planning is not the source prefix_align was written for" if v == "0.33.0" else

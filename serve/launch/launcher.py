@@ -60,6 +60,17 @@ def check_prerequisites(plan: LaunchPlan) -> None:
         raise CannotRun("no NVIDIA GPU found (no nvidia-smi, no /dev/nvidiactl): vLLM needs a CUDA GPU")
 
 
+def local_vllm_version(tool: str = "vllm") -> str | None:
+    """``vllm --version`` of the vLLM on PATH; None when it cannot be read."""
+    from hybrid_build.serve.runtime.fixes import version_in
+
+    try:
+        r = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return version_in(r.stdout) if r.returncode == 0 else None
+
+
 def served_vllm_version(plan: LaunchPlan) -> str | None:
     """The vLLM version the plan would serve: ``vllm --version`` (local), or the image's (a tested
     image by its name, any other by asking it); None when it cannot be read."""

@@ -65,10 +65,10 @@ FIXES: tuple[Fix, ...] = (
         "as vLLM 0.26.0 does (0.23.0: pads pages that do not divide instead of raising NotImplementedError)",
         "43626, 46480", ("0.23.0", "0.25.1"), hook="kv_cache_fixes:install", patch="kv_unify"),
     Fix("prefix_align", "prefix caching with a DFlash drafter on a hybrid model: the groups' blocks differ (the "
-        "target's attention grows to 2x the GDN block) and DFlash drops the last matching block as EAGLE does, so "
-        "a warm prefix hits an earlier chunk end (53,760 of 65,568 tokens at 64k); the fix keeps every group at the "
-        "GDN block with padded pages and keeps the last block for DFlash, as vLLM 0.33 does (0.23.0: rounds "
-        "mamba_block_size up to the attention block)", "", ("0.23.0", "0.25.1", "0.26.0"),
+        "target's attention grows to 2x the GDN block), so a warm prefix hits only on their common multiple; the "
+        "fix keeps every group at the GDN block with padded pages (0.23.0: rounds mamba_block_size up to the "
+        "attention block). Not installed where a profile's "
+        "--prefix-match-unit gives finer hits without the padding", "", ("0.23.0", "0.25.1", "0.26.0"),
         hook="kv_cache_fixes:install", patch="prefix_align"),
     Fix("mamba_eagle_drop", "prefix caching on a hybrid GDN model with an EAGLE-style drafter whose last matching "
         "block is dropped (MTP, EAGLE; DFlash without prefix_align): MambaManager ignores the drop the other groups "
@@ -85,6 +85,11 @@ FIXES: tuple[Fix, ...] = (
         "buffer that async scheduling may be updating: the pre-copy gets an out-of-range offset (Xid 31); the fix "
         "hands the kernel a snapshot and writes its resets back (GPU kernel: shown on a GPU only)",
         "56736 (PR 56756)", ("0.25.1", "0.26.0", "0.33.0"), hook="align_mode_fixes:install"),
+    Fix("dflash_keep_last_block", "DFlash drops the last matching prefix-cache block as EAGLE does (0.25.1 / 0.26.0 "
+        "count it under use_eagle()), so a warm prefix hits an earlier chunk end (53,760 of 65,568 tokens at 64k); "
+        "DFlash writes its context K/V from the target's hidden states at the same positions, so nothing in the last "
+        "block is provisional: the fix keeps it, as vLLM 0.33 does (needs_eagle_block_drop)", "",
+        ("0.25.1", "0.26.0"), hook="kv_cache_fixes:install"),
     Fix("fla_smem_sm121", "FLA chunk kernels on GB10 (sm121, 99 KiB shared memory per block) pick the small "
         "tiles (speed only); threshold from HYBRID_BUILD_FLA_SMEM_BYTES", "", ("0.23.0",),
         patch="fla_smem_sm121"),
@@ -124,11 +129,11 @@ TESTED_VERSIONS: tuple[TestedVersion, ...] = (
     TestedVersion("0.25.1", "local", "served on the H200 with the plugin (docs/gpu.md); a DFlash drafter with mixed "
                   "sliding/full layers does not start on it (docs/serve.md, Start table)",
                   ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "kv_unify", "prefix_align",
-                   "mamba_eagle_drop", "mamba_state_seed", "align_accept_snapshot")),
+                   "mamba_eagle_drop", "mamba_state_seed", "align_accept_snapshot", "dflash_keep_last_block")),
     TestedVersion("0.26.0", "local", "the full-depth 122B with the real drafter's shape started on the H200 (prefix "
                   "caching on); the plugin checked against its source on CPU",
                   ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "prefix_align", "mamba_state_seed",
-                   "align_accept_snapshot")),
+                   "align_accept_snapshot", "dflash_keep_last_block")),
     TestedVersion("0.33.0", "local", "the plugin checked against its source on CPU (layer dispatch, Marlin "
                   "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale",
                                                              "align_accept_snapshot")),

@@ -22,25 +22,29 @@ new_spec.page_size_bytes == max_page_size`` stops the engine, prefix caching on 
 0.26.0 pads GDN pages to the largest page instead (its own unify, ``isinstance(layer_spec,
 MambaSpec)``); the fix does the same on 0.25.1.
 
-prefix_align (0.25.1, 0.26.0), prefix caching on (GDN "align" mode). With the layout above the
+prefix_align and dflash_keep_last_block (0.25.1, 0.26.0), prefix caching on (GDN "align" mode).
+With the layout above the
 groups' blocks are 4,480 (target attention), 2,240 (GDN) and 2,240 (drafter): a prefix hit must be
 a multiple of their LCM (4,480), the scheduler caches GDN states at chunk ends aligned to the
 smallest block (2,240), and with DFlash counted as EAGLE (``use_eagle()``) every group drops its
 last matching block: at 64k tokens the hit falls back to an earlier chunk end (the simulation in
 the tests: 53,760 of 65,568 tokens; measured on the H200 with 0.26.0: warm 1.38 s vs cold 5.34 s).
-The fix has two parts:
-- one block size for every group: with a GDN group in align mode, every attention layer keeps the
+Two fixes, each switchable alone:
+- prefix_align, one block size for every group: with a GDN group in align mode, every attention layer keeps the
   GDN block size and the smaller pages are padded to the largest (attention pages only where the
   backend reads pages by the block stride, as vLLM's own padding requires). The hit unit, the
   scheduler block and the cached GDN states then all sit on the same 2,240-token grid; the cost
   is the padding: the target's attention pages hold 2,048 B of 4,096 B per token (KV bytes per
   token 72 KiB instead of 48 KiB for the 122B with this drafter);
-- no EAGLE trailing-block drop for DFlash: a DFlash drafter's context K/V at a position come from
-  the target's hidden state there alone (``precompute_and_store_context_kv``), not from the next
+- dflash_keep_last_block, no EAGLE trailing-block drop for DFlash: a DFlash drafter's context K/V
+  at a position come from the target's hidden state there alone (``precompute_and_store_context_kv``), not from the next
   token, so nothing in the last block is provisional. vLLM 0.33 says the same
   (``SpeculativeConfig.needs_eagle_block_drop``); 0.25.1 and 0.26.0 drop it for every method that
   ``use_eagle()``. The fix gives the scheduler's KV-cache manager and its GDN chunk split
-  ``use_eagle=False`` for DFlash and leaves every other use of the flag alone.
+  ``use_eagle=False`` for DFlash and leaves every other use of the flag alone. With vLLM 0.26.0's
+  ``--prefix-match-unit`` (hashes finer than the physical block, copy-on-write partial hits) this
+  fix alone gives hits within one unit of the prefix on the stock layout, without prefix_align's
+  padding (``tests/serve/kv_probe.py``; the table in lab/results/prefix_layout_hits_and_pool_cpu.json).
 """
 from __future__ import annotations
 
@@ -100,7 +104,8 @@ PREFIX_SCHED_SPLIT = Anchor(SCHEDULER, "Scheduler._mamba_block_aligned_split", n
 
 ANCHORS: dict[str, tuple[Anchor, ...]] = {
     "kv_unify": (KV_UNIFY,),
-    "prefix_align": (PREFIX_UNIFY, PREFIX_SCHED_INIT, PREFIX_SCHED_SPLIT),
+    "prefix_align": (PREFIX_UNIFY,),
+    "dflash_keep_last_block": (PREFIX_SCHED_INIT, PREFIX_SCHED_SPLIT),
 }
 
 
@@ -239,7 +244,7 @@ def no_drop_init(stock_init):
             _NO_BLOCK_DROP.reset(token)
         self.hybrid_build_no_block_drop = True
         log.warning("hybrid-build: DFlash keeps the last prefix-cache block (no EAGLE block drop; runtime fix "
-                    "prefix_align)")
+                    "dflash_keep_last_block)")
 
     __init__.hybrid_build_fix = True
     __init__.stock = stock_init
@@ -270,9 +275,10 @@ def verdicts(fix_id: str) -> list[str]:
 
 
 def install(enabled: frozenset[str]) -> dict[str, str]:
-    """Install ``kv_unify`` and ``prefix_align`` where named in ``enabled`` and where this vLLM's
-    source is the one they were written against; per fix: ``applied``, ``upstream`` (not needed
-    here) or ``refused: ...``. Idempotent. A vLLM without these modules: ``absent``."""
+    """Install ``kv_unify``, ``prefix_align`` and ``dflash_keep_last_block`` where named in
+    ``enabled`` and where this vLLM's source is the one they were written against; per fix:
+    ``applied``, ``upstream`` (not needed here) or ``refused: ...``. Idempotent. A vLLM without
+    these modules: ``absent``."""
     try:
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.sched import scheduler
@@ -292,11 +298,12 @@ def install(enabled: frozenset[str]) -> dict[str, str]:
             state[fix_id] = "applied"
     pad = state.get("kv_unify") == "applied"
     uniform = state.get("prefix_align") == "applied"
+    keep_last = state.get("dflash_keep_last_block") == "applied"
     if pad or uniform:  # applied means the anchors found the function in this module
         current = kv_cache_utils.unify_kv_cache_spec_page_size
         stock = getattr(current, "stock", current)
         kv_cache_utils.unify_kv_cache_spec_page_size = layout_unify(stock, MambaSpec, AttentionSpec, pad, uniform)
-    if uniform:
+    if keep_last:
         cls = scheduler.Scheduler
         if not getattr(cls.__init__, "hybrid_build_fix", False):
             cls.__init__ = no_drop_init(cls.__init__)

@@ -455,10 +455,30 @@ def profile_kv_dtype(profile) -> str:
     return getattr(profile, "kv_cache_dtype", "auto") or "auto"
 
 
-def profile_layout(profile, engine: str, disabled: frozenset[str] = frozenset()) -> str:
-    """``prefix_align`` where serve installs it (a DFlash drafter, prefix caching on, a version the
-    plugin's fix is written for, not disabled), else ``stock``."""
+# where a profile's prefix_match_unit is passed (serve/launch/engine.match_unit): measured there on
+# vLLM's own code to hit within one unit with the stock layout (tests/serve/runtime/test_kv_cache_fixes.py)
+UNIT_ENGINES = ("0.26.0", "0.33.0")
+
+
+def uses_match_unit(profile, engine: str, drafter_config: dict | None, disabled: frozenset[str] = frozenset()) -> bool:
+    """Whether serve passes the profile's ``prefix_match_unit`` (the stock layout then, prefix_align off):
+    a DFlash profile caching prefixes, on a version where the unit was measured, with a drafter known
+    to have no sliding-window layers (vLLM 0.26.0 asserts on a partial hit there, 0.33.0 turns partial
+    hits off) and the last block kept (0.26.0: dflash_keep_last_block; 0.33.0 keeps it itself)."""
     spec = getattr(profile, "speculative", None)
+    return bool(getattr(profile, "prefix_match_unit", None) and spec is not None and spec.method == "dflash"
+                and profile.enable_prefix_caching and engine in UNIT_ENGINES and drafter_config is not None
+                and "sliding_attention" not in (drafter_config.get("layer_types") or [])
+                and "dflash_keep_last_block" not in disabled)
+
+
+def profile_layout(profile, engine: str, disabled: frozenset[str] = frozenset(),
+                   drafter_config: dict | None = None) -> str:
+    """``prefix_align`` where serve installs it (a DFlash drafter, prefix caching on, a version the
+    plugin's fix is written for, not disabled, no prefix-match unit passed), else ``stock``."""
+    spec = getattr(profile, "speculative", None)
+    if uses_match_unit(profile, engine, drafter_config, disabled):
+        return "stock"
     if (spec is not None and spec.method == "dflash" and profile.enable_prefix_caching
             and engine in PREFIX_ALIGN_ENGINES and "prefix_align" not in disabled):
         return "prefix_align"
@@ -475,7 +495,8 @@ def profile_inputs(text_config: dict, profile, engine: str, drafter_config: dict
         text_config=text_config, drafter_config=drafter_config if spec and spec.method == "dflash" else None,
         method=spec.method if spec else None, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         kv_cache_dtype=profile_kv_dtype(profile), prefix_caching=bool(profile.enable_prefix_caching),
-        layout=layout or profile_layout(profile, engine), gpu_memory_utilization=profile.gpu_memory_utilization,
+        layout=layout or profile_layout(profile, engine, drafter_config=drafter_config),
+        gpu_memory_utilization=profile.gpu_memory_utilization,
         max_model_len=profile.max_model_len, engine=engine, **bytes_)
 
 
@@ -495,6 +516,53 @@ CARRIED_BASIS = "not measured on this hardware: GB10's measured reserve carried 
 
 def reserve_for(hardware: str) -> tuple[int, str]:
     return RESERVE_BYTES.get(hardware, RESERVE_BYTES["gb10"]), RESERVE_BASIS.get(hardware, CARRIED_BASIS)
+
+
+def device_bytes(hardware: str | None) -> int | None:
+    """The device memory of a ``plan`` hardware preset, in bytes (None: not a preset)."""
+    from .multinode_plan import MEMORY_GB
+
+    return int(MEMORY_GB[hardware] * 1e9) if hardware in MEMORY_GB else None
+
+
+def served_weight_bytes(tensors, method: str | None, head_at_load: bool = False) -> int:
+    """The weights vLLM loads for a profile, from a checkpoint's tensors (``TensorInfo``): the MTP
+    layers only when the profile drafts with them; a BF16 head quantized at load at half its bytes."""
+    tensors = list(tensors)
+    out = sum(t.nbytes for t in tensors if t.klass != "mtp" or method == "mtp")
+    if head_at_load:
+        out -= sum(t.nbytes for t in tensors if t.klass == "lm_head") // 2
+    return out
+
+
+def profile_kv_memory_bytes(profile) -> int | None:
+    """vLLM's ``--kv-cache-memory-bytes`` in a serve profile's extra_args (it replaces the budget)."""
+    args = list(getattr(profile, "extra_args", None) or [])
+    for k, a in enumerate(args):
+        value = args[k + 1] if a == "--kv-cache-memory-bytes" and k + 1 < len(args) else \
+            a.split("=", 1)[1] if a.startswith("--kv-cache-memory-bytes=") else None
+        if value is not None:
+            try:
+                return int(float(value))
+            except ValueError:
+                return None
+    return None
+
+
+def plan_on(hardware: str, text_config: dict, profile, engine: str, weights_bytes: int,
+            drafter_config: dict | None = None, drafter_bytes: int = 0, disabled: frozenset[str] = frozenset(),
+            ) -> MemoryPlan:
+    """The memory plan of a serve profile on a hardware preset: its memory, its reserve
+    (``reserve_for``), the layout serve installs on ``engine`` (``profile_layout``), and a
+    ``--kv-cache-memory-bytes`` in its extra_args where it sets one."""
+    total = device_bytes(hardware)
+    if total is None:
+        raise MemoryPlanError(f"hardware {hardware!r}: its memory is not known")
+    reserve, basis = reserve_for(hardware)
+    return plan_memory(profile_inputs(
+        text_config, profile, engine, drafter_config, layout=profile_layout(profile, engine, disabled, drafter_config),
+        total_bytes=total, weights_bytes=weights_bytes, drafter_bytes=drafter_bytes, reserve_bytes=reserve,
+        reserve_basis=basis, kv_cache_memory_bytes=profile_kv_memory_bytes(profile)))
 
 
 def with_changes(i: MemoryInputs, **changes) -> MemoryPlan:
@@ -533,7 +601,7 @@ def fit_advice(plan: MemoryPlan, context: int, streams: int) -> str | None:
         if alt.streams_that_fit(context).whole >= streams:
             ways.append(f"the stock prefix-cache layout ({alt.streams_that_fit(context).whole} fit; coarser warm hits)")
     if i.method and i.num_speculative_tokens > 4:
-        for k in (8, 6, 4):
+        for k in (k for k in (8, 6, 4) if k < i.num_speculative_tokens):
             alt = with_changes(i, num_speculative_tokens=k)
             if alt.streams_that_fit(context).whole >= streams:
                 ways.append(f"{k} speculative tokens ({alt.streams_that_fit(context).whole} fit)")

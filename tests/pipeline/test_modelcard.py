@@ -536,3 +536,34 @@ def test_the_build_time_follows_source_date_epoch():
 
     assert build_time({"SOURCE_DATE_EPOCH": "1700000000"}) == "2023-11-14T22:13:20Z"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", build_time({}))
+
+
+def test_the_card_states_the_pool_and_streams_that_fit_as_serve_prints_them(artifact, capsys, monkeypatch):
+    """The card's memory table (the dense profile on a GB10 and an H200, vLLM 0.26.0's planning) holds
+    the figures `hybrid-build serve --dry-run` prints for the same profile and hardware: one memory
+    model, from the artifact's headers. A drafter that is not published is left out and said to be."""
+    from hybrid_build.pipeline.cli import main
+    from hybrid_build.pipeline.modelcard import CARD_ENGINE
+    from hybrid_build.serve.launch import memory
+
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    assert "0 speculative tokens; without the drafter, which is not in this repository" in body
+    drafter = "z-lab/Qwen3.5-122B-A10B-DFlash"
+    _publish_drafter(artifact, drafter)
+    _, body = split_card(plan_publish(artifact, REPO).card_text)
+    rows = {r[0]: r[1:] for r in table_rows(body, "hardware")}
+    assert set(rows) == {"NVIDIA DGX Spark (GB10, LPDDR5X)", "NVIDIA H200 (HBM3e)"}
+    assert f"as vLLM {CARD_ENGINE} plans it" in body and "4 speculative tokens)" in body
+    monkeypatch.setattr(memory, "installed_vllm", lambda: CARD_ENGINE)
+    for hw, label in (("gb10", "NVIDIA DGX Spark (GB10, LPDDR5X)"), ("h200", "NVIDIA H200 (HBM3e)")):
+        assert main(["serve", str(artifact), "--profile", "dense", "--hardware", hw, "--drafter", drafter,
+                     "--dry-run", "--json"]) == 0
+        m = json.loads(capsys.readouterr().out)["memory"]
+        assert m["engine_basis"] == f"vLLM {CARD_ENGINE}'s planning"
+        (fit,) = m["fit"]
+        want = [f"{m['pool_tokens']:,}", f"{m['max_context_tokens']:,}",
+                f"{fit['whole']:,}" + (f" (the next gets {fit['next_tokens']:,})" if fit["next_tokens"] else "")]
+        assert rows[label] == want, (hw, rows[label], want)
+    # a bigger device holds a bigger pool: the rows are not one figure printed twice
+    assert int(rows["NVIDIA H200 (HBM3e)"][0].replace(",", "")) > int(
+        rows["NVIDIA DGX Spark (GB10, LPDDR5X)"][0].replace(",", ""))

@@ -1,8 +1,12 @@
 """vLLM's own KV-cache planning and prefix-cache bookkeeping for the 122B target with a DFlash
 drafter, on CPU (run as a subprocess with a vLLM version's sources on PYTHONPATH).
 
-Usage: ``python kv_probe.py {full6,mixed} FIXES OUT.json`` (FIXES: ``none``, or ids of
-``serve/kv_cache_fixes`` joined by commas, installed as the plugin installs them).
+Usage: ``python kv_probe.py {full6,mixed} FIXES OUT.json [UNIT]`` (FIXES: ``none``, or ids of
+``serve/kv_cache_fixes`` joined by commas, installed as the plugin installs them; UNIT: vLLM
+0.26.0's ``--prefix-match-unit``, the ``hash_block_size`` of ``resolve_kv_cache_block_sizes``).
+Besides the hits it writes the pool vLLM would log for this layout at the KV budget of the public
+GB10 log (547 blocks of 55,050,240 B: ``get_kv_cache_config_from_groups`` and
+``get_max_concurrency_for_kv_cache_config`` x ``max_model_len``, as ``kv_pool_probe.py``).
 
 What is vLLM's here: the KV-cache spec classes, ``get_kv_cache_groups`` (with its page
 unification), ``resolve_kv_cache_block_sizes``, the ``KVCacheManager`` with its coordinator and
@@ -30,6 +34,15 @@ TARGET_FULL, TARGET_GDN, KV_HEADS, HEAD_DIM = 12, 36, 2, 256
 DRAFT_LAYERS, DRAFT_KV, DRAFT_HD, SPEC_TOKENS = 6, 8, 128, 12
 KERNEL_ALIGN, BUDGET, SUFFIX = 16, 8192, 32
 CONTEXTS = (8192, 32768, 65536)
+POOL_BUDGET, MAX_MODEL_LEN = 547 * 55_050_240, 262144
+# the same shapes as configs (kv_pool_probe.build_specs reads these; 0.33's spec classes are built there)
+TEXT_122B = {"num_hidden_layers": TARGET_FULL + TARGET_GDN, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+             "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32"}
+DRAFTER = {"num_hidden_layers": DRAFT_LAYERS, "num_key_value_heads": DRAFT_KV, "head_dim": DRAFT_HD,
+           "sliding_window": 4096}
+DRAFTER_TYPES = {"full6": ["full_attention"] * DRAFT_LAYERS,
+                 "mixed": ["sliding_attention"] * (DRAFT_LAYERS - 1) + ["full_attention"]}
 
 
 def _spec(cls, **fields):
@@ -144,8 +157,30 @@ def serve_request(mgr, sched, split, rid: str, prompt: list[int], hasher, lookah
     return hit
 
 
+def kv_pool_probe_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
 def main() -> int:
-    shape, fixes, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    if sys.argv[1] == "--cases":  # many cases in one process: [{"shape", "fixes", "unit"}, ...]
+        results = []
+        for case in json.load(open(sys.argv[2])):
+            try:
+                results.append(dict(case, **run_case(case["shape"], case["fixes"], case.get("unit"))))
+            except Exception as e:  # one case's failure is that case's result
+                import traceback
+
+                results.append(dict(case, crash=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-1500:]))
+        json.dump(results, open(sys.argv[3], "w"))
+        return 0
+    json.dump(run_case(sys.argv[1], sys.argv[2], int(sys.argv[4]) if len(sys.argv) > 4 else None),
+              open(sys.argv[3], "w"))
+    return 0
+
+
+def run_case(shape: str, fixes: str, unit: int | None) -> dict:
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.sched import scheduler as sched_mod
@@ -153,54 +188,101 @@ def main() -> int:
 
     from hybrid_build.serve.runtime import kv_cache_fixes
 
+    try:
+        from vllm.v1.core import kv_cache_planning as planning  # 0.33 plans here
+    except ImportError:
+        planning = kcu
+    v33 = planning is not kcu
+    current = planning.unify_kv_cache_spec_page_size  # each case starts from vLLM's own unify
+    planning.unify_kv_cache_spec_page_size = getattr(current, "stock", current)
+    if hasattr(kcu, "unify_kv_cache_spec_page_size"):
+        kcu.unify_kv_cache_spec_page_size = planning.unify_kv_cache_spec_page_size
     enabled = frozenset() if fixes == "none" else frozenset(fixes.split(","))
-    res: dict = {"shape": shape, "fixes": sorted(enabled), "install": kv_cache_fixes.install(enabled)}
-    spec, mamba_page = specs(shape)
+    res: dict = {"shape": shape, "fixes": sorted(enabled), "unit": unit, "install": kv_cache_fixes.install(enabled)}
+    from kv_pool_probe import build_specs, config_of
+
+    pool_case = {"caching": True, "method": "dflash", "num_speculative_tokens": SPEC_TOKENS,
+                 "max_model_len": MAX_MODEL_LEN, "kv_bytes": 2, "text_config": TEXT_122B,
+                 "drafter_config": dict(DRAFTER, layer_types=DRAFTER_TYPES[shape])}
+    if v33:  # 0.33's spec classes and config fields (kv_pool_probe builds both for every version)
+        spec, mamba_page = build_specs(pool_case, kv_pool_probe_version()), None
+        config = config_of(pool_case, kv_pool_probe_version())
+        config.cache_config.prefix_match_unit = unit
+        config.speculative_config.use_eagle_block_drop = lambda: False  # 0.33: only EAGLE / MTP drop
+        config.speculative_config.needs_eagle_block_drop = lambda: False
+    else:
+        spec, mamba_page = specs(shape)
+        config = types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+            speculative_config=types.SimpleNamespace(method="dflash", use_eagle=lambda: True),
+            cache_config=types.SimpleNamespace(enable_prefix_caching=True, hash_block_size=None,
+                                               prefix_match_unit=unit, block_size=None),
+            parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+            kv_transfer_config=None)
     res["mamba_page_bytes"] = mamba_page
     res["block_size"] = next(iter(spec.values())).block_size
-    config = types.SimpleNamespace(
-        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-        speculative_config=types.SimpleNamespace(method="dflash", use_eagle=lambda: True),
-        cache_config=types.SimpleNamespace(enable_prefix_caching=True, hash_block_size=None,
-                                           prefix_match_unit=None, block_size=None),
-        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
-        kv_transfer_config=None)
     try:
-        groups = kcu.get_kv_cache_groups(config, spec)
+        groups = planning.get_kv_cache_groups(config, spec)
     except (AssertionError, NotImplementedError, ValueError) as e:
         res["error"] = f"{type(e).__name__}: {e}"
-        json.dump(res, open(out, "w"))
-        return 0
+        return res
     res["groups"] = [{"type": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
                       "block_size": g.kv_cache_spec.block_size, "page": g.kv_cache_spec.page_size_bytes}
                      for g in groups]
+    pool_cfg = config_of(pool_case, kv_pool_probe_version())
+    sized = planning.get_kv_cache_config_from_groups(pool_cfg, groups, POOL_BUDGET)
+    res["num_blocks"] = sized.num_blocks
+    res["pool_tokens"] = int(kcu.get_max_concurrency_for_kv_cache_config(pool_cfg, sized) * MAX_MODEL_LEN)
     kv_config = KVCacheConfig(num_blocks=6000, kv_cache_tensors=[], kv_cache_groups=groups)
     config.cache_config.block_size = min(g.kv_cache_spec.block_size for g in groups)  # EngineCore does this
-    scheduler_block, hash_block = kcu.resolve_kv_cache_block_sizes(kv_config, config)
+    try:
+        scheduler_block, hash_block = kcu.resolve_kv_cache_block_sizes(kv_config, config)
+    except ValueError as e:  # a unit that does not divide every group's block
+        res["error"] = f"{type(e).__name__}: {e}"
+        return res
     res.update(cache_block_size=config.cache_config.block_size, scheduler_block_size=scheduler_block,
                hash_block_size=hash_block)
     kcu.init_none_hash(sha256_cbor)
     hasher = kcu.get_request_block_hasher(hash_block, sha256_cbor)
-    no_drop = "prefix_align" in enabled and res["install"].get("prefix_align") == "applied"
+    no_drop = res["install"].get("dflash_keep_last_block") == "applied"
     token = kv_cache_fixes._NO_BLOCK_DROP.set(no_drop)  # what the Scheduler.__init__ wrapper sets
     try:
         mgr = sched_mod.KVCacheManager(kv_config, max_model_len=262144, scheduler_block_size=scheduler_block,
-                                       hash_block_size=hash_block, enable_caching=True, use_eagle=True)
+                                       hash_block_size=hash_block, enable_caching=True, use_eagle=not v33)
     finally:
         kv_cache_fixes._NO_BLOCK_DROP.reset(token)
     res["manager_use_eagle"] = mgr.use_eagle
     sched = scheduler_object(config.cache_config.block_size, hash_block, scheduler_block, True, no_drop)
+    if v33:  # the fields 0.33's split reads, as its Scheduler.__init__ sets them for this configuration
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        sched.use_eagle_block_drop = False
+        sched.num_hash_lookahead_tokens = 0
+        sched.max_num_scheduled_tokens = BUDGET
+        sched.scheduler_config = types.SimpleNamespace(long_prefill_token_threshold=0)
+        mamba = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+        sched.mamba_prefill_checkpoint_alignment = mamba[0].prefill_checkpoint_alignment
+        sched.mamba_has_prefill_checkpoint_blocks = all(m.num_prefill_checkpoint_blocks > 0 for m in mamba)
+        sched.mamba_partial_cache_hit = (hash_block < scheduler_block
+                                         and mgr.coordinator.enable_partial_hash_hits)
+        sched.mamba_shared_prefix_checkpoint = False
+        res["partial_hits"] = sched.mamba_partial_cache_hit
     split = sched_mod.Scheduler._mamba_block_aligned_split
     lookahead = SPEC_TOKENS + 1  # DFlash: a query for the last sampled token plus one per draft
     res["hits"] = {}
     for i, ctx in enumerate(CONTEXTS):
         prefix = [(97 * j + 13 * i) % 240000 + 100 for j in range(ctx)]
-        cold = serve_request(mgr, sched, split, f"cold{ctx}", prefix + [5] * SUFFIX, hasher, lookahead)
-        warm = serve_request(mgr, sched, split, f"warm{ctx}", prefix + [7] * SUFFIX, hasher, lookahead)
+        try:
+            cold = serve_request(mgr, sched, split, f"cold{ctx}", prefix + [5] * SUFFIX, hasher, lookahead)
+            warm = serve_request(mgr, sched, split, f"warm{ctx}", prefix + [7] * SUFFIX, hasher, lookahead)
+        except AssertionError as e:  # vLLM's own asserts (a manager that cannot take partial hits)
+            if "no slots" in str(e):
+                raise
+            res["error"] = f"AssertionError: {e}"
+            break
         res["hits"][str(ctx)] = {"prompt": ctx + SUFFIX, "cold_hit": cold, "warm_hit": warm,
                                  "recomputed": ctx + SUFFIX - warm}
-    json.dump(res, open(out, "w"))
-    return 0
+    return res
 
 
 if __name__ == "__main__":

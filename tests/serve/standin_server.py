@@ -2,7 +2,7 @@
 
 ``python standin_server.py --port P [--ready-after S] [--ready-file PATH] [--answer TEXT]
 [--exit-after S] [--tokens N] [--token-delay S] [--first-delay S] [--spec-tokens K]
-[--accepted A,B,...] [--no-metrics] [--reference ARTIFACT ...]``: ``/v1/models`` answers 503 until
+[--accepted A,B,...] [--no-metrics] [--kv-pool-tokens N] [--reference ARTIFACT ...]``: ``/v1/models`` answers 503 until
 ``--ready-after`` seconds have passed and, with ``--ready-file``, until that file exists (a test
 decides when the server is ready, instead of guessing a time); chat completions answer ``--answer``
 (non-streaming) or stream
@@ -758,6 +758,8 @@ def main() -> int:
                     "every S seconds")
     ap.add_argument("--control", action="store_true", help="POST /standin/config sets the knobs at run time")
     ap.add_argument("--record", metavar="PATH", help="append every chat request and its answer to PATH (JSON lines)")
+    ap.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
+                    help="log the KV pool as vLLM's engine core does at start (\"GPU KV cache size: N tokens\")")
     a = ap.parse_args()
     knobs = Knobs(model=a.model, noise=a.logprob_noise, fault=a.fault, cache_fault=a.cache_fault,
                   prefix_caching=not a.no_prefix_caching, batch_fault=a.batch_fault, decode_fault=a.decode_fault,
@@ -767,6 +769,9 @@ def main() -> int:
     engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()), cache)
     api_key = os.environ.get("VLLM_API_KEY") or None
     print("stand-in: loading weights", flush=True)
+    if a.kv_pool_tokens is not None:  # vLLM 0.26.0's words (kv_cache_utils.py), before the server answers
+        print(f"(EngineCore pid={os.getpid()}) INFO {time.strftime('%m-%d %H:%M:%S')} [kv_cache_utils.py:2177] "
+              f"GPU KV cache size: {a.kv_pool_tokens:,} tokens", flush=True)
 
     def apply_cache_knobs() -> None:
         cache.enabled, cache.stores = knobs.prefix_caching, knobs.cache_fault != "nohit"

@@ -132,7 +132,7 @@ def served(tmp_path, monkeypatch):
     bindir.mkdir()
     mark = tmp_path / "started"
     (bindir / "vllm").write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then echo \"$STANDIN_VERSION\"; exit 0; fi\n"
-                                 f"touch {mark}\nexit 1\n")
+                                 f"echo \"$@ | off: $HYBRID_BUILD_DISABLE_FIXES\" > {mark}\nexit 1\n")
     (bindir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
     for f in bindir.iterdir():
         f.chmod(0o755)
@@ -175,6 +175,29 @@ def test_serve_starts_what_the_version_runs_and_prints_its_notes(served, monkeyp
     monkeypatch.setenv("STANDIN_VERSION", "0.33.0")
     assert _serve(tmp, "mixed") == 1 and mark.exists()
     assert "note: prefix caching with this drafter" in capsys.readouterr().out
+
+
+def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypatch, capsys):
+    """The 122B profiles' prefix_match_unit reaches vLLM 0.26.0 and 0.33.0 with a drafter without
+    sliding-window layers, and turns prefix_align (its padded pages) off there; with the mixed drafter,
+    on 0.25.1, or with dflash_keep_last_block off, prefix_align's layout stays and no unit is passed."""
+    tmp, mark = served
+    unit = "--prefix-match-unit 64"
+    for version in ("0.26.0", "0.33.0"):
+        monkeypatch.setenv("STANDIN_VERSION", version)
+        assert _serve(tmp, "full6") == 1
+        said = mark.read_text()
+        assert unit in said and said.strip().endswith("off: prefix_align"), (version, said)
+        out = capsys.readouterr().out
+        assert "note: prefix cache: --prefix-match-unit 64 on the stock KV layout" in out and "coarse" not in out
+        assert "no warm-prefix TTFT" not in out
+    for version, shape, extra in (("0.26.0", "mixed", ()), ("0.33.0", "mixed", ()), ("0.25.1", "full6", ()),
+                                  ("0.26.0", "full6", ("--disable-fix", "dflash_keep_last_block"))):
+        monkeypatch.setenv("STANDIN_VERSION", version)
+        assert _serve(tmp, shape, *extra) == 1, (version, shape)
+        said = mark.read_text()
+        assert unit not in said and "prefix_align" not in said.rsplit("off:", 1)[1], (version, shape, said)
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])

@@ -47,7 +47,9 @@ def test_profiles_differ_where_they_should(artifact):
     spec = {p: next((json.loads(plans[p].argv[i + 1]) for i, a in enumerate(plans[p].argv)
                      if a == "--speculative-config"), None) for p in PROFILES}
     assert spec["dense"]["method"] == spec["dflash"]["method"] == "dflash"
-    assert spec["dense"]["num_speculative_tokens"] == 12 and spec["dense"]["attention_backend"] == "FLASH_ATTN"
+    assert spec["dense"]["attention_backend"] == "FLASH_ATTN"
+    # the recipe's reasons: 6 for low acceptance (a larger KV pool), 12 for agents and code
+    assert spec["dense"]["num_speculative_tokens"] == 6 and spec["dflash"]["num_speculative_tokens"] == 12
     assert spec["mtp"]["method"] == "mtp" and spec["base"] is None
     assert plans["dense"].model.endswith("art")
     assert plans["base"].model == plans["dflash"].model == "Intel/Qwen3.5-122B-A10B-int4-AutoRound"

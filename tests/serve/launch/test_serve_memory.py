@@ -1,0 +1,101 @@
+"""`hybrid-build serve` prints the KV pool, the largest context and the streams that fit before it
+starts (``serve/launch/memory.py`` on ``memory_plan``), and once vLLM is up compares the pool vLLM
+logged ("GPU KV cache size: N tokens") with the plan: beyond 2% a warning names both. vLLM is the
+stand-in on PATH (``serve_env``); ``--kv-pool-tokens`` makes it log a pool line as vLLM does."""
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from serve_cli import CliRun
+
+from hybrid_build.pipeline.cli import main
+from hybrid_build.recipes.schema import load_recipe
+from hybrid_build.serve.launch.memory import engine_for
+from hybrid_build.serve.speed import memory_plan as mp
+
+
+def _dry_run_memory(art, capsys, *extra: str) -> dict:
+    assert main(["serve", str(art), "--profile", "dense", "--hardware", "gb10", "--dry-run", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)["memory"]
+
+
+def test_dry_run_prints_the_pool_and_the_streams_that_fit(tiny_artifact, capsys):
+    m = _dry_run_memory(tiny_artifact, capsys)
+    assert m["planned"] and m["hardware"] == "gb10"
+    plan = m["plan"]
+    prof = load_recipe("tiny").serve.profiles["dense"]
+    # the budget is the profile's share of the GB10's 128 GB less the weights, the drafter and the reserve
+    assert plan["gpu_memory_utilization"] == prof.gpu_memory_utilization and plan["total_bytes"] == 128 * 10**9
+    assert 0 < plan["weights_bytes"] < 10**9 and 0 < plan["drafter_bytes"] < 10**9
+    assert plan["num_speculative_tokens"] == prof.speculative.num_speculative_tokens
+    assert plan["kv_pool_bytes"] <= 0.3 * 128e9 - plan["weights_bytes"] - plan["reserve_bytes"]
+    assert m["max_context_tokens"] == prof.max_model_len
+    (fit,) = m["fit"]
+    assert fit["context"] == prof.max_model_len and fit["whole"] >= prof.max_num_seqs
+    assert main(["serve", str(tiny_artifact), "--profile", "dense", "--hardware", "gb10", "--dry-run"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    mem_lines = [ln for ln in text if ln.startswith("# memory: ")]
+    assert mem_lines[0].startswith(f"# memory: KV pool {m['pool_tokens']:,} tokens (vLLM ")
+    assert f"streams that fit: {fit['whole']:,} x {fit['context']:,}" in mem_lines[1]
+    # without a known device there is no pool to state, and the line says what would give one
+    assert main(["serve", str(tiny_artifact), "--profile", "dense", "--dry-run"]) == 0
+    assert "# memory: not planned (the device's memory is not known here: --hardware" in capsys.readouterr().out
+
+
+def test_the_planning_version_follows_the_served_one():
+    assert engine_for("0.33.0+cu130")[0] == "0.33.0"
+    assert engine_for("0.34.1")[0] == "0.33.0" and "nearest" in engine_for("0.34.1")[1]
+    assert engine_for("0.25.2")[0] == "0.25.1"
+    assert engine_for(None)[0] == engine_for("0.0.0-standin")[0] == "0.26.0"
+
+
+def _serve(art, c, flags: str) -> CliRun:
+    argv = ["serve", str(art), "--profile", "dense", "--hardware", "gb10", "--port", str(c["port"]),
+            "--ready-timeout", "120", "--no-verify", "--no-smoke", "--log", str(c["cwd"] / "serve.log")]
+    return CliRun(argv, dict(c["env"], HB_STANDIN_FLAGS=flags), c["cwd"])
+
+
+def _stop(run: CliRun) -> str:
+    if run.proc.poll() is None:
+        run.proc.send_signal(signal.SIGINT)
+    assert run.proc.wait(timeout=60) == 130
+    return run.output()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drift", [0.5, 0.01])
+def test_serve_compares_the_pool_vllm_logs_with_the_plan(tiny_artifact, serve_env, capsys, drift):
+    pool = _dry_run_memory(tiny_artifact, capsys)["pool_tokens"]
+    logged = int(pool * (1 + drift))
+    run = _serve(tiny_artifact, serve_env, f"--kv-pool-tokens {logged}")
+    try:
+        first = run.wait_for("memory: KV pool", 60)
+        assert first.startswith(f"memory: KV pool {pool:,} tokens")
+        run.wait_for("READY", 120)
+        said = [ln for ln in run.seen if ln.startswith("memory: ")]
+        assert said[1].startswith("memory: largest context one stream holds")
+    finally:
+        out = _stop(run)
+    warning = [ln for ln in out.splitlines() if ln.startswith("warning: vLLM's KV pool")]
+    if drift > mp.LOG_DRIFT:
+        assert len(warning) == 1 and f"{logged:,} tokens" in warning[0] and f"the plan said {pool:,}" in warning[0]
+    else:
+        assert not warning
+        assert f"memory: vLLM logged a KV pool of {logged:,} tokens; the plan said {pool:,} (+1.0%)" in said
+
+
+def test_a_kv_cache_memory_bytes_in_the_profile_sizes_the_pool(tiny_artifact, tmp_path, capsys):
+    """vLLM's --kv-cache-memory-bytes replaces the gpu_memory_utilization budget (what the GPU driver's
+    agent starts pass): the printed pool follows it, so the comparison with vLLM's log holds there too."""
+    import yaml
+
+    data = load_recipe("tiny").model_dump(mode="json")
+    data["serve"]["profiles"]["dense"]["extra_args"] = ["--kv-cache-memory-bytes", str(2 << 30)]
+    path = tmp_path / "kv-bytes.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    small = _dry_run_memory(tiny_artifact, capsys, "--recipe", str(path))
+    whole = _dry_run_memory(tiny_artifact, capsys)
+    assert small["plan"]["kv_pool_bytes"] <= 2 << 30 < whole["plan"]["kv_pool_bytes"]
+    assert small["plan"]["kv_pool_bytes"] > (2 << 30) - small["plan"]["block_bytes"]
