@@ -48,6 +48,14 @@ CARD = "README.md"  # the source's card, copied; publish replaces it with a gene
 ARTIFACT_DIGESTS = f"{WORK_DIR}/artifact-sha256.json"  # sha256 of the artifact's files, by stat
 DEMO_SOURCE = f"{WORK_DIR}/demo-source"  # `run` without SOURCE builds the demo checkpoint here
 RUN_RECIPE = f"{WORK_DIR}/recipe.yaml"  # the resolved recipe of the last run: `status` keys stages with it
+# written by `run` before its first write into the output, removed when the build is complete: a folder
+# holding it is a build in progress or one that stopped, never an artifact nor a source checkpoint
+IN_PROGRESS = f"{WORK_DIR}/in-progress.json"
+RUN_LOCK = f"{WORK_DIR}/run.lock"  # `run` holds an exclusive flock on it while it writes
+# `validate` run on this machine passed for the build now here (the work folder is never published):
+# what lets `serve` take a downloaded artifact that carries no trusted signature
+VALIDATED_HERE = f"{WORK_DIR}/validated-here.json"
+SIGNATURE = "model.sig"  # OpenSSF Model Signing's signature (core.signing), at the root: written by publish
 
 
 @dataclass(frozen=True)
@@ -135,8 +143,9 @@ def is_report(rel: str) -> bool:
 
 
 def is_build_output(rel: str) -> bool:
-    """A file the provenance hashes: everything but itself, the reports and the ignored ones."""
-    return not (is_ignored(rel) or is_report(rel) or rel == PROVENANCE)
+    """A file the provenance hashes: everything but itself, the reports, the signature (which covers
+    them all) and the ignored ones."""
+    return not (is_ignored(rel) or is_report(rel) or rel in (PROVENANCE, SIGNATURE))
 
 
 def present_files(artifact: Path) -> list[str]:
@@ -219,11 +228,59 @@ def read_recipe_data(artifact: Path, *, missing_ok: bool = False, which: str = R
 
 
 def provenance_sha256(artifact: Path) -> str | None:
-    """The sha256 of the provenance file: it names one build of the folder (None: no build)."""
+    """The sha256 of the provenance file as ``record`` wrote it: it names one build of the folder (None:
+    no build). The ``reports`` section that ``seal_reports`` adds later is left out, so that sealing a
+    report never changes the build's name that the reports record."""
     try:
-        return hashlib.sha256((Path(artifact) / PROVENANCE).read_bytes()).hexdigest()
+        raw = (Path(artifact) / PROVENANCE).read_bytes()
     except OSError:
         return None
+    return build_digest(raw)
+
+
+def build_digest(raw: bytes) -> str:
+    """sha256 of a provenance file's bytes, without its ``reports`` section."""
+    if b'"reports"' in raw:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "reports" in data:
+            data.pop("reports")
+            raw = (json.dumps(data, indent=2) + "\n").encode()  # Provenance.to_text's layout
+    return hashlib.sha256(raw).hexdigest()
+
+
+def sealed_files(artifact: Path) -> list[str]:
+    """The report files present in ``artifact`` (every file a command writes after the build), the
+    card aside: it is rendered from them, and ``publish`` renders it again rather than read it."""
+    return [rel for rel in present_files(artifact) if is_report(rel) and rel not in REPORTS["card"].files]
+
+
+def seal_reports(artifact: Path) -> None:
+    """Record every report now in ``artifact`` (size and sha256) in the provenance's ``reports``
+    section, so that an edit to any of them is refused like an edit to a shard. Each command that
+    writes a report calls it once its files are in place. A report that is a symlink is refused."""
+    from .provenance import FileEntry
+    from .safetensors_io import write_text_atomic
+
+    artifact = Path(artifact)
+    prov = read_provenance(artifact, missing_ok=True)
+    if prov is None:
+        return
+    reports = {}
+    for rel in sealed_files(artifact):
+        path = artifact / rel
+        if path.is_symlink():
+            raise ArtifactError(f"{artifact}: {rel} is a symbolic link: a report is a regular file; remove it")
+        data = path.read_bytes()
+        reports[rel] = FileEntry(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    built = provenance_sha256(artifact)
+    prov.reports = reports or None
+    text = prov.to_text()
+    if build_digest(text.encode()) != built:  # the build's name never moves
+        raise ArtifactError(f"{artifact / PROVENANCE}: its layout is not the one `record` writes; rebuild it")
+    write_text_atomic(artifact / PROVENANCE, text)
 
 
 def artifact_identity(artifact: Path) -> dict:

@@ -74,7 +74,8 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
 
 
 _SPECIAL = ((stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"), (stat_mod.S_ISCHR, "a character device"),
-            (stat_mod.S_ISBLK, "a block device"), (stat_mod.S_ISDIR, "a folder"))
+            (stat_mod.S_ISBLK, "a block device"), (stat_mod.S_ISDIR, "a folder"),
+            (stat_mod.S_ISLNK, "a symbolic link"))  # an lstat's: an artifact's files are never followed
 
 
 def special_kind(st: os.stat_result) -> str | None:
