@@ -80,8 +80,10 @@ def key_fingerprint(public_pem: bytes) -> str:
 def sign_files(files: dict[str, Path | bytes], signature: Path, key: SigningKey) -> float:
     """Sign ``files`` (name in the repository -> the local file, or the bytes of a generated one) into
     ``signature``; returns the seconds it took. The library hashes a folder, so the set is laid out as a
-    view: a hard link per local file where the filesystem allows (a copy otherwise) and the generated
-    bytes, in a temporary folder beside the signature, removed after."""
+    view: a symbolic link per local file and the generated
+    bytes, in a temporary folder beside the signature, removed after. The links are the view's own,
+    to files the caller has checked as regular files of the artifact; the signed manifest names
+    each by its place in the repository."""
     import time
 
     from model_signing import hashing, signing
@@ -96,14 +98,9 @@ def sign_files(files: dict[str, Path | bytes], signature: Path, key: SigningKey)
             if isinstance(src, bytes):
                 dst.write_bytes(src)
                 continue
-            try:
-                os.link(src, dst)
-            except OSError:
-                import shutil
-
-                shutil.copyfile(src, dst)
+            os.symlink(Path(src).resolve(), dst)  # a hard link would move the file's ctime (the hash cache's key)
         cfg = signing.Config().set_hashing_config(
-            hashing.Config().use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False))
+            hashing.Config().use_file_serialization(hashing_algorithm="sha256").set_allow_symlinks(True))
         if key.kind == "key":
             cfg.use_elliptic_key_signer(private_key=key.private_key)
         elif key.kind == "certificate":

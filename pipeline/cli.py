@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "status": "hybrid_build.pipeline.commands.status",
     "validate": "hybrid_build.validate.command",
     "verify": "hybrid_build.validate.verify_command",
+    "verify-artifact": "hybrid_build.pipeline.commands.verify_artifact",
     "eval": "hybrid_build.validate.eval_command",
     "plan": "hybrid_build.pipeline.commands.plan",
     "publish": "hybrid_build.pipeline.commands.publish",
