@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ArtifactError, UserError
-from .manifest import sha256_json
+from .manifest import build_digest, sha256_json
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, open_regular
 
 if TYPE_CHECKING:
@@ -238,23 +238,19 @@ def provenance_sha256(artifact: Path) -> str | None:
     return build_digest(raw)
 
 
-def build_digest(raw: bytes) -> str:
-    """sha256 of a provenance file's bytes, without its ``reports`` section."""
-    if b'"reports"' in raw:
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            data = None
-        if isinstance(data, dict) and "reports" in data:
-            data.pop("reports")
-            raw = (json.dumps(data, indent=2) + "\n").encode()  # Provenance.to_text's layout
-    return hashlib.sha256(raw).hexdigest()
-
-
 def sealed_files(artifact: Path) -> list[str]:
     """The report files present in ``artifact`` (every file a command writes after the build), the
     card aside: it is rendered from them, and ``publish`` renders it again rather than read it."""
     return [rel for rel in present_files(artifact) if is_report(rel) and rel not in REPORTS["card"].files]
+
+
+def seal_report_at(path: Path) -> None:
+    """After a report was written at ``path``: when that is a report's place in an artifact
+    (``ARTIFACT/hybrid_build/<report>``), seal the artifact's reports (``seal_reports``)."""
+    path = Path(path).absolute()
+    artifact = path.parent.parent
+    if path.parent.name == META_DIR and is_report(rel_name(artifact, path)) and (artifact / PROVENANCE).is_file():
+        seal_reports(artifact)
 
 
 def seal_reports(artifact: Path) -> None:
@@ -315,7 +311,11 @@ def report_state(artifact: Path, report: Report) -> tuple[str, str]:
             return "current", "it was made for this build (provenance matches)"
         return "stale", "it was made for an earlier build of this folder (provenance differs)"
     prov = Path(artifact) / PROVENANCE
-    # a report from before reports recorded the build: written before the provenance is older
+    # a report from before reports recorded the build: written before the provenance is older (once
+    # sealed in the provenance, whose file then is newer, it is this build's: a rebuild drops the seal)
+    sealed = read_provenance(artifact, missing_ok=True)
+    if sealed is not None and report.main in (sealed.reports or {}):
+        return "unknown", "it names no build"
     if prov.is_file() and path.stat().st_mtime < prov.stat().st_mtime:
         return "stale", f"it is older than {PROVENANCE}"
     return "unknown", "it names no build"

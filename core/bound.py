@@ -89,7 +89,7 @@ class BoundArtifact:
         out = {n: e.sha256 for n, e in self.provenance.files.items() if n != CARD}
         out[PROVENANCE] = _sha256(self.root / PROVENANCE)
         for name, entry in (self.provenance.reports or {}).items():
-            if not is_validate_record(name) and name not in REPORTS["card"].files:
+            if not is_validate_record(name) and (self.root / name).is_file():
                 out[name] = entry.sha256
         return dict(sorted(out.items()))
 

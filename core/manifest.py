@@ -81,9 +81,21 @@ class StageManifest:
 PROVENANCE_REL = "hybrid_build/provenance.json"  # core.artifact.PROVENANCE (which imports this module)
 
 
-def _same_build(path: Path, info: dict) -> bool:
-    from .artifact import build_digest
+def build_digest(raw: bytes) -> str:
+    """sha256 of a provenance file's bytes without its ``reports`` section (``core.artifact``'s
+    ``seal_reports`` adds it after the build): the build's name, whatever reports were sealed since."""
+    if b'"reports"' in raw:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and "reports" in data:
+            data.pop("reports")
+            raw = (json.dumps(data, indent=2) + "\n").encode()  # Provenance.to_text's layout
+    return hashlib.sha256(raw).hexdigest()
 
+
+def _same_build(path: Path, info: dict) -> bool:
     try:
         return build_digest(path.read_bytes()) == info.get("sha256")
     except OSError:

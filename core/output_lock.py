@@ -21,8 +21,9 @@ from .safetensors_io import write_text_atomic
 
 @contextmanager
 def hold_output(out: Path) -> Iterator[None]:
-    """Lock ``out`` for this process and mark it in progress; the marker goes when the block ends
-    with a complete build in the folder (a provenance and an index), and stays otherwise."""
+    """Lock ``out`` for this process and mark it in progress; the marker goes when the block ends,
+    however, with a complete build in the folder (a provenance and an index), and stays otherwise
+    (and after ``kill -9``, which runs no ``finally``)."""
     import fcntl
 
     out = Path(out)
@@ -39,12 +40,10 @@ def hold_output(out: Path) -> Iterator[None]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         write_text_atomic(out / IN_PROGRESS, json.dumps({"pid": os.getpid(), "started": utc_now()}) + "\n")
-        complete = False
         try:
             yield
-            complete = (out / PROVENANCE).is_file() and (out / INDEX).is_file()
-        finally:
-            if complete:
+        finally:  # a run that failed on a complete build (assemble removes the provenance before a shard)
+            if (out / PROVENANCE).is_file() and (out / INDEX).is_file():
                 (out / IN_PROGRESS).unlink(missing_ok=True)
     finally:
         os.close(fd)  # releases the lock

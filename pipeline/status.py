@@ -268,8 +268,8 @@ def _report_state(out: Path, report, built: bool, bound: BoundArtifact | None = 
     if not built:
         return ReportStatus(report.kind, "stale", "there is no build here for it to describe", present,
                             report.command)
-    changed = [p for p in (bound.problems if bound else []) if any(p.startswith(f) for f in report.files)]
-    if changed:
-        return ReportStatus(report.kind, "changed", changed[0], present, report.command)
     state, why = report_state(out, report)
+    changed = [p for p in (bound.problems if bound else []) if any(p.startswith(f) for f in report.files)]
+    if changed and state != "stale":  # edited since the command that wrote it sealed it
+        return ReportStatus(report.kind, "changed", changed[0], present, report.command)
     return ReportStatus(report.kind, state, why, present, report.command)

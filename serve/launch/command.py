@@ -231,7 +231,7 @@ def _check_artifact(args: argparse.Namespace) -> None:
         return
     problem = None
     if not bound.intact:
-        problem = bound.problem
+        problem = f"the artifact differs from its provenance: {bound.problem}"
     elif not bound.validation.passed:
         v = bound.validation
         problem = f"validation {v.state}" + (f" ({v.report})" if v.report else "") + f": {v.reason}"
