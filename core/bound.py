@@ -265,7 +265,8 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
         read_provenance(root)  # its one line
     problems = symlinks(root)
     found = check_artifact(root, prov, progress)
-    if not (root / WORK_DIR).is_dir() and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
+    built_here = (root / WORK_DIR / "record.json").is_file()  # the record stage's manifest: built on this machine
+    if not built_here and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
         # a downloaded copy: its README.md is the card publish generated (the signature covers it)
         found.problems.remove(found.by_file.pop(CARD))
     problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
@@ -279,7 +280,7 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
         problems += reference_problems(root, ref_digests)
     build = provenance_sha256(root) or ""
     bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
-                          built_here=(root / WORK_DIR).is_dir(), validated_here=_validated_here(root, build))
+                          built_here=built_here, validated_here=_validated_here(root, build))
     sig = root / SIGNATURE
     if sig.is_file() or sig.is_symlink():
         if sig.is_symlink():

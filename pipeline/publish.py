@@ -263,6 +263,7 @@ def sign_plan(plan: PublishPlan, key) -> float:
     from hybrid_build.core.signing import SIGNATURE, sign_files
 
     files = {f.path: (f.data if f.data is not None else f.local) for f in plan.files if f.path != SIGNATURE}
+    keep_card(plan)  # the signed README.md's bytes stay in the folder, where a check of the signature finds them
     seconds = sign_files(files, plan.artifact / SIGNATURE, key)
     local = plan.artifact / SIGNATURE
     plan.files = [f for f in plan.files if f.path != SIGNATURE]
