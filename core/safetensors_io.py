@@ -139,7 +139,30 @@ def read_header(path: str | os.PathLike) -> FileHeader:
             raise SourceError(f"{path.name}: truncated: tensor {name!r} ends at byte {data_start + hi}, "
                               f"file has {size}")
         tensors[name] = TensorHeader(name, dtype, shape, data_start + lo, hi - lo)
+    _check_coverage(path, tensors, data_start, size)
     return FileHeader(path, tensors, metadata, data_start, size)
+
+
+def _check_coverage(path: Path, tensors: dict[str, TensorHeader], data_start: int, size: int) -> None:
+    """The data as safetensors itself reads it: sorted by offset, the tensors start at 0, each begins
+    where the one before ends (no gap, no overlap: "invalid offset"), and the last ends at the end of
+    the file (no trailing bytes: "file not fully covered"). One ``SourceError`` naming the tensor."""
+    end, prev = 0, None
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.start + t.nbytes)):
+        lo = t.start - data_start
+        if lo < end:
+            raise SourceError(f"{path.name}: tensor {t.name!r} starts at data offset {lo}, inside {prev!r} "
+                              f"(which ends at {end}): overlapping data_offsets, which safetensors refuses")
+        if lo > end:
+            after = f"after {prev!r} ends at {end}" if prev else "after the header, where no tensor starts"
+            raise SourceError(f"{path.name}: tensor {t.name!r} starts at data offset {lo}, {lo - end} byte(s) "
+                              f"{after}: a gap in the data_offsets, which safetensors refuses")
+        end, prev = lo + t.nbytes, t.name
+    trailing = size - data_start - end
+    if trailing > 0:
+        last = f"after the last tensor, {prev!r}" if prev else "after the header, which lists no tensor"
+        raise SourceError(f"{path.name}: {trailing} byte(s) {last}: safetensors refuses a file its tensors "
+                          "do not fully cover")
 
 
 # ----------------------------------------------------------------------------- writing
