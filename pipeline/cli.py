@@ -27,8 +27,8 @@ from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
 
 # what the filesystem refuses that another folder, freed space or the right permissions fix: bad input
 # (exit 2), as the space check before a build says it; any other OSError (an I/O error) exits 1
-USER_FIXES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR,
-              errno.EISDIR, errno.ENAMETOOLONG}
+USER_FIXES = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP,
+              errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
 
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {

@@ -280,7 +280,10 @@ class _Run:
             for bg in self.pending.values():
                 bg.join()  # never leave a stage running behind a failure; it records its manifest itself
             self.pending.clear()
-            self._save_deferred(wait=False)  # after a failure: what finished is kept if it can be keyed
+            try:
+                self._save_deferred(wait=False)  # after a failure: what finished is kept if it can be keyed
+            except OSError as e:  # the disk that failed the stage fails this too: the stage's error is the one said
+                log.info("the finished stages' records were not kept: %s: %s", e.filename, e.strerror)
         return self.results
 
     @property
