@@ -240,6 +240,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
 
     checks.check_index(inp, f)
     checks.check_provenance(inp, f)
+    checks.check_copied_files(inp, f)
     checks.check_tensors(inp, f)
     checks.check_config(inp, f)
     f.details.setdefault("finite", "scales finite and positive, no NaN FP8 codes, int8 zeros symmetric")
