@@ -292,20 +292,29 @@ def build_fingerprint(provenance: Provenance) -> str:
                         "files": {f: i.sha256 for f, i in sorted(provenance.files.items())}})
 
 
-def report_state(artifact: Path, report: Report) -> tuple[str, str]:
+_UNSET = object()
+
+
+def report_state(artifact: Path, report: Report, *, build=_UNSET, data=_UNSET,
+                 sealed=_UNSET) -> tuple[str, str]:
     """Whether ``report`` in ``artifact`` belongs to the build there now: ``current``, ``stale``,
-    ``unknown`` (it names no build) or ``missing``, and why."""
+    ``unknown`` (it names no build) or ``missing``, and why. ``build`` (the provenance's sha256),
+    ``data`` (the report's parsed JSON, or an ``Exception`` it raised) and ``sealed`` (the
+    provenance) where the caller has them already (``core.bound.BoundArtifact.report_state``)."""
     path = report.path(artifact)
     if not path.is_file():
         return "missing", f"no {report.main} (written by `{report.command}`)"
     recorded = None
     if report.build_field is not None:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            return "stale", f"it is unreadable ({type(e).__name__})"
+        if data is _UNSET:
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                data = e
+        if isinstance(data, Exception):
+            return "stale", f"it is unreadable ({type(data).__name__})"
         recorded = report.recorded_build(data) if isinstance(data, dict) else None
-    actual = provenance_sha256(artifact)
+    actual = provenance_sha256(artifact) if build is _UNSET else build
     if recorded:
         if recorded == actual:
             return "current", "it was made for this build (provenance matches)"
@@ -313,7 +322,7 @@ def report_state(artifact: Path, report: Report) -> tuple[str, str]:
     prov = Path(artifact) / PROVENANCE
     # a report from before reports recorded the build: written before the provenance is older (once
     # sealed in the provenance, whose file then is newer, it is this build's: a rebuild drops the seal)
-    sealed = read_provenance(artifact, missing_ok=True)
+    sealed = read_provenance(artifact, missing_ok=True) if sealed is _UNSET else sealed
     if sealed is not None and report.main in (sealed.reports or {}):
         return "unknown", "it names no build"
     if prov.is_file() and path.stat().st_mtime < prov.stat().st_mtime:

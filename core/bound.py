@@ -37,15 +37,18 @@ from .artifact import (
     REPORTS,
     VALIDATED_HERE,
     WORK_DIR,
+    Report,
     ValidationOutcome,
     is_validate_record,
     provenance_sha256,
     read_provenance,
+    report_state,
     utc_now,
     validation_outcome,
 )
 from .errors import ArtifactError, UserError
 from .integrity import Integrity, check_artifact
+from .manifest import build_digest
 from .progress import ProgressFactory, null_progress
 from .provenance import Provenance
 from .signing import SIGNATURE, SignatureCheck, check_signature
@@ -67,6 +70,8 @@ class BoundArtifact:
     problems: list[str] = field(default_factory=list)
     built_here: bool = False  # the work folder is here: this machine built it
     validated_here: bool = False  # a local `validate` passed for this build
+    provenance_digest: str = ""  # the sha256 of the provenance file's bytes (reports sealed in it included)
+    _json: dict = field(default_factory=dict, repr=False)  # the reports read so far, by relative path
 
     @property
     def intact(self) -> bool:
@@ -78,6 +83,28 @@ class BoundArtifact:
             return None
         return self.problems[0] + (f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
 
+    def read_json(self, rel: str) -> dict | list | Exception | None:
+        """A JSON file of the artifact (a report, ``config.json``), parsed once and kept: None when it is
+        not there, the exception when it does not parse. Its bytes were checked by ``open_artifact``."""
+        if rel not in self._json:
+            path = self.root / rel
+            try:
+                self._json[rel] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+            except (OSError, ValueError) as e:
+                self._json[rel] = e
+        return self._json[rel]
+
+    def report(self) -> dict:
+        """The validation report the outcome comes from (parsed once), {} when there is none."""
+        data = self.read_json(self.validation.report) if self.validation.report else None
+        return data if isinstance(data, dict) else {}
+
+    def report_state(self, report: Report) -> tuple[str, str]:
+        """``core.artifact.report_state`` from what was read when the artifact was opened."""
+        data = self.read_json(report.main) if report.build_field is not None else None
+        return report_state(self.root, report, build=self.build or None,
+                            data=data if data is not None else ValueError("not there"), sealed=self.provenance)
+
     def require(self, hint: str = "rebuild it (`hybrid-build run`), or run the command that wrote it again") -> None:
         if self.problems:
             raise ArtifactError(f"{self.root}: {self.problem}; {hint}")
@@ -87,7 +114,7 @@ class BoundArtifact:
         provenance lists (the source's card left out: the generated card goes up as ``README.md``),
         the provenance and the recorded reports (the validate records and the card file left out)."""
         out = {n: e.sha256 for n, e in self.provenance.files.items() if n != CARD}
-        out[PROVENANCE] = _sha256(self.root / PROVENANCE)
+        out[PROVENANCE] = self.provenance_digest or _sha256(self.root / PROVENANCE)
         for name, entry in (self.provenance.reports or {}).items():
             if not is_validate_record(name) and (self.root / name).is_file():
                 out[name] = entry.sha256
@@ -194,13 +221,9 @@ def reference_problems(root: Path, recorded: dict | None) -> list[str]:
     return problems
 
 
-def _report_problems(root: Path, validation: ValidationOutcome) -> tuple[list[str], dict | None]:
-    """A report that contradicts itself, and the reference digests it records."""
+def _report_problems(data, validation: ValidationOutcome) -> tuple[list[str], dict | None]:
+    """A report (``data``, parsed) that contradicts itself, and the reference digests it records."""
     if not validation.report:
-        return [], None
-    try:
-        data = json.loads((Path(root) / validation.report).read_text())
-    except (OSError, ValueError):
         return [], None
     if not isinstance(data, dict):
         return [], None
@@ -272,15 +295,18 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
     problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
                                                       for s in problems)]
     validation = validation_outcome(root)
-    own, ref_digests = _report_problems(root, validation)
+    raw = (root / PROVENANCE).read_bytes()
+    build = build_digest(raw)
+    bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
+                          built_here=built_here, validated_here=_validated_here(root, build),
+                          provenance_digest=hashlib.sha256(raw).hexdigest())
+    own, ref_digests = _report_problems(bound.read_json(validation.report) if validation.report else None,
+                                        validation)
     problems += own
     if not found.intact and any(r in found.by_file for r in REFERENCE.files):
         pass  # the reference's bytes are already named
     else:
         problems += reference_problems(root, ref_digests)
-    build = provenance_sha256(root) or ""
-    bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
-                          built_here=built_here, validated_here=_validated_here(root, build))
     sig = root / SIGNATURE
     if sig.is_file() or sig.is_symlink():
         if sig.is_symlink():

@@ -141,16 +141,19 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def read_validation(artifact: Path, outcome=None) -> ValidationStatus:
-    """The build's validation (``core.artifact.validation_outcome``, or ``outcome`` where the bound
-    artifact has it) and the report it comes from: a failed run kept beside a passing report counts
+def read_validation(artifact: Path, bound=None) -> ValidationStatus:
+    """The build's validation (``core.artifact.validation_outcome``, or the bound artifact's, with the
+    report it read) and the report it comes from: a failed run kept beside a passing report counts
     as failed."""
     validation = REPORTS["validation"]
-    outcome = outcome or validation_outcome(artifact)
+    outcome = bound.validation if bound is not None else validation_outcome(artifact)
     if outcome.state == "missing":
         return ValidationStatus("missing", reason=f"{validation.main} does not exist")
     try:
-        report = _read_json(artifact / outcome.report, outcome.report) if outcome.report else {}
+        if bound is not None and outcome.report and isinstance(bound.read_json(outcome.report), dict):
+            report = bound.report()
+        else:
+            report = _read_json(artifact / outcome.report, outcome.report) if outcome.report else {}
     except (FileNotFoundError, ArtifactError) as e:
         return ValidationStatus("missing", reason=str(e))
     if outcome.state == "passed":
@@ -195,15 +198,15 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
         # file and report against the provenance, the reference, the signature; --force skips none of it
         bound = open_artifact(artifact, progress=progress)
         bound.require("publish refuses it; rebuild it, or run the command that wrote that file again")
-        typed, checked, outcome = bound.provenance, bound.integrity, bound.validation
+        typed, checked = bound.provenance, bound.integrity
         shipped = bound.shipped()
     else:  # the card alone (`run` writes it): nothing is uploaded, no file's bytes are read
         from hybrid_build.core.bound import unfinished
 
         if unfinished(artifact) or not (artifact / INDEX_NAME).exists():
             raise ArtifactError(f"{artifact}: the build did not finish (run `hybrid-build run` again)")
-        typed, checked, outcome, shipped = read_provenance(artifact), None, None, None
-    validation = read_validation(artifact, outcome)
+        typed, checked, shipped, bound = read_provenance(artifact), None, None, None
+    validation = read_validation(artifact, bound)
     if not validation.passed and not force:
         hint = "fix the artifact, or pass --force to publish it anyway (the card will say so)"
         if validation.state == "failed":
@@ -236,22 +239,25 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
             local = artifact / path
             files.append(PublishFile(path, local.stat().st_size, shipped[path] or _sha256_file(local), "local", local))
 
-    config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
+    if bound is not None and isinstance(bound.read_json(CONFIG), dict):
+        config = bound.read_json(CONFIG)
+    else:
+        config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
     lic = find_license(artifact, config)
     if not lic.known:
         notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
         log.info("the source's license is unknown: the card says %r", lic.license)
     inputs = CardInputs(
         provenance=typed, validation=validation, license=lic,
-        converted_bytes=converted_sizes(artifact, typed),
+        converted_bytes=converted_sizes(artifact, typed, bound),
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
         forced=force and not validation.passed,
-        evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)),
-        reference=reference_current(artifact))
+        evaluation=read_evaluation(artifact, bound), bench=read_bench(REPORTS["bench"].path(artifact), bound),
+        reference=reference_current(artifact, bound))
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
-    artifact_id = provenance_sha256(artifact)[:12]
+    artifact_id = (bound.build if bound is not None else provenance_sha256(artifact))[:12]
     return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
                        artifact_id, lic, notes, typed, checked.to_json() if checked else None)
 

@@ -123,7 +123,8 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     artifact = found.to_json() if found else None
     if bound is not None and not bound.intact:  # a link, a reference or a signature that is not sound
         artifact.update(intact=False, problem=bound.problem, problems=bound.problems)
-    return OutputStatus(str(out), prov is not None and not in_progress, provenance_sha256(out),
+    build = bound.build if bound else provenance_sha256(out)
+    return OutputStatus(str(out), prov is not None and not in_progress, build,
                         (recipe_data or {}).get("name"), source, stages, reports,
                         unexpected_files(out, prov) if prov else [], artifact,
                         _validation(out, prov is not None, bound), in_progress,
@@ -268,7 +269,7 @@ def _report_state(out: Path, report, built: bool, bound: BoundArtifact | None = 
     if not built:
         return ReportStatus(report.kind, "stale", "there is no build here for it to describe", present,
                             report.command)
-    state, why = report_state(out, report)
+    state, why = bound.report_state(report) if bound else report_state(out, report)
     changed = [p for p in (bound.problems if bound else []) if any(p.startswith(f) for f in report.files)]
     if changed and state != "stale":  # edited since the command that wrote it sealed it
         return ReportStatus(report.kind, "changed", changed[0], present, report.command)
