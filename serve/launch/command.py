@@ -147,13 +147,14 @@ def run(args: argparse.Namespace) -> int:
     from .engine import plan_launch
     from .launcher import check_prerequisites, plan_key, smoke_test, start, wait_ready, warn_if_untested
 
-    _check_artifact(args)  # before anything is planned or started, --dry-run included
+    bound = _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
                        host=args.host,
                        hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
-                       api_key=None if several else _api_key(args, args.host))  # several: for the head's address
+                       api_key=None if several else _api_key(args, args.host),  # several: for the head's address
+                       bound=bound)
     if several:
         return _run_nodes(args, plan)
     if args.dry_run:
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             server.stop()
 
 
-def _check_artifact(args: argparse.Namespace) -> None:
+def _check_artifact(args: argparse.Namespace):
     """Refuse (one line naming the file or the report) an artifact that ``core.bound.open_artifact``
     finds unsound: a build in progress or stopped (resume it with ``run``), a symbolic link, a file or
     report that differs from the provenance, a reference that is not the one the report rests on or
@@ -218,17 +219,18 @@ def _check_artifact(args: argparse.Namespace) -> None:
     with a valid signature by a trusted key (``--trust-key``), after a passing local ``validate``, or
     with ``--force``; the line printed says which. With ``--force`` each refusal is a warning and
     serving goes on (verify still runs). A Hub id, or a plain checkpoint (no provenance, no
-    ``hybrid_build/``, no build's work folder), has nothing to check here."""
+    ``hybrid_build/``, no build's work folder), has nothing to check here (None). Returns the
+    ``BoundArtifact``, which the launch plan asks instead of reading the folder again."""
     from hybrid_build.core.bound import open_artifact, trusted_keys
     from hybrid_build.core.errors import ArtifactError
 
     artifact = Path(args.artifact).expanduser()
     if not artifact.is_dir():
-        return
+        return None
     bound = open_artifact(artifact, trusted=trusted_keys(getattr(args, "trust_key", None)), missing_ok=True,
                           progress=lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
     if bound is None:
-        return
+        return None
     problem = None
     if not bound.intact:
         problem = f"the artifact differs from its provenance: {bound.problem}"
@@ -247,11 +249,12 @@ def _check_artifact(args: argparse.Namespace) -> None:
     if problem is None:
         if trust:
             print(f"{artifact}: {trust}", file=sys.stderr, flush=True)
-        return
+        return bound
     if not args.force:
         raise ArtifactError(f"{artifact}: {problem}; not served (fix it, or --force to serve it anyway: verify "
                             "still runs)")
     print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
+    return bound
 
 
 def _check_engine(args: argparse.Namespace, plan) -> str | None:
