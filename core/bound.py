@@ -83,6 +83,12 @@ class BoundArtifact:
             return None
         return self.problems[0] + (f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
 
+    def verified(self) -> dict[str, str]:
+        """name -> sha256 of every file the provenance lists (reports included) whose bytes were found
+        to be the recorded ones when the artifact was opened: a caller needs not hash them again."""
+        listed = {**self.provenance.files, **(self.provenance.reports or {})}
+        return {rel: e.sha256 for rel, e in listed.items() if rel not in self.integrity.by_file}
+
     def read_json(self, rel: str) -> dict | list | Exception | None:
         """A JSON file of the artifact (a report, ``config.json``), parsed once and kept: None when it is
         not there, the exception when it does not parse. Its bytes were checked by ``open_artifact``."""

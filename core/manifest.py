@@ -62,9 +62,10 @@ class StageManifest:
     def still_valid(self, root: Path, key: str) -> bool:
         return self.key == key and self.output_problem(root) is None
 
-    def output_problem(self, root: Path) -> str | None:
+    def output_problem(self, root: Path, known: dict[str, str] | None = None) -> str | None:
         """The first recorded output that is missing or changed, in words (None: all intact).
-        Files up to ``QUICK_HASH_LIMIT`` are hashed again; larger ones are compared by size."""
+        Files up to ``QUICK_HASH_LIMIT`` are hashed again, unless ``known`` has their sha256 (checked
+        already, e.g. by ``core.bound.open_artifact``); larger ones are compared by size."""
         for rel, info in sorted(self.outputs.items()):
             p = root / rel
             if not p.is_file():
@@ -73,7 +74,8 @@ class StageManifest:
                 continue  # the provenance, with the reports sealed since: the same build
             if p.stat().st_size != info.get("bytes"):
                 return f"{rel} has {p.stat().st_size} bytes, the stage wrote {info.get('bytes')}"
-            if info.get("sha256") and info["bytes"] <= QUICK_HASH_LIMIT and sha256_file(p) != info["sha256"]:
+            if info.get("sha256") and info["bytes"] <= QUICK_HASH_LIMIT and \
+                    ((known or {}).get(rel) or sha256_file(p)) != info["sha256"]:
                 return f"{rel} changed since the stage wrote it"
         return None
 

@@ -118,7 +118,9 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     from .runner import stage_changes
 
     changed = stage_changes(found.by_file, prov, manifests) if found else {}
-    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed) for name in STAGES]
+    known = bound.verified() if bound else None
+    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed, known)
+              for name in STAGES]
     reports = [_report_state(out, r, prov is not None, bound) for r in REPORTS.values()]
     artifact = found.to_json() if found else None
     if bound is not None and not bound.intact:  # a link, a reference or a signature that is not sound
@@ -214,11 +216,11 @@ def _context(out: Path, record: SourceRecord | None, source: SourceStatus, diges
 
 def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None], source: SourceStatus,
                  record: SourceRecord | None, ctx: BuildContext | None, why_unchecked: str,
-                 changed: dict[str, str]) -> StageStatus:
+                 changed: dict[str, str], known: dict[str, str] | None = None) -> StageStatus:
     m = manifests[name]
     if m is None:
         return StageStatus(name, "missing", "it has not finished in this folder")
-    why = _why_stale(out, m, manifests, source, record, ctx, changed)
+    why = _why_stale(out, m, manifests, source, record, ctx, changed, known)
     if why:
         return StageStatus(name, "stale", why, m.finished_at)
     if ctx is None:
@@ -228,8 +230,9 @@ def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None
 
 def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest | None],
                source: SourceStatus, record: SourceRecord | None, ctx: BuildContext | None,
-               changed: dict[str, str]) -> str | None:
-    """Why the stage's result no longer holds, the most basic cause first; None if none is seen."""
+               changed: dict[str, str], known: dict[str, str] | None = None) -> str | None:
+    """Why the stage's result no longer holds, the most basic cause first; None if none is seen.
+    ``known``: the sha256 of the files the bound artifact found intact (not hashed again)."""
     tool = m.inputs.get("tool")
     if tool != __version__:
         return f"made by hybrid-build {tool}, this is {__version__}"
@@ -243,7 +246,7 @@ def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest |
             return f"the {up} result it read is gone"
         if got.key != key:
             return f"{up} ran again since, with other inputs"
-    problem = m.output_problem(out) or changed.get(m.stage)
+    problem = m.output_problem(out, known) or changed.get(m.stage)
     if problem:
         return problem
     current = load_stage(m.stage).current
