@@ -184,7 +184,9 @@ def read_bench(path: Path, bound=None) -> dict | None:
     """``hybrid-build bench``'s single-server report at ``path``, or None (absent or another shape)."""
     if not path.is_file():
         return None
-    report = _json_object(path) if bound is None else bound.read_json(path.relative_to(bound.root).as_posix())
+    inside = bound is not None and path.resolve().is_relative_to(bound.root.resolve())
+    report = bound.read_json(path.resolve().relative_to(bound.root.resolve()).as_posix()) if inside \
+        else _json_object(path)
     if not isinstance(report, dict) or not report or not isinstance(report.get("results"), list):
         log.warning("%s is not a single-server report of `hybrid-build bench`: left off the card", path)
         return None
