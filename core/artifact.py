@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ArtifactError, UserError
-from .manifest import sha256_json
+from .manifest import build_digest, sha256_json
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, open_regular
 
 if TYPE_CHECKING:
@@ -49,6 +49,14 @@ ARTIFACT_DIGESTS = f"{WORK_DIR}/artifact-sha256.json"  # sha256 of the artifact'
 DEMO_SOURCE = f"{WORK_DIR}/demo-source"  # `run` without SOURCE builds the demo checkpoint here
 RUN_RECIPE = f"{WORK_DIR}/recipe.yaml"  # the resolved recipe of the last run: `status` keys stages with it
 SERVE_RECORD = f"{WORK_DIR}/serve-{{profile}}.json"  # what a `serve` of a profile went through (status reads it)
+# written by `run` before its first write into the output, removed when the build is complete: a folder
+# holding it is a build in progress or one that stopped, never an artifact nor a source checkpoint
+IN_PROGRESS = f"{WORK_DIR}/in-progress.json"
+RUN_LOCK = f"{WORK_DIR}/run.lock"  # `run` holds an exclusive flock on it while it writes
+# `validate` run on this machine passed for the build now here (the work folder is never published):
+# what lets `serve` take a downloaded artifact that carries no trusted signature
+VALIDATED_HERE = f"{WORK_DIR}/validated-here.json"
+SIGNATURE = "model.sig"  # OpenSSF Model Signing's signature (core.signing), at the root: written by publish
 
 
 @dataclass(frozen=True)
@@ -136,8 +144,9 @@ def is_report(rel: str) -> bool:
 
 
 def is_build_output(rel: str) -> bool:
-    """A file the provenance hashes: everything but itself, the reports and the ignored ones."""
-    return not (is_ignored(rel) or is_report(rel) or rel == PROVENANCE)
+    """A file the provenance hashes: everything but itself, the reports, the signature (which covers
+    them all) and the ignored ones."""
+    return not (is_ignored(rel) or is_report(rel) or rel in (PROVENANCE, SIGNATURE))
 
 
 def present_files(artifact: Path) -> list[str]:
@@ -220,11 +229,55 @@ def read_recipe_data(artifact: Path, *, missing_ok: bool = False, which: str = R
 
 
 def provenance_sha256(artifact: Path) -> str | None:
-    """The sha256 of the provenance file: it names one build of the folder (None: no build)."""
+    """The sha256 of the provenance file as ``record`` wrote it: it names one build of the folder (None:
+    no build). The ``reports`` section that ``seal_reports`` adds later is left out, so that sealing a
+    report never changes the build's name that the reports record."""
     try:
-        return hashlib.sha256((Path(artifact) / PROVENANCE).read_bytes()).hexdigest()
+        raw = (Path(artifact) / PROVENANCE).read_bytes()
     except OSError:
         return None
+    return build_digest(raw)
+
+
+def sealed_files(artifact: Path) -> list[str]:
+    """The report files present in ``artifact`` (every file a command writes after the build), the
+    card aside: it is rendered from them, and ``publish`` renders it again rather than read it."""
+    return [rel for rel in present_files(artifact) if is_report(rel) and rel not in REPORTS["card"].files]
+
+
+def seal_report_at(path: Path) -> None:
+    """After a report was written at ``path``: when that is a report's place in an artifact
+    (``ARTIFACT/hybrid_build/<report>``), seal the artifact's reports (``seal_reports``)."""
+    path = Path(path).absolute()
+    artifact = path.parent.parent
+    if path.parent.name == META_DIR and is_report(rel_name(artifact, path)) and (artifact / PROVENANCE).is_file():
+        seal_reports(artifact)
+
+
+def seal_reports(artifact: Path) -> None:
+    """Record every report now in ``artifact`` (size and sha256) in the provenance's ``reports``
+    section, so that an edit to any of them is refused like an edit to a shard. Each command that
+    writes a report calls it once its files are in place. A report that is a symlink is refused."""
+    from .provenance import FileEntry
+    from .safetensors_io import write_text_atomic
+
+    artifact = Path(artifact)
+    prov = read_provenance(artifact, missing_ok=True)
+    if prov is None:
+        return
+    reports = {}
+    for rel in sealed_files(artifact):
+        path = artifact / rel
+        if path.is_symlink():
+            raise ArtifactError(f"{artifact}: {rel} is a symbolic link: a report is a regular file; remove it")
+        data = path.read_bytes()
+        reports[rel] = FileEntry(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    built = provenance_sha256(artifact)
+    prov.reports = reports or None
+    text = prov.to_text()
+    if build_digest(text.encode()) != built:  # the build's name never moves
+        raise ArtifactError(f"{artifact / PROVENANCE}: its layout is not the one `record` writes; rebuild it")
+    write_text_atomic(artifact / PROVENANCE, text)
 
 
 def artifact_identity(artifact: Path) -> dict:
@@ -240,26 +293,39 @@ def build_fingerprint(provenance: Provenance) -> str:
                         "files": {f: i.sha256 for f, i in sorted(provenance.files.items())}})
 
 
-def report_state(artifact: Path, report: Report) -> tuple[str, str]:
+_UNSET = object()
+
+
+def report_state(artifact: Path, report: Report, *, build=_UNSET, data=_UNSET,
+                 sealed=_UNSET) -> tuple[str, str]:
     """Whether ``report`` in ``artifact`` belongs to the build there now: ``current``, ``stale``,
-    ``unknown`` (it names no build) or ``missing``, and why."""
+    ``unknown`` (it names no build) or ``missing``, and why. ``build`` (the provenance's sha256),
+    ``data`` (the report's parsed JSON, or an ``Exception`` it raised) and ``sealed`` (the
+    provenance) where the caller has them already (``core.bound.BoundArtifact.report_state``)."""
     path = report.path(artifact)
     if not path.is_file():
         return "missing", f"no {report.main} (written by `{report.command}`)"
     recorded = None
     if report.build_field is not None:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            return "stale", f"it is unreadable ({type(e).__name__})"
+        if data is _UNSET:
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                data = e
+        if isinstance(data, Exception):
+            return "stale", f"it is unreadable ({type(data).__name__})"
         recorded = report.recorded_build(data) if isinstance(data, dict) else None
-    actual = provenance_sha256(artifact)
+    actual = provenance_sha256(artifact) if build is _UNSET else build
     if recorded:
         if recorded == actual:
             return "current", "it was made for this build (provenance matches)"
         return "stale", "it was made for an earlier build of this folder (provenance differs)"
     prov = Path(artifact) / PROVENANCE
-    # a report from before reports recorded the build: written before the provenance is older
+    # a report from before reports recorded the build: written before the provenance is older (once
+    # sealed in the provenance, whose file then is newer, it is this build's: a rebuild drops the seal)
+    sealed = read_provenance(artifact, missing_ok=True) if sealed is _UNSET else sealed
+    if sealed is not None and report.main in (sealed.reports or {}):
+        return "unknown", "it names no build"
     if prov.is_file() and path.stat().st_mtime < prov.stat().st_mtime:
         return "stale", f"it is older than {PROVENANCE}"
     return "unknown", "it names no build"

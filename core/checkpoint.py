@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import SourceError
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
-from .tensor_classes import classify, dtype_storage, module_storage, split_module
+from .tensor_classes import classify, dtype_problem, dtype_storage, module_storage, split_module
 from .user_paths import kind_of
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,9 @@ class Checkpoint:
             in_index = (weight_map.get(name) == f) if index is not None else True
             tensors[name] = TensorInfo(name, f, in_index, th.dtype, th.shape, th.start, th.nbytes,
                                        classify(name), storage)
+            why = dtype_problem(name, tensors[name].klass, th.dtype)
+            if why:
+                problems.append(Problem("error", "bad_dtype", f"{f}: {why}"))
 
         ckpt = cls(root, config, quant, index, tensors, files, problems, source_id, revision)
         ckpt.problems.extend(_packing_problems(ckpt))

@@ -31,7 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .artifact import ARTIFACT_DIGESTS, PROVENANCE, read_provenance, unexpected_files
+from .artifact import (
+    ARTIFACT_DIGESTS,
+    PROVENANCE,
+    is_validate_record,
+    read_provenance,
+    sealed_files,
+    unexpected_files,
+)
 from .byte_units import human_bytes
 from .errors import ArtifactError
 from .manifest import HASH_CHUNK
@@ -117,27 +124,36 @@ def hash_file(path: Path, expect: os.stat_result) -> str:
 
 
 def check_artifact(artifact: Path, provenance: Provenance | None = None, progress: ProgressFactory = null_progress,
-                   names: list[str] | None = None) -> Integrity:
+                   names: list[str] | None = None, reports: bool = True) -> Integrity:
     """Check ``artifact`` against ``provenance`` (default: its own, which must exist). ``names``
     limits the check to those listed files (no search for extra files): what publish re-checks
-    just before sending a part."""
+    just before sending a part. ``reports``: the reports too, against the provenance's ``reports``
+    section (a report it does not record is a problem); ``validate``, which rewrites them, and the
+    runner check the build's outputs alone."""
     t0 = time.perf_counter()
     artifact = Path(artifact)
     prov = provenance if provenance is not None else read_provenance(artifact)
-    listed = prov.files
+    listed = {**prov.files, **(prov.reports or {})} if reports else prov.files
     wanted = sorted(listed) if names is None else sorted(n for n in names if n in listed)
     result = Integrity(files=len(wanted), bytes=sum(listed[n].bytes for n in wanted))
     found: dict[str, str] = {}  # name -> its problem
     if names is None:
         for name in unexpected_files(artifact, prov):  # reports written after the build are expected
             found[name] = f"{name} is not listed in {PROVENANCE}"
+        if reports:
+            for name in sealed_files(artifact):
+                if name not in listed:
+                    found[name] = (f"{name} is not recorded in {PROVENANCE} (written or replaced by hand: run the "
+                                   "command that writes it again)")
     cache = DigestCache(artifact / ARTIFACT_DIGESTS)
     todo: list[tuple[str, os.stat_result]] = []
     for name in wanted:
         want = listed[name]
         try:
-            st = os.stat(artifact / name)
+            st = os.lstat(artifact / name)  # a symlink is refused, never followed
         except FileNotFoundError:
+            if name not in prov.files and not is_validate_record(name):
+                continue  # a report removed: it is missing, as the commands that need it say (not an edit)
             found[name] = f"{name} is listed in {PROVENANCE} but missing from the artifact"
             continue
         except OSError as e:

@@ -54,6 +54,9 @@ class Provenance(BaseModel):
     tensors: dict[str, Any] = {}
     converted: list[dict[str, Any]] = []
     created: str | None = None  # UTC, ISO 8601 to the second; None: written before builds were dated
+    # the reports written after the build (``core.artifact.seal_reports``), each with its size and sha256;
+    # not part of the build's identity (``core.artifact.provenance_sha256`` leaves it out). None: none sealed
+    reports: dict[str, FileEntry] | None = None
 
     def to_text(self) -> str:
         """The file's text: the keys in the order above, two-space indents, a final newline."""

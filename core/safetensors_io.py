@@ -11,6 +11,7 @@ name and renames it when complete. The index is written last, so a folder that h
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -18,6 +19,7 @@ import math
 import mmap
 import os
 import queue
+import shutil
 import stat as stat_mod
 import struct
 import threading
@@ -74,7 +76,8 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
 
 
 _SPECIAL = ((stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"), (stat_mod.S_ISCHR, "a character device"),
-            (stat_mod.S_ISBLK, "a block device"), (stat_mod.S_ISDIR, "a folder"))
+            (stat_mod.S_ISBLK, "a block device"), (stat_mod.S_ISDIR, "a folder"),
+            (stat_mod.S_ISLNK, "a symbolic link"))  # an lstat's: an artifact's files are never followed
 
 
 def special_kind(st: os.stat_result) -> str | None:
@@ -138,7 +141,30 @@ def read_header(path: str | os.PathLike) -> FileHeader:
             raise SourceError(f"{path.name}: truncated: tensor {name!r} ends at byte {data_start + hi}, "
                               f"file has {size}")
         tensors[name] = TensorHeader(name, dtype, shape, data_start + lo, hi - lo)
+    _check_coverage(path, tensors, data_start, size)
     return FileHeader(path, tensors, metadata, data_start, size)
+
+
+def _check_coverage(path: Path, tensors: dict[str, TensorHeader], data_start: int, size: int) -> None:
+    """The data as safetensors itself reads it: sorted by offset, the tensors start at 0, each begins
+    where the one before ends (no gap, no overlap: "invalid offset"), and the last ends at the end of
+    the file (no trailing bytes: "file not fully covered"). One ``SourceError`` naming the tensor."""
+    end, prev = 0, None
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.start + t.nbytes)):
+        lo = t.start - data_start
+        if lo < end:
+            raise SourceError(f"{path.name}: tensor {t.name!r} starts at data offset {lo}, inside {prev!r} "
+                              f"(which ends at {end}): overlapping data_offsets, which safetensors refuses")
+        if lo > end:
+            after = f"after {prev!r} ends at {end}" if prev else "after the header, where no tensor starts"
+            raise SourceError(f"{path.name}: tensor {t.name!r} starts at data offset {lo}, {lo - end} byte(s) "
+                              f"{after}: a gap in the data_offsets, which safetensors refuses")
+        end, prev = lo + t.nbytes, t.name
+    trailing = size - data_start - end
+    if trailing > 0:
+        last = f"after the last tensor, {prev!r}" if prev else "after the header, which lists no tensor"
+        raise SourceError(f"{path.name}: {trailing} byte(s) {last}: safetensors refuses a file its tensors "
+                          "do not fully cover")
 
 
 # ----------------------------------------------------------------------------- writing
@@ -502,10 +528,9 @@ def write_shard(plan: ShardPlan, out_dir: Path, resume: bool = False,
             _stream_shard(plan, _FileSink(out, hasher), progress)
             out.flush()
         return _finish(plan, tmp, final, durable)
-    except OSError as e:
-        if e.filename is None:  # write(2) errors name no file: say which one (the user sees one line)
-            raise OSError(e.errno, e.strerror or str(e), str(tmp)) from e
-        raise
+    except OSError as e:  # the user sees one line: the shard that could not be written, none left half-written
+        tmp.unlink(missing_ok=True)
+        raise output_error(e, final, tmp) from None
 
 
 class _FileSink:
@@ -583,10 +608,36 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        if e.filename is None:  # a write or close that failed says no path: name the file
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
+        raise output_error(e, path, tmp) from None
     return path
+
+
+def copy_file_atomic(src: Path, dst: Path) -> Path:
+    """``src`` copied to ``dst`` under a temporary name, renamed when whole; a failure removes the
+    temporary file and names ``dst`` where the cause is the write (``output_error``)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + TMP_SUFFIX)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise output_error(e, dst, tmp) from None
+    return dst
+
+
+# causes that concern the file being written whichever path the error carries: shutil's copy names
+# the file it read from (``src: No space left on device``), write(2) names none
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def output_error(e: OSError, final: Path, tmp: Path) -> OSError:
+    """``e`` as the user should read it: naming ``final``, the output that could not be written,
+    where it names no file, the temporary file, or has a write-side cause (full, over quota, too
+    large, read-only); an error naming another file (a source that cannot be read) keeps its name."""
+    if e.filename is None or os.fspath(e.filename) == os.fspath(tmp) or e.errno in WRITE_ERRNOS:
+        return OSError(e.errno, e.strerror or str(e), str(final))
+    return e
 
 
 def write_text_atomic(path: Path, text: str) -> Path:

@@ -75,3 +75,19 @@ def dtype_storage(dtype: str) -> str:
     if dtype == "I8":
         return "int8"
     return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(dtype, "other")
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+# classes the build, validate and vLLM read only as floating point, in every scheme (source and
+# artifact alike): a norm's weight and the shared expert's sigmoid gate are never quantized
+FLOAT_ONLY = ("norm", "shared_expert_gate")
+
+
+def dtype_problem(name: str, klass: str, dtype: str) -> str | None:
+    """Why a tensor of class ``klass`` cannot be stored as ``dtype`` (one line naming it), or None."""
+    if klass in FLOAT_ONLY and dtype not in FLOAT_DTYPES:
+        what = "a norm" if klass == "norm" else "the shared expert gate"
+        return (f"tensor {name} is {dtype}: {what} is stored as {', '.join(FLOAT_DTYPES)} (the build and vLLM "
+                "read it as floating point)")
+    return None
+

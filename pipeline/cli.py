@@ -27,8 +27,8 @@ from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
 
 # what the filesystem refuses that another folder, freed space or the right permissions fix: bad input
 # (exit 2), as the space check before a build says it; any other OSError (an I/O error) exits 1
-USER_FIXES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR,
-              errno.EISDIR, errno.ENAMETOOLONG}
+USER_FIXES = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ELOOP,
+              errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
 
 # name -> module with register(); order is the order of `hybrid-build --help`
 COMMANDS: dict[str, str] = {
@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "status": "hybrid_build.pipeline.commands.status",
     "validate": "hybrid_build.validate.command",
     "verify": "hybrid_build.validate.verify.verify_command",
+    "verify-artifact": "hybrid_build.pipeline.commands.verify_artifact",
     "eval": "hybrid_build.validate.eval.eval_command",
     "plan": "hybrid_build.pipeline.commands.plan",
     "publish": "hybrid_build.pipeline.commands.publish",

@@ -122,11 +122,11 @@ def find_license(artifact: Path, config: dict) -> LicenseInfo:
     return LicenseInfo(UNKNOWN_LICENSE, "not found in the source", known=False)
 
 
-def converted_sizes(artifact: Path, provenance: Provenance) -> dict[str, dict[str, int]]:
+def converted_sizes(artifact: Path, provenance: Provenance, bound=None) -> dict[str, dict[str, int]]:
     """Per kind (fp8 / int8): modules, parameters, their BF16 bytes and the bytes stored now.
 
     Stored bytes come from the safetensors headers of the artifact (headers only, no data read)."""
-    index = json.loads((artifact / INDEX_NAME).read_text())
+    index = json.loads((artifact / INDEX_NAME).read_text()) if bound is None else bound.read_json(INDEX_NAME)
     weight_map = index.get("weight_map", {})
     headers: dict[str, dict] = {}
     out: dict[str, dict[str, int]] = {}
@@ -245,36 +245,39 @@ def _json_object(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def read_evaluation(artifact: Path) -> EvalStatus | None:
+def read_evaluation(artifact: Path, bound=None) -> EvalStatus | None:
     """The artifact's eval report, checked against the build (``core.artifact.report_state``: its
-    provenance sha256 must be the build's). None when there is no report."""
+    provenance sha256 must be the build's). None when there is no report. ``bound`` (a
+    ``core.bound.BoundArtifact``): what was read when the artifact was opened, not read again."""
     evaluation = REPORTS["eval"]
     path = evaluation.path(artifact)
     if not path.is_file():
         return None
-    report = _json_object(path)
-    if report is None or not isinstance(report.get("tasks"), list):
+    report = _json_object(path) if bound is None else bound.read_json(evaluation.main)
+    if not isinstance(report, dict) or not isinstance(report.get("tasks"), list):
         return EvalStatus("stale", {}, f"{path.name} is not a report of `hybrid-build eval`")
-    state, why = report_state(artifact, evaluation)
+    state, why = report_state(artifact, evaluation) if bound is None else bound.report_state(evaluation)
     if state != "current":
         return EvalStatus("stale", report, why if state == "stale" else f"{why} (run with ARTIFACT)")
     return EvalStatus("current", report)
 
 
-def reference_current(artifact: Path) -> bool:
+def reference_current(artifact: Path, bound=None) -> bool:
     """Whether the artifact's reference (``validate.reference``) was made for the build there now:
     the card speaks of it only then, a stale one proves nothing about these weights."""
     reference = REPORTS["reference"]
     return all((artifact / f).is_file() for f in reference.files) and \
-        report_state(artifact, reference)[0] == "current"
+        (report_state(artifact, reference) if bound is None else bound.report_state(reference))[0] == "current"
 
 
-def read_bench(path: Path) -> dict | None:
+def read_bench(path: Path, bound=None) -> dict | None:
     """``hybrid-build bench``'s single-server report at ``path``, or None (absent or another shape)."""
     if not path.is_file():
         return None
-    report = _json_object(path)
-    if not report or not isinstance(report.get("results"), list):
+    inside = bound is not None and path.resolve().is_relative_to(bound.root.resolve())
+    report = bound.read_json(path.resolve().relative_to(bound.root.resolve()).as_posix()) if inside \
+        else _json_object(path)
+    if not isinstance(report, dict) or not report or not isinstance(report.get("results"), list):
         log.warning("%s is not a single-server report of `hybrid-build bench`: left off the card", path)
         return None
     return report

@@ -33,8 +33,9 @@ from hybrid_build.core.artifact import (
     read_provenance,
     validation_outcome,
 )
+from hybrid_build.core.bound import open_artifact
 from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
-from hybrid_build.core.integrity import check_artifact, require_intact
+from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.progress import null_progress
 from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
@@ -108,6 +109,7 @@ class PublishPlan:
     notes: list[str] = field(default_factory=list)
     provenance: Provenance | None = None
     checked: dict | None = None  # core.integrity's count of what was checked (None: not checked)
+    signed_seconds: float | None = None  # sign_plan's time (None: not signed)
 
     @property
     def total_bytes(self) -> int:
@@ -140,15 +142,19 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def read_validation(artifact: Path) -> ValidationStatus:
-    """The build's validation (``core.artifact.validation_outcome``) and the report it comes from:
-    a failed run kept beside a passing report counts as failed."""
+def read_validation(artifact: Path, bound=None) -> ValidationStatus:
+    """The build's validation (``core.artifact.validation_outcome``, or the bound artifact's, with the
+    report it read) and the report it comes from: a failed run kept beside a passing report counts
+    as failed."""
     validation = REPORTS["validation"]
-    outcome = validation_outcome(artifact)
+    outcome = bound.validation if bound is not None else validation_outcome(artifact)
     if outcome.state == "missing":
         return ValidationStatus("missing", reason=f"{validation.main} does not exist")
     try:
-        report = _read_json(artifact / outcome.report, outcome.report) if outcome.report else {}
+        if bound is not None and outcome.report and isinstance(bound.read_json(outcome.report), dict):
+            report = bound.report()
+        else:
+            report = _read_json(artifact / outcome.report, outcome.report) if outcome.report else {}
     except (FileNotFoundError, ArtifactError) as e:
         return ValidationStatus("missing", reason=str(e))
     if outcome.state == "passed":
@@ -188,13 +194,20 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
 
     if repo_id is not None and not HUB_ID.match(repo_id):
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
-    if not (artifact / INDEX_NAME).exists():
-        raise ArtifactError(f"{artifact}: no {INDEX_NAME}: the build did not finish (run `hybrid-build run` again)")
-    typed = read_provenance(artifact)
-    # every file, its size and its sha256, before anything else: --force never skips this
-    checked = require_intact(artifact, typed, progress) if check_files else None
+    if check_files:
+        # the artifact opened and checked once (core.bound): in progress or stopped, symbolic links, every
+        # file and report against the provenance, the reference, the signature; --force skips none of it
+        bound = open_artifact(artifact, progress=progress)
+        bound.require("publish refuses it; rebuild it, or run the command that wrote that file again")
+        typed, checked = bound.provenance, bound.integrity
+        shipped = bound.shipped()
+    else:  # the card alone (`run` writes it): nothing is uploaded, no file's bytes are read
+        from hybrid_build.core.bound import unfinished
 
-    validation = read_validation(artifact)
+        if unfinished(artifact) or not (artifact / INDEX_NAME).exists():
+            raise ArtifactError(f"{artifact}: the build did not finish (run `hybrid-build run` again)")
+        typed, checked, shipped, bound = read_provenance(artifact), None, None, None
+    validation = read_validation(artifact, bound)
     if not validation.passed and not force:
         hint = "fix the artifact, or pass --force to publish it anyway (the card will say so)"
         if validation.state == "failed":
@@ -210,34 +223,61 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
     recorded = typed.files
     notes = []
     files = []
-    for path in sorted(recorded, key=_upload_order):
-        if path == CARD:
-            notes.append(f"{CARD} (the source's card, copied by the build) is replaced by the generated card")
-            continue
-        files.append(PublishFile(path, recorded[path].bytes, recorded[path].sha256, "provenance", artifact / path))
-    for path in [PROVENANCE, *REPORT_FILES]:
-        local = artifact / path
-        if local.is_file() and path not in REPORTS["card"].files:  # the card goes up as README.md
-            files.append(PublishFile(path, local.stat().st_size, _sha256_file(local), "local", local))
+    if CARD in recorded:
+        notes.append(f"{CARD} (the source's card, copied by the build) is replaced by the generated card")
+    if shipped is None:  # the card's plan: the build's outputs, the provenance and the reports, unhashed
+        shipped = {p: "" for p in recorded if p != CARD}
+        shipped.update({p: "" for p in [PROVENANCE, *REPORT_FILES]
+                        if (artifact / p).is_file() and p not in REPORTS["card"].files})
+    sealed = typed.reports or {}
+    # only the regular files the provenance lists (checked above: never a symlink, nothing else)
+    for path in sorted(shipped, key=_upload_order):
+        if path in recorded:
+            files.append(PublishFile(path, recorded[path].bytes, recorded[path].sha256, "provenance", artifact / path))
+        elif path in sealed:
+            files.append(PublishFile(path, sealed[path].bytes, sealed[path].sha256, "local", artifact / path))
+        else:  # the provenance itself (or, for the card alone, an unsealed report)
+            local = artifact / path
+            files.append(PublishFile(path, local.stat().st_size, shipped[path] or _sha256_file(local), "local", local))
 
-    config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
+    if bound is not None and isinstance(bound.read_json(CONFIG), dict):
+        config = bound.read_json(CONFIG)
+    else:
+        config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
     lic = find_license(artifact, config)
     if not lic.known:
         notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
         log.info("the source's license is unknown: the card says %r", lic.license)
     inputs = CardInputs(
         provenance=typed, validation=validation, license=lic,
-        converted_bytes=converted_sizes(artifact, typed),
+        converted_bytes=converted_sizes(artifact, typed, bound),
         files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
         forced=force and not validation.passed,
-        evaluation=read_evaluation(artifact), bench=read_bench(REPORTS["bench"].path(artifact)),
-        reference=reference_current(artifact), memory=memory_figures(artifact, typed))
+        evaluation=read_evaluation(artifact, bound), bench=read_bench(REPORTS["bench"].path(artifact), bound),
+        reference=reference_current(artifact, bound), memory=memory_figures(artifact, typed))
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
-    artifact_id = provenance_sha256(artifact)[:12]
+    artifact_id = (bound.build if bound is not None else provenance_sha256(artifact))[:12]
     return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
                        artifact_id, lic, notes, typed, checked.to_json() if checked else None)
+
+
+def sign_plan(plan: PublishPlan, key) -> float:
+    """Sign what ``plan`` uploads (the generated card as ``README.md``) with OpenSSF Model Signing
+    (``core.signing``; ``key`` a ``SigningKey``) into ``SIGNATURE`` in the artifact, and add it to the
+    plan, before the card. Returns the seconds signing took."""
+    from hybrid_build.core.signing import SIGNATURE, sign_files
+
+    files = {f.path: (f.data if f.data is not None else f.local) for f in plan.files if f.path != SIGNATURE}
+    keep_card(plan)  # the signed README.md's bytes stay in the folder, where a check of the signature finds them
+    seconds = sign_files(files, plan.artifact / SIGNATURE, key)
+    local = plan.artifact / SIGNATURE
+    plan.files = [f for f in plan.files if f.path != SIGNATURE]
+    plan.files.insert(len(plan.files) - 1, PublishFile(SIGNATURE, local.stat().st_size, _sha256_file(local),
+                                                       "signature", local))
+    plan.signed_seconds = seconds
+    return seconds
 
 
 def write_card(artifact: str | Path) -> Path:

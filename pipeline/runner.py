@@ -36,6 +36,7 @@ from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.errors import ArtifactError, HybridBuildError, StageFailed, StorageError, UserError
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.manifest import StageManifest, describe_outputs, sha256_json
+from hybrid_build.core.output_lock import hold_output
 from hybrid_build.core.progress import ProgressFactory, null_progress
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def artifact_changes(out: Path, manifests: dict[str, StageManifest | None],
     prov = read_provenance(out, missing_ok=True)
     if prov is None:
         return {}
-    return stage_changes(check_artifact(out, prov, progress).by_file, prov, manifests)
+    return stage_changes(check_artifact(out, prov, progress, reports=False).by_file, prov, manifests)
 
 
 def stage_changes(problems: dict[str, str], provenance: Provenance,
@@ -234,6 +235,11 @@ class _Run:
                 stage.check(ctx)
         ctx.out.mkdir(parents=True, exist_ok=True)
         ctx.work.mkdir(exist_ok=True)
+        with hold_output(ctx.out):  # one writer; the folder is marked in progress until the build is complete
+            return self._run_locked()
+
+    def _run_locked(self) -> list[StageResult]:
+        ctx = self.ctx
         ctx.record_recipe()  # `status` keys the stages with the last run's recipe
         if not ctx.digests.ready:
             # a manifest to reuse needs the digests now; otherwise they are hashed alongside the stages
@@ -274,7 +280,10 @@ class _Run:
             for bg in self.pending.values():
                 bg.join()  # never leave a stage running behind a failure; it records its manifest itself
             self.pending.clear()
-            self._save_deferred(wait=False)  # after a failure: what finished is kept if it can be keyed
+            try:
+                self._save_deferred(wait=False)  # after a failure: what finished is kept if it can be keyed
+            except OSError as e:  # the disk that failed the stage fails this too: the stage's error is the one said
+                log.info("the finished stages' records were not kept: %s: %s", e.filename, e.strerror)
         return self.results
 
     @property

@@ -31,10 +31,9 @@ from hybrid_build.core.artifact import (
     read_recipe_data,
     report_state,
     unexpected_files,
-    validation_outcome,
 )
+from hybrid_build.core.bound import BoundArtifact, open_artifact, trusted_keys, unfinished
 from hybrid_build.core.errors import HybridBuildError, UserError
-from hybrid_build.core.integrity import Integrity, check_artifact
 from hybrid_build.core.manifest import StageManifest
 from hybrid_build.core.progress import ProgressFactory, null_progress
 
@@ -93,6 +92,8 @@ class OutputStatus:
     validation: dict = field(default_factory=dict)
     # what each profile's `serve` went through (serve.launch.serve_record): state, restarts, faults
     serving: list[dict] = field(default_factory=list)
+    in_progress: str | None = None  # a build being written or stopped part-way (core.bound.unfinished)
+    signature: dict | None = None  # core.signing.SignatureCheck.to_json (None: not built)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -111,16 +112,27 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     recipe_data, recipe_file = _recipe(out)
     ctx, why_unchecked = _context(out, record, source, digests, recipe_file)
     manifests = {name: StageManifest.load(out / WORK_DIR / f"{name}.json") for name in STAGES}
-    found = check_artifact(out, prov, progress) if prov is not None else None
+    in_progress = unfinished(out)
+    # the artifact opened and checked once (core.bound): files and reports, links, reference, signature
+    bound = open_artifact(out, trusted=trusted_keys(None), progress=progress) \
+        if prov is not None and not in_progress else None
+    found = bound.integrity if bound else None
     from .runner import stage_changes
 
     changed = stage_changes(found.by_file, prov, manifests) if found else {}
-    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed) for name in STAGES]
-    reports = [_report_state(out, r, prov is not None) for r in REPORTS.values()]
-    return OutputStatus(str(out), prov is not None, provenance_sha256(out), (recipe_data or {}).get("name"),
-                        source, stages, reports, unexpected_files(out, prov) if prov else [],
-                        found.to_json() if found else None, _validation(out, prov is not None, found),
-                        _serving(out))
+    known = bound.verified() if bound else None
+    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed, known)
+              for name in STAGES]
+    reports = [_report_state(out, r, prov is not None, bound) for r in REPORTS.values()]
+    artifact = found.to_json() if found else None
+    if bound is not None and not bound.intact:  # a link, a reference or a signature that is not sound
+        artifact.update(intact=False, problem=bound.problem, problems=bound.problems)
+    build = bound.build if bound else provenance_sha256(out)
+    return OutputStatus(str(out), prov is not None and not in_progress, build,
+                        (recipe_data or {}).get("name"), source, stages, reports,
+                        unexpected_files(out, prov) if prov else [], artifact,
+                        _validation(out, prov is not None, bound), serving=_serving(out), in_progress=in_progress,
+                        signature=bound.signature.to_json() if bound else None)
 
 
 def _serving(out: Path) -> list[dict]:
@@ -140,14 +152,14 @@ def _serving(out: Path) -> list[dict]:
     return records
 
 
-def _validation(out: Path, built: bool, found: Integrity | None) -> dict:
+def _validation(out: Path, built: bool, bound: BoundArtifact | None) -> dict:
     """The build's validation outcome; a report of files that differ from the provenance now says
     nothing about them, whatever it says."""
-    if not built:
+    if not built or bound is None:
         return {"state": "missing", "reason": "nothing is built here yet", "finished_at": None, "report": None}
-    data = validation_outcome(out).to_json()
-    if found is not None and not found.intact and data["state"] == "passed":
-        data.update(state="stale", reason=f"it passed on files that have changed since: {found.problem}")
+    data = bound.validation.to_json()
+    if not bound.intact and data["state"] == "passed":
+        data.update(state="stale", reason=f"it passed on files that have changed since: {bound.problem}")
     return data
 
 
@@ -223,11 +235,11 @@ def _context(out: Path, record: SourceRecord | None, source: SourceStatus, diges
 
 def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None], source: SourceStatus,
                  record: SourceRecord | None, ctx: BuildContext | None, why_unchecked: str,
-                 changed: dict[str, str]) -> StageStatus:
+                 changed: dict[str, str], known: dict[str, str] | None = None) -> StageStatus:
     m = manifests[name]
     if m is None:
         return StageStatus(name, "missing", "it has not finished in this folder")
-    why = _why_stale(out, m, manifests, source, record, ctx, changed)
+    why = _why_stale(out, m, manifests, source, record, ctx, changed, known)
     if why:
         return StageStatus(name, "stale", why, m.finished_at)
     if ctx is None:
@@ -237,8 +249,9 @@ def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None
 
 def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest | None],
                source: SourceStatus, record: SourceRecord | None, ctx: BuildContext | None,
-               changed: dict[str, str]) -> str | None:
-    """Why the stage's result no longer holds, the most basic cause first; None if none is seen."""
+               changed: dict[str, str], known: dict[str, str] | None = None) -> str | None:
+    """Why the stage's result no longer holds, the most basic cause first; None if none is seen.
+    ``known``: the sha256 of the files the bound artifact found intact (not hashed again)."""
     tool = m.inputs.get("tool")
     if tool != __version__:
         return f"made by hybrid-build {tool}, this is {__version__}"
@@ -252,7 +265,7 @@ def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest |
             return f"the {up} result it read is gone"
         if got.key != key:
             return f"{up} ran again since, with other inputs"
-    problem = m.output_problem(out) or changed.get(m.stage)
+    problem = m.output_problem(out, known) or changed.get(m.stage)
     if problem:
         return problem
     current = load_stage(m.stage).current
@@ -271,12 +284,15 @@ def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest |
 # ------------------------------------------------------------------------------------ the reports
 
 
-def _report_state(out: Path, report, built: bool) -> ReportStatus:
+def _report_state(out: Path, report, built: bool, bound: BoundArtifact | None = None) -> ReportStatus:
     present = [f for f in report.files if (out / f).is_file()]
     if not present:
         return ReportStatus(report.kind, "missing", f"`{report.command}` writes it", [], report.command)
     if not built:
         return ReportStatus(report.kind, "stale", "there is no build here for it to describe", present,
                             report.command)
-    state, why = report_state(out, report)
+    state, why = bound.report_state(report) if bound else report_state(out, report)
+    changed = [p for p in (bound.problems if bound else []) if any(p.startswith(f) for f in report.files)]
+    if changed and state != "stale":  # edited since the command that wrote it sealed it
+        return ReportStatus(report.kind, "changed", changed[0], present, report.command)
     return ReportStatus(report.kind, state, why, present, report.command)

@@ -18,10 +18,11 @@ from safetensors import safe_open
 
 from hybrid_build.calibration.fp8_block import BLOCK, dequantize_fp8_block
 from hybrid_build.calibration.metrics import StreamingMetrics, error_metrics
-from hybrid_build.core.artifact import PROVENANCE
+from hybrid_build.core.artifact import CARD, CONFIG, META_DIR, PROVENANCE, QUANT_CONFIG
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.formats.base import OutputFormat
 from hybrid_build.core.integrity import check_artifact
+from hybrid_build.core.manifest import sha256_file
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress  # noqa: F401
 from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME
@@ -228,7 +229,7 @@ def check_provenance(inp: ValidationInputs, f: Findings) -> None:
     if prov is None:
         f.fail("provenance", f"{PROVENANCE} is missing or not valid JSON")
         return
-    found = check_artifact(inp.artifact.root, prov, inp.progress)
+    found = check_artifact(inp.artifact.root, prov, inp.progress, reports=False)  # validate rewrites the reports
     for line in found.problems:
         f.fail("provenance", line)
     conv = {c.get("module"): c.get("kind") for c in prov.converted}
@@ -244,6 +245,48 @@ def check_provenance(inp: ValidationInputs, f: Findings) -> None:
         f.fail("provenance", f"{module}: listed as converted in {PROVENANCE}, but the recipe does not convert it")
     f.note("provenance", f"{found.matched}/{found.files} files match their sha256 ({found.cached} from the hash cache, "
                          f"{found.hashed} hashed)")
+
+
+# the files the build writes itself; every other file of the source it copies unchanged
+WRITTEN = (CONFIG, QUANT_CONFIG, INDEX_NAME)
+
+
+def check_copied_files(inp: ValidationInputs, f: Findings) -> None:
+    """The files the build copies unchanged from the source (chat template, tokenizer, generation
+    config) against the source's sha256, recorded in the provenance and checked against the source
+    itself when it was opened (``core.source_identity.open_recorded_source``): a swapped chat template
+    or tokenizer fails naming the file, even where the provenance's own entry was rewritten to match;
+    so does such a file that the source does not have. The card (``CARD``) is left out: publish
+    replaces it."""
+    prov = inp.provenance
+    if prov is None:
+        return
+    record = (prov.source or {}).get("files") or {}
+    if not any(isinstance(e, dict) and e.get("sha256") for e in record.values()):
+        return  # a provenance from before sources were recorded by content: nothing to compare with
+    root = inp.artifact.root
+    checked = 0
+    for name, entry in sorted(record.items()):
+        if name.endswith(".safetensors") or name in WRITTEN or name == CARD or not isinstance(entry, dict):
+            continue
+        path = root / name
+        if not path.is_file() or path.is_symlink():
+            f.fail("provenance", f"{name}: the source's file is not in the artifact as a regular file")
+            continue
+        got = sha256_file(path)
+        if entry.get("sha256") and got != entry["sha256"]:
+            f.fail("provenance", f"{name} is not the source's (sha256 {got[:12]}..., the source's "
+                                 f"{entry['sha256'][:12]}...): the build copies it unchanged")
+        checked += 1
+    for name in sorted(prov.files):
+        if (name in record or name.endswith(".safetensors") or name in WRITTEN or name == CARD
+                or name.startswith(f"{META_DIR}/")):
+            continue
+        f.fail("provenance", f"{name} is not a file of the source: the build writes none of that name, and copies "
+                             "only the source's")
+    before = f.details.get("provenance")
+    f.note("provenance", (f"{before}; " if before else "") + f"{checked} file(s) copied from the source checked "
+                         "against its sha256")
 
 
 def check_tensors(inp: ValidationInputs, f: Findings) -> None:

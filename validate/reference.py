@@ -206,10 +206,21 @@ def _reference_json(reference: Reference) -> dict:
             "positions": reference.positions, "what": WHAT}
 
 
-def read_reference(artifact: Path) -> Reference:
+def read_reference(artifact: Path, bound: bool = False) -> Reference:
     """The reference in ``artifact``. Missing files are a ``UserError`` (run validate); files that
-    do not belong together, or to the build now in the folder, are an ``ArtifactError``."""
+    do not belong together, or to the build now in the folder, or whose values are not finite
+    log-probabilities <= 0 (refused whole, never half-used), are an ``ArtifactError``. ``bound``: the
+    artifact is opened and checked first (``core.bound``: every file and report against the
+    provenance, the reference against the digests the report records), and refused on any problem."""
+    from hybrid_build.core.bound import open_artifact, reference_problems
+
     artifact = Path(artifact)
+    if bound:
+        opened = open_artifact(artifact)
+        opened.require("the reference is not the one validate wrote for this build; run `hybrid-build validate` again")
+    problems = reference_problems(artifact, None)
+    if problems:
+        raise ArtifactError(f"{artifact}: {problems[0]}; run `hybrid-build validate` again")
     data = _read_json(artifact)
     tensors, meta = _read_tensors(artifact)
     built = data["provenance_sha256"]

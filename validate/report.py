@@ -129,6 +129,8 @@ class ValidationReport:
     kept: str | None = None  # why the build's report already in the artifact was not overwritten
     provenance_sha256: str | None = None  # the build checked (core.artifact.report_state reads it)
     finished_at: str | None = None  # when the run ended, ISO 8601 UTC
+    # the sha256 of each reference file this report rests on (core.bound checks them); None: no reference
+    reference_sha256: dict | None = None
     texts: dict | None = None  # --texts: the user's texts (sha256, names); None: the bundled ones
     where: Path | None = None  # the Markdown report this run wrote (or the one kept)
 
@@ -154,7 +156,7 @@ class ValidationReport:
             "checks": [c.to_json() for c in self.checks], "failures": self.failures, "weights": self.weights,
             "activations": self.activations, "lm_head": self.lm_head, "end_to_end": self.end_to_end,
             "seconds": round(self.seconds, 2), "provenance_sha256": self.provenance_sha256,
-            "finished_at": self.finished_at, "texts": self.texts,
+            "finished_at": self.finished_at, "texts": self.texts, "reference_sha256": self.reference_sha256,
         })
 
     def to_markdown(self) -> str:
@@ -238,6 +240,7 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
 
     checks.check_index(inp, f)
     checks.check_provenance(inp, f)
+    checks.check_copied_files(inp, f)
     checks.check_tensors(inp, f)
     checks.check_config(inp, f)
     f.details.setdefault("finite", "scales finite and positive, no NaN FP8 codes, int8 zeros symmetric")
@@ -277,6 +280,11 @@ def validate_artifact(artifact: Path, source: Path | None = None, recipe: Recipe
     report.finished_at = utc_now()
     if write:
         _write(report, art.root, provenance, recorded.reference(built) if recorded is not None else None)
+        from hybrid_build.core.artifact import seal_reports
+        from hybrid_build.core.bound import record_validated_here
+
+        seal_reports(art.root)  # every report now in the folder, in the provenance
+        record_validated_here(art.root, report.outcome, report.texts is None)
     log.info("validation %s in %.1f s", report.outcome, report.seconds)
     return report
 
@@ -311,10 +319,11 @@ def _promote_passing(report: ValidationReport, artifact: Path, provenance: Prove
     report.kept = stronger_report(artifact, report)
     if report.kept is not None:
         return
-    staged = write_report(report, artifact, stage=True)
-    if reference is not None:  # its report passed: both describe this build
-        staged = write_reference(artifact, reference, stage=True) + staged
-    still = check_artifact(artifact, provenance)  # a stat per file when nothing changed (the hash cache)
+    staged = write_reference(artifact, reference, stage=True) if reference is not None else []
+    if reference is not None:  # its report passed: both describe this build; the report records its digests
+        report.reference_sha256 = {tmp.name[:-len(TMP_SUFFIX)]: _sha256_of(tmp) for tmp in staged}
+    staged = staged + write_report(report, artifact, stage=True)
+    still = check_artifact(artifact, provenance, reports=False)  # a stat per file when nothing changed (the hash cache)
     if provenance_sha256(artifact) != report.provenance_sha256:
         still.problems.insert(0, f"{PROVENANCE} itself was replaced")
     if not still.intact:
@@ -331,6 +340,12 @@ def _promote_passing(report: ValidationReport, artifact: Path, provenance: Prove
     report.written = [str(tmp.with_name(tmp.name[:-len(TMP_SUFFIX)])) for tmp in staged]
     for rel in VALIDATION_LAST.files:  # the latest run of this build passed
         (artifact / rel).unlink(missing_ok=True)
+
+
+def _sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _build_report(artifact: Path) -> dict | None:

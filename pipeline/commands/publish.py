@@ -36,8 +36,42 @@ def register(sub, common) -> None:
                         "from the hash cache or hashed) and the model card; send nothing")
     p.add_argument("--force", action="store_true",
                    help="publish even if validation is missing or failed (the card says so)")
+    s = p.add_argument_group("signing (OpenSSF Model Signing: model.sig, uploaded beside the files it covers)")
+    s.add_argument("--sign-key", metavar="KEY.pem", help="sign with this EC private key (PEM); users verify with "
+                   "its public key (`serve --trust-key`, `verify --artifact --trust-key`)")
+    s.add_argument("--sign-cert", metavar="CERT.pem", help="with --sign-key: the key's certificate (the signer "
+                   "is named by it)")
+    s.add_argument("--sign-chain", metavar="CA.pem", action="append", default=[],
+                   help="with --sign-cert: a certificate of its chain; repeatable")
+    s.add_argument("--sigstore", action="store_true",
+                   help="sign keyless with Sigstore (opens a browser for an OIDC login; needs the network)")
     add_json_flag(p)
     p.set_defaults(handler=run, resumes=True)  # what reached the Hub is not sent again
+
+
+def _signing_key(args: argparse.Namespace):
+    from pathlib import Path
+
+    from hybrid_build.core.signing import SigningKey
+
+    if args.sigstore:
+        if args.sign_key or args.sign_cert:
+            raise UserError("--sigstore signs keyless: leave out --sign-key and --sign-cert")
+        return SigningKey("sigstore")
+    if args.sign_cert and not args.sign_key:
+        raise UserError("--sign-cert needs --sign-key (the certificate's private key)")
+    if args.sign_chain and not args.sign_cert:
+        raise UserError("--sign-chain needs --sign-cert")
+    for flag, path in (("--sign-key", args.sign_key), ("--sign-cert", args.sign_cert),
+                       *(("--sign-chain", c) for c in args.sign_chain)):
+        if path and not Path(path).is_file():
+            raise UserError(f"{flag} {path}: no such file")
+    if not args.sign_key:
+        return None
+    if args.sign_cert:
+        return SigningKey("certificate", Path(args.sign_key), Path(args.sign_cert),
+                          tuple(Path(c) for c in args.sign_chain))
+    return SigningKey("key", Path(args.sign_key))
 
 
 def make_api():
@@ -74,7 +108,8 @@ def _print_plan(plan, revision: str) -> None:
               f"({human_bytes(plan.total_bytes)}) to {plan.repo_id} ({revision}); nothing is sent\n")
     width = max(len(f"{f.bytes:,}") for f in plan.files)
     for f in plan.files:
-        what = "  (generated model card)" if f.origin == "card" else ""
+        what = {"card": "  (generated model card)",
+                "signature": "  (signature, OpenSSF Model Signing)"}.get(f.origin, "")
         out.write(f"  {f.bytes:>{width},}  {f.path}{what}\n")
     out.write(f"total {plan.total_bytes:,} bytes in {len(plan.files)} files\n")
     c = plan.checked
@@ -83,6 +118,8 @@ def _print_plan(plan, revision: str) -> None:
                   f"(size and sha256): {c['cached']} from the hash cache, {c['hashed']} hashed "
                   f"({human_bytes(c['hashed_bytes'])}) in {c['seconds']:.2f} s\n")
     out.write(f"validation: {plan.validation.state}" + (" (--force)" if plan.forced else "") + "\n")
+    if plan.signed_seconds is not None:
+        out.write(f"signed: model.sig over {len(plan.files) - 1} files in {plan.signed_seconds:.2f} s\n")
     for note in plan.notes:
         out.write(f"note: {note}\n")
     out.write("\n----- README.md -----\n")
@@ -96,8 +133,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--revision takes a branch name; use --create-pr for a pull request")
     from hybrid_build.core.cli_support import progress
 
+    key = _signing_key(args)
     plan = plan_publish(args.artifact, args.repo_id, force=args.force,
                         progress=lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
+    if key is not None:
+        from ..publish import sign_plan
+
+        sign_plan(plan, key)  # written into the artifact (the dry run too: nothing is sent)
     revision = args.revision or "main"
     if args.dry_run:
         if args.json:

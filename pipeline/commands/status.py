@@ -25,7 +25,8 @@ the folder is not an output of `hybrid-build run`.
 
 def _render(data: dict) -> str:
     lines = [f"output   {data['output']}  ("
-             + (f"built, provenance {data['provenance_sha256'][:12]}" if data["built"] else "not built yet")
+             + (f"built, provenance {data['provenance_sha256'][:12]}" if data["built"]
+                else f"NOT FINISHED: {data['in_progress']}" if data.get("in_progress") else "not built yet")
              + (f", recipe {data['recipe']}" if data["recipe"] else "") + ")"]
     src = data["source"]
     lines.append(f"source   {src['where'] or '-'}: {src['state']}" + (f" ({src['reason']})" if src["reason"] else ""))
@@ -34,6 +35,11 @@ def _render(data: dict) -> str:
         lines.append(f"files    {art['files']} match the provenance ({art['cached']} from the hash cache, "
                      f"{art['hashed']} hashed)" if art["intact"]
                      else f"files    DIFFER from the provenance: {art['problem']}")
+    sig = data.get("signature")
+    if sig is not None:
+        from hybrid_build.core.signing import SignatureCheck
+
+        lines.append("signature " + SignatureCheck(sig["state"], sig["signer"], sig["problem"], sig["files"]).line())
     v = data["validation"]
     when = f" at {v['finished_at']}" if v.get("finished_at") else ""
     lines.append(f"validation {v['state'].upper() if v['state'] == 'failed' else v['state']}{when}: {v['reason']}"

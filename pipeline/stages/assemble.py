@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from hybrid_build.core.safetensors_io import (
     OutTensor,
     ShardHasher,
     ShardPlan,
+    copy_file_atomic,
     plan_shards,
     write_shard,
     write_text_atomic,
@@ -135,13 +135,6 @@ def _other_files(root: Path) -> list[Path]:
     return out
 
 
-def _copy_file_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + TMP_SUFFIX)
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 def inputs(ctx: BuildContext) -> dict:
     """The recipe sections that decide the checkpoint's bytes (its name is in config.json); the
     rest of the recipe (validate thresholds, serve profiles, publish settings) is ``record``'s."""
@@ -180,7 +173,7 @@ def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
         upstream.wait()  # a stage still in the background: its metrics go into the provenance
 
     for f in _other_files(ctx.source.root):
-        _copy_file_atomic(f, out / f.relative_to(ctx.source.root))
+        copy_file_atomic(f, out / f.relative_to(ctx.source.root))
     config = copy.deepcopy(ctx.source.config)
     qc = quantization_config(ctx)
     config["quantization_config"] = qc

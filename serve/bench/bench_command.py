@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from hybrid_build.core.api_key import client_key
+from hybrid_build.core.artifact import seal_report_at
 from hybrid_build.core.cli_support import (
     POSITIVE_INT,
     SECONDS,
@@ -141,6 +142,7 @@ def _write(args: argparse.Namespace, result: dict) -> None:
     if args.out:
         try:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
+            seal_report_at(args.out)  # ARTIFACT/hybrid_build/bench.json: recorded in its provenance
         except OSError as e:
             raise UserError(describe_os_error(e))
 

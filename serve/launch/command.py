@@ -119,6 +119,10 @@ def register(sub, common) -> None:
                         "(e.g. 1:CUDA_VISIBLE_DEVICES=0 2:CUDA_VISIBLE_DEVICES=1 for two nodes on one machine)")
     g.add_argument("--join-timeout", type=SECONDS, default=600,
                    help="seconds to wait for the head and for every node to join (default 600)")
+    g.add_argument("--trust-key", action="append", metavar="PUB.pem", default=None,
+                   help="a public key whose signature (model.sig, OpenSSF Model Signing) you trust; repeatable "
+                        "(default: $HYBRID_BUILD_TRUSTED_KEYS). A downloaded artifact is served only when signed by "
+                        "one, after a passing local `hybrid-build validate`, or with --force")
     g.add_argument("--force", action="store_true",
                    help="serve anyway an artifact whose files differ from its provenance or whose validation is "
                         "missing, failed or stale (refused otherwise, --dry-run included; verify still runs), and "
@@ -177,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.print_unit:
         return _print_unit(args)
-    _check_artifact(args)  # before anything is planned or started, --dry-run included
+    bound = _check_artifact(args)  # before anything is planned or started, --dry-run included
     several = bool(args.nodes or args.nodes_file)  # the docker engine's image is set by the multi-node plan
     version = None if several else _vllm_version(args)
     plan = plan_launch(args.artifact, args.profile, engine="local" if several else args.engine, port=args.port,
@@ -185,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                        hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
                        api_key=None if several else _api_key(args, args.host),  # several: for the head's address
-                       vllm_version=version)
+                       vllm_version=version, bound=bound)
     if several:
         return _run_nodes(args, plan)
     if args.dry_run:
@@ -372,41 +376,51 @@ def _budget(plan, reserve: int, version: str | None = None):
     return budget(planned, host, profile.gpu_memory_utilization, context_at)
 
 
-def _check_artifact(args: argparse.Namespace) -> None:
-    """Refuse (one line naming the file or the report) an artifact whose files differ from its
-    provenance, or whose validation is missing, failed, could not run or is stale; with ``--force``
-    the line is a warning and serving goes on (verify still runs). A Hub id, or a folder that is no
-    build of hybrid-build (a plain checkpoint: no provenance, no ``hybrid_build/``; a work folder
-    alone is no build: a source served across nodes keeps its digest cache there), has nothing to
-    check here."""
-    from hybrid_build.core.artifact import META_DIR, PROVENANCE, read_provenance, validation_outcome
+def _check_artifact(args: argparse.Namespace):
+    """Refuse (one line naming the file or the report) an artifact that ``core.bound.open_artifact``
+    finds unsound: a build in progress or stopped (resume it with ``run``), a symbolic link, a file or
+    report that differs from the provenance, a reference that is not the one the report rests on or
+    holds non-finite values, an invalid signature, a validation that is missing, failed, could not run
+    or is stale. An artifact this machine did not build (no work folder: downloaded) is served only
+    with a valid signature by a trusted key (``--trust-key``), after a passing local ``validate``, or
+    with ``--force``; the line printed says which. With ``--force`` each refusal is a warning and
+    serving goes on (verify still runs). A Hub id, or a plain checkpoint (no provenance, no
+    ``hybrid_build/``, no build's work folder), has nothing to check here (None). Returns the
+    ``BoundArtifact``, which the launch plan asks instead of reading the folder again."""
+    from hybrid_build.core.bound import open_artifact, trusted_keys
     from hybrid_build.core.errors import ArtifactError
-    from hybrid_build.core.integrity import check_artifact
 
     artifact = Path(args.artifact).expanduser()
     if not artifact.is_dir():
-        return
-    prov = read_provenance(artifact, missing_ok=True)
+        return None
+    bound = open_artifact(artifact, trusted=trusted_keys(getattr(args, "trust_key", None)), missing_ok=True,
+                          progress=lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
+    if bound is None:
+        return None
     problem = None
-    if prov is None:
-        if (artifact / META_DIR).is_dir():
-            problem = (f"no {PROVENANCE}: the build did not finish (`hybrid-build status {artifact}` says where it "
-                       "stopped)")
-    else:
-        found = check_artifact(artifact, prov, lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
-        if not found.intact:
-            problem = f"the artifact differs from its provenance: {found.problem}"
-        else:
-            v = validation_outcome(artifact)
-            if not v.passed:
-                where = f" ({v.report})" if v.report else ""
-                problem = f"validation {v.state}{where}: {v.reason}"
+    if not bound.intact:
+        problem = f"the artifact differs from its provenance: {bound.problem}"
+    elif not bound.validation.passed:
+        v = bound.validation
+        problem = f"validation {v.state}" + (f" ({v.report})" if v.report else "") + f": {v.reason}"
+    trust = None
+    if bound.signature.verified:
+        trust = bound.signature.line()
+    elif not bound.built_here:
+        if bound.validated_here:
+            trust = f"downloaded, {bound.signature.line()}; served after a passing local `hybrid-build validate`"
+        elif problem is None:
+            problem = (f"downloaded ({bound.signature.line()}) and not validated here: run `hybrid-build validate "
+                       f"{artifact}` first, or pass --trust-key with the publisher's public key")
     if problem is None:
-        return
+        if trust:
+            print(f"{artifact}: {trust}", file=sys.stderr, flush=True)
+        return bound
     if not args.force:
         raise ArtifactError(f"{artifact}: {problem}; not served (fix it, or --force to serve it anyway: verify "
                             "still runs)")
     print(f"warning: {artifact}: {problem}; serving it anyway (--force)", file=sys.stderr, flush=True)
+    return bound
 
 
 def _vllm_version(args: argparse.Namespace) -> str | None:

@@ -115,14 +115,17 @@ def _read_json(path: Path) -> dict:
         raise UserError(f"{path}: cannot read ({e})")
 
 
-def recipe_for_serving(artifact: str, recipe_arg: str | None) -> tuple[Recipe, dict | None]:
+def recipe_for_serving(artifact: str, recipe_arg: str | None, bound=None) -> tuple[Recipe, dict | None]:
     """The recipe (``--recipe``; else the artifact's own; else chosen from its config) and the
-    artifact's config.json (None for a Hub id)."""
+    artifact's config.json (None for a Hub id). ``bound`` (``core.bound.BoundArtifact``): the
+    artifact serve opened and checked, whose config.json is not read again."""
     # here, not at the top: the schema imports the output formats (torch); `serve --help` reads this module
     from hybrid_build.recipes.schema import load_recipe, parse_recipe, select_recipe
 
     path = Path(artifact).expanduser()
-    config = _read_json(path / CONFIG) if (path / CONFIG).exists() else None
+    config = bound.read_json(CONFIG) if bound is not None else None
+    if not isinstance(config, dict):
+        config = _read_json(path / CONFIG) if (path / CONFIG).exists() else None
     if path.exists() and config is None:
         raise UserError(f"{artifact}: not a checkpoint folder (no config.json)")
     if recipe_arg:
@@ -154,15 +157,17 @@ def _speculative(profile: ServeProfile, drafter: str | None) -> dict | None:
     return out
 
 
-def _provenance(artifact: str, hybrid: dict) -> Provenance:
-    """The artifact's provenance; for a folder that has none (a build not yet recorded), the source
-    its config records."""
+def _provenance(artifact: str, hybrid: dict, bound=None) -> Provenance:
+    """The artifact's provenance (the bound artifact's, where serve opened one); for a folder that
+    has none (a build not yet recorded), the source its config records."""
     from hybrid_build.core.provenance import Provenance
 
+    if bound is not None:
+        return bound.provenance
     return read_provenance(Path(artifact), missing_ok=True) or Provenance(source=hybrid.get("source") or {})
 
 
-def _local_source(artifact: str, config: dict | None, source: str | None) -> Path | None:
+def _local_source(artifact: str, config: dict | None, source: str | None, bound=None) -> Path | None:
     """The local folder of the source checkpoint: ``--source``, else the one the artifact records
     (the demo's inside the artifact, else its recorded absolute path), else the artifact itself when
     it is a source folder. None for a Hub source or when no folder is known here."""
@@ -176,7 +181,7 @@ def _local_source(artifact: str, config: dict | None, source: str | None) -> Pat
         return None
     from hybrid_build.core.source_identity import read_record
 
-    provenance = _provenance(artifact, hybrid)
+    provenance = _provenance(artifact, hybrid, bound)
     record = read_record(Path(artifact), provenance)
     if record is None or record.kind == "hub":
         return None
@@ -186,7 +191,7 @@ def _local_source(artifact: str, config: dict | None, source: str | None) -> Pat
 
 
 def resolve_drafter(name: str, profile: ServeProfile, drafter: str | None, artifact: str, config: dict | None,
-                    source: str | None) -> str | None:
+                    source: str | None, bound=None) -> str | None:
     """The DFlash drafter to load instead of the profile's literal one, or None to keep that:
     ``--drafter``, or the profile's ``{source}``-relative folder made absolute (the demo recipe's
     ``{source}-dflash`` is the drafter ``hybrid-build demo-checkpoint`` builds beside the source)."""
@@ -198,7 +203,7 @@ def resolve_drafter(name: str, profile: ServeProfile, drafter: str | None, artif
         return str(local.resolve()) if local.exists() else drafter
     if not spec.model or SOURCE_PLACEHOLDER not in spec.model:
         return None
-    folder = _local_source(artifact, config, source)
+    folder = _local_source(artifact, config, source, bound)
     if folder is None:
         raise UserError(f"the {name!r} profile's DFlash drafter is {spec.model!r}, a folder beside a local source "
                         "checkpoint, and no local source folder is known for this artifact: pass --drafter "
@@ -233,7 +238,7 @@ def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: 
 
 
 def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
-                  source: str | None) -> tuple[str, str | None]:
+                  source: str | None, bound=None) -> tuple[str, str | None]:
     """The folder or Hub id vLLM loads for this profile, and the Hub revision to load. A local
     source (given, or the one the artifact records) is checked by content against the artifact's
     provenance before it is served; a recorded Hub source is pinned to its recorded commit."""
@@ -247,7 +252,7 @@ def _served_model(artifact: str, config: dict | None, profile: ServeProfile,
         return source or artifact, None  # the source checkpoint itself
     from hybrid_build.core.source_identity import open_recorded_source, read_record
 
-    provenance = _provenance(artifact, hybrid)
+    provenance = _provenance(artifact, hybrid, bound)
     record = read_record(Path(artifact), provenance)
     if source is None and record is not None and record.kind == "hub":
         return record.id, record.revision  # a commit pins the bytes; vLLM fetches it if needed
@@ -350,25 +355,27 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
                 host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
                 source: str | None = None, image: str = DOCKER_IMAGE, hardware: str | None = None,
                 disable_fixes: tuple[str, ...] | list[str] = (), api_key: ApiKey | None = None,
-                vllm_version: str | None = None) -> LaunchPlan:
+                vllm_version: str | None = None, bound=None) -> LaunchPlan:
     """``hardware`` (a ``plan`` preset; default: the GPU ``nvidia-smi`` names, if it is one) is
     only used to say when the profile's levers are predicted to gain little there. ``disable_fixes``
     (``--disable-fix``) adds to the ids ``HYBRID_BUILD_DISABLE_FIXES`` already names here; the
     union goes into the served processes' environment. ``api_key`` (``served_key.resolve``) goes
     into vLLM's environment as ``VLLM_API_KEY`` when the plan starts; the docker engine's argv
     names the variable (``-e VLLM_API_KEY``) without its value. ``vllm_version``: the vLLM to be
-    served, where known (the profile's ``prefix_match_unit`` is passed only where it was measured)."""
+    served, where known (the profile's ``prefix_match_unit`` is passed only where it was measured).
+    ``bound``: the artifact serve opened and checked (``core.bound``), asked for its config and
+    provenance instead of reading them again."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
     off = fixes_off(disable_fixes)
-    rec, config = recipe_for_serving(artifact, recipe)
+    rec, config = recipe_for_serving(artifact, recipe, bound)
     name = profile_name or rec.serve.default_profile
     profiles = rec.serve.profiles
     if name not in profiles:
         raise UserError(f"recipe {rec.name!r} has no serve profile {name!r} (has: {', '.join(profiles) or 'none'})")
     profile = profiles[name]
-    model, revision = _served_model(artifact, config, profile, source)
-    drafter = resolve_drafter(name, profile, drafter, artifact, config, source)
+    model, revision = _served_model(artifact, config, profile, source, bound)
+    drafter = resolve_drafter(name, profile, drafter, artifact, config, source, bound)
     unit, unit_note = match_unit(profile, engine, vllm_version, drafter, off)
     asked_off = off  # what the user switched off (the note below); the unit's layout adds prefix_align
     if unit is not None:  # the stock layout: prefix_align's padding is what the unit makes unneeded

@@ -21,6 +21,7 @@ BAD_INPUT = {
     "demo-checkpoint": ["{tmp}/file/out"],
     "run": ["./no/such/checkpoint", "-o", "{tmp}/out"],
     "status": ["{tmp}/no-such-artifact"],
+    "verify-artifact": ["{tmp}/no-such-artifact"],
     "validate": ["{tmp}/no-such-artifact"],
     "verify": ["not-a-url", "--artifact", "{tmp}"],
     "eval": ["--limit", "-1", "--out", "{tmp}/eval.json"],

@@ -13,6 +13,8 @@ import time
 import pytest
 import yaml
 
+from hybrid_build.core.artifact import provenance_sha256, seal_reports
+from hybrid_build.core.errors import ArtifactError
 from hybrid_build.pipeline.publish import plan_publish
 
 REPO = "my-org/tiny-hybrid"
@@ -46,12 +48,16 @@ def edit_provenance(artifact, change) -> None:
     report = artifact / "hybrid_build" / "validation.json"  # a re-validation records the new build
     if report.exists():
         report.write_text(json.dumps({**json.loads(report.read_text()),
-                                      "provenance_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}))
+                                      "provenance_sha256": provenance_sha256(artifact)}))
     later = time.time() + 2
     for name in ("validation.json", "validation.md", "validation.png"):
         p = artifact / "hybrid_build" / name
         if p.exists():
             os.utime(p, (later, later))
+    try:
+        seal_reports(artifact)  # as the re-validation would
+    except ArtifactError:  # a provenance that no longer parses: nothing to seal into
+        pass
 
 
 def test_metadata_parses_and_says_what_the_artifact_is(artifact):
@@ -158,11 +164,13 @@ def test_forced_card_says_validation_did_not_pass(artifact, state):
     if state == "missing":
         for name in ("validation.json", "validation.md", "validation.png"):
             (artifact / "hybrid_build" / name).unlink()
+        seal_reports(artifact)
     else:
         report = json.loads(vpath.read_text())
         report["passed"] = False
         report["failures"] = ["model.language_model.layers.1.mlp.shared_expert.up_proj: rel_error 0.3 > 0.045"]
         vpath.write_text(json.dumps(report))
+    seal_reports(artifact)  # as the run that wrote it would
     plan = plan_publish(artifact, REPO, force=True)
     assert plan.forced and plan.validation.state == state
     _, body = split_card(plan.card_text)
@@ -213,7 +221,8 @@ def _publish_drafter(artifact, drafter: str) -> None:
     edit_provenance(artifact, change)
 
 
-def test_the_cards_commands_run_as_printed_in_a_copy_of_the_repository(artifact, capsys, monkeypatch):
+def test_the_cards_commands_run_as_printed_in_a_copy_of_the_repository(artifact, tiny_checkpoint, capsys,
+                                                                       monkeypatch):
     """The card's `hybrid-build serve` line, pasted in the artifact's folder (a copy of the repository;
     with --dry-run: no GPU here), plans the launch of that folder with its drafter; `vllm serve .` names
     the same folder and settings. The tiny recipe's own drafter was a folder on the build machine: the
@@ -227,6 +236,9 @@ def test_the_cards_commands_run_as_printed_in_a_copy_of_the_repository(artifact,
     line = next(ln for ln in body.splitlines() if ln.startswith("hybrid-build serve"))
     assert line == "hybrid-build serve . --profile dense"
     monkeypatch.chdir(artifact)
+    # a copy of the repository that no trusted key signed is served after a passing local validate
+    assert main(["validate", ".", "--source", str(tiny_checkpoint), "--no-e2e", "-q"]) == 0
+    capsys.readouterr()
     assert main(shlex.split(line)[1:] + ["--dry-run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["argv"][:3] == ["vllm", "serve", str(artifact.resolve())]
@@ -348,6 +360,7 @@ def test_validation_and_bench_figures_in_the_metadata(artifact):
                          {"workload": "code", "decode_tok_s": 150.0, "e2e_tok_s": 140.0, "ttft_s": 0.04,
                           "acceptance": None}]}
     (artifact / "hybrid_build" / "bench.json").write_text(json.dumps(bench))
+    seal_reports(artifact)  # as `bench --out` does
     plan = plan_publish(artifact, REPO)
     meta, body = split_card(plan.card_text)
     idx = model_index(meta)
@@ -443,6 +456,7 @@ def _card_variants(artifact):
     (artifact / "hybrid_build" / "bench.json").write_text(json.dumps(
         {"kind": "hybrid-build bench", "schema_version": 2, "runs": 3, "max_tokens": 64, "temperature": 0,
          "results": [{"workload": "prose", "decode_tok_s": 10.0, "e2e_tok_s": 9.0, "ttft_s": 0.1}]}))
+    seal_reports(artifact)
     yield "with eval and bench", plan_publish(artifact, REPO).card_text
 
     def hub_source(prov):
@@ -455,6 +469,7 @@ def _card_variants(artifact):
     yield "a Hub drafter", plan_publish(artifact, REPO).card_text
     for name in ("validation.json", "validation.md", "validation.png"):
         (artifact / "hybrid_build" / name).unlink()
+    seal_reports(artifact)
     yield "forced, unvalidated", plan_publish(artifact, REPO, force=True).card_text
 
 

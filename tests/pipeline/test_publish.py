@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hub_standin import FAKE_TOKEN, StandInHub, http_error
 
+from hybrid_build.core.artifact import seal_reports
 from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.errors import ArtifactError, UserError
 from hybrid_build.pipeline.cli import main
@@ -108,6 +109,7 @@ def test_failed_validation_blocks_without_force(artifact, cli, hub, capsys):
     report["passed"] = False
     report["failures"] = ["lm_head: top-1 agreement 0.91 < 0.97 (head_min_top1)"]
     vpath.write_text(json.dumps(report))
+    seal_reports(artifact)  # as `validate` does once its report is written
     assert cli(artifact, "--repo-id", REPO, "--dry-run") == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "validation FAILED" in err and "head_min_top1" in err
@@ -128,15 +130,22 @@ def test_report_of_another_build_counts_as_stale(artifact):
     assert plan_publish(artifact, REPO, force=True).validation.state == "stale"
 
 
-def test_a_report_naming_no_build_is_stale_when_older_than_the_build(artifact):
+def test_a_report_naming_no_build_is_refused_unless_sealed_for_this_build(artifact):
     report = artifact / "hybrid_build" / "validation.json"
     data = json.loads(report.read_text())
     del data["provenance_sha256"]  # written before reports recorded their build
     report.write_text(json.dumps(data))
-    assert plan_publish(artifact, REPO).validation.state == "passed"
     later = time.time() + 5
     os.utime(artifact / "hybrid_build" / "provenance.json", (later, later))
-    with pytest.raises(UserError, match="older than"):
+    with pytest.raises(ArtifactError, match="validation.json has .* bytes"):  # edited: the seal says so
+        plan_publish(artifact, REPO)
+    seal_reports(artifact)  # as the command that wrote it does
+    assert plan_publish(artifact, REPO).validation.state == "passed"
+    prov = artifact / "hybrid_build" / "provenance.json"
+    data = json.loads(prov.read_text())
+    data.pop("reports")
+    prov.write_text(json.dumps(data, indent=2) + "\n")  # a rebuild: `record` writes the provenance anew
+    with pytest.raises(ArtifactError, match=r"reference.json is not recorded in .* \(and 4 more\)"):
         plan_publish(artifact, REPO)
 
 

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from hybrid_build.core.artifact import REPORTS
+from hybrid_build.core.artifact import REPORTS, seal_reports
 from hybrid_build.pipeline.cli import main
 from hybrid_build.pipeline.stages import STAGES
 from hybrid_build.pipeline.status import output_status
@@ -58,6 +58,7 @@ def test_reports_belong_to_the_build_by_its_provenance_hash(built, tmp_path):
     eval_json.write_text(json.dumps({"tasks": [], "artifact": {"provenance_sha256": sha}}))
     REPORTS["bench"].path(out).write_text(json.dumps({"results": []}))
     (out / "notes.txt").write_text("added later")
+    seal_reports(out)  # as `eval` and `bench --out` do once their report is written
     reports = {r.report: r for r in output_status(out).reports}
     assert reports["eval"].state == "current" and reports["eval"].files == ["hybrid_build/eval.json"]
     assert reports["bench"].state == "unknown"  # bench names no build

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.api_key import CLIENT_ENV, bearer, raise_if_refused
-from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance
+from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance, seal_report_at
 from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
 
@@ -676,6 +676,7 @@ def write_report(report: AccuracyReport, path: Path) -> list[Path]:
     md = path.with_suffix(".md")
     write_text_atomic(path, json.dumps(report.to_json(), indent=2) + "\n")
     write_text_atomic(md, report.to_markdown())
+    seal_report_at(path)  # in an artifact: recorded in its provenance (core.artifact)
     return [path, md]
 
 

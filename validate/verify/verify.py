@@ -491,7 +491,7 @@ def load_reference(artifact: Path):
     from ..reference import read_reference
 
     try:
-        return read_reference(Path(artifact))
+        return read_reference(Path(artifact), bound=True)  # the bound artifact's reference (core.bound)
     except HybridBuildError as e:
         raise CannotVerify(f"could not verify: no current reference: {one_line(e, 400)}") from None
 

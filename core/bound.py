@@ -1,0 +1,324 @@
+"""The bound artifact: the folder opened and checked once, for every command that reads or ships it.
+
+One digest binds it. The provenance lists every build output and, in its ``reports`` section
+(``core.artifact.seal_reports``), every report written since (validation, reference, eval, bench,
+card); the validation report records the provenance's name (``provenance_sha256``) and the digests
+of the reference it rests on; the card is generated from the report. ``open_artifact`` checks all of
+it in one pass and returns a ``BoundArtifact`` that ``status``, ``serve``, ``publish`` and ``verify``
+ask, instead of each reading the folder piece by piece:
+
+- the folder is a finished build: no ``IN_PROGRESS`` marker (``run`` writes it before its first
+  write and removes it when the build is complete), a provenance;
+- it holds regular files only: a symbolic link anywhere in it is a problem naming it (never
+  followed, never uploaded, never served);
+- every file the provenance lists, reports included, has its recorded size and sha256 and nothing
+  else is there (``core.integrity``, through its hash cache);
+- the validation outcome (``core.artifact.validation_outcome``), and whether the report agrees with
+  itself (a report that says passed while it lists failures is a problem);
+- the reference: the digests the report records are the files' digests, and its values are finite
+  log-probabilities (<= 0) and token ids (>= 0), or it is refused whole;
+- the signature (``core.signing``) where one is there: who signed it, every file matches.
+
+Each problem is one line naming the file; ``require`` raises the first.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .artifact import (
+    CARD,
+    IN_PROGRESS,
+    META_DIR,
+    PROVENANCE,
+    REPORTS,
+    VALIDATED_HERE,
+    WORK_DIR,
+    Report,
+    ValidationOutcome,
+    is_validate_record,
+    provenance_sha256,
+    read_provenance,
+    report_state,
+    utc_now,
+    validation_outcome,
+)
+from .errors import ArtifactError, UserError
+from .integrity import Integrity, check_artifact
+from .manifest import build_digest
+from .progress import ProgressFactory, null_progress
+from .provenance import Provenance
+from .signing import SIGNATURE, SignatureCheck, check_signature
+
+REFERENCE = REPORTS["reference"]
+
+
+@dataclass
+class BoundArtifact:
+    """What ``open_artifact`` found: the provenance, the files' check, the validation, the
+    signature, and every problem (one line each, naming the file; the first leads)."""
+
+    root: Path
+    provenance: Provenance
+    build: str  # the provenance's sha256 (core.artifact.provenance_sha256): the build's name
+    integrity: Integrity
+    validation: ValidationOutcome
+    signature: SignatureCheck
+    problems: list[str] = field(default_factory=list)
+    built_here: bool = False  # the work folder is here: this machine built it
+    validated_here: bool = False  # a local `validate` passed for this build
+    provenance_digest: str = ""  # the sha256 of the provenance file's bytes (reports sealed in it included)
+    _json: dict = field(default_factory=dict, repr=False)  # the reports read so far, by relative path
+
+    @property
+    def intact(self) -> bool:
+        return not self.problems
+
+    @property
+    def problem(self) -> str | None:
+        if not self.problems:
+            return None
+        return self.problems[0] + (f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
+
+    def verified(self) -> dict[str, str]:
+        """name -> sha256 of every file the provenance lists (reports included) whose bytes were found
+        to be the recorded ones when the artifact was opened: a caller needs not hash them again."""
+        listed = {**self.provenance.files, **(self.provenance.reports or {})}
+        return {rel: e.sha256 for rel, e in listed.items() if rel not in self.integrity.by_file}
+
+    def read_json(self, rel: str) -> dict | list | Exception | None:
+        """A JSON file of the artifact (a report, ``config.json``), parsed once and kept: None when it is
+        not there, the exception when it does not parse. Its bytes were checked by ``open_artifact``."""
+        if rel not in self._json:
+            path = self.root / rel
+            try:
+                self._json[rel] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+            except (OSError, ValueError) as e:
+                self._json[rel] = e
+        return self._json[rel]
+
+    def report(self) -> dict:
+        """The validation report the outcome comes from (parsed once), {} when there is none."""
+        data = self.read_json(self.validation.report) if self.validation.report else None
+        return data if isinstance(data, dict) else {}
+
+    def report_state(self, report: Report) -> tuple[str, str]:
+        """``core.artifact.report_state`` from what was read when the artifact was opened."""
+        data = self.read_json(report.main) if report.build_field is not None else None
+        return report_state(self.root, report, build=self.build or None,
+                            data=data if data is not None else ValueError("not there"), sealed=self.provenance)
+
+    def require(self, hint: str = "rebuild it (`hybrid-build run`), or run the command that wrote it again") -> None:
+        if self.problems:
+            raise ArtifactError(f"{self.root}: {self.problem}; {hint}")
+
+    def shipped(self) -> dict[str, str]:
+        """The files ``publish`` uploads and ``serve`` reads, name -> sha256: every build output the
+        provenance lists (the source's card left out: the generated card goes up as ``README.md``),
+        the provenance and the recorded reports (the validate records and the card file left out)."""
+        out = {n: e.sha256 for n, e in self.provenance.files.items() if n != CARD}
+        out[PROVENANCE] = self.provenance_digest or _sha256(self.root / PROVENANCE)
+        for name, entry in (self.provenance.reports or {}).items():
+            if not is_validate_record(name) and (self.root / name).is_file():
+                out[name] = entry.sha256
+        return dict(sorted(out.items()))
+
+    def signed_set(self) -> dict[str, str]:
+        """What the signature covers: ``shipped`` plus the generated card as ``README.md``: here,
+        ``card.md`` (what ``publish`` kept of what it uploaded); in a downloaded copy, ``README.md``."""
+        out = self.shipped()
+        for rel in (REPORTS["card"].main, CARD):
+            if (self.root / rel).is_file() and not (self.root / rel).is_symlink():
+                out[CARD] = _sha256(self.root / rel)
+                break
+        return dict(sorted(out.items()))
+
+    def to_json(self) -> dict:
+        return {"artifact": str(self.root), "build": self.build, "intact": self.intact, "problem": self.problem,
+                "problems": self.problems, "files": self.integrity.to_json(), "validation": self.validation.to_json(),
+                "signature": self.signature.to_json(), "built_here": self.built_here,
+                "validated_here": self.validated_here}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def unfinished(root: Path) -> str | None:
+    """Why ``root`` is a build that has not finished (in progress, or stopped), or None."""
+    marker = Path(root) / IN_PROGRESS
+    if not marker.is_file():
+        return None
+    try:
+        pid = int(json.loads(marker.read_text()).get("pid"))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pid = None
+    alive = False
+    if pid:
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            alive = True
+    if alive:
+        return f"`hybrid-build run` (pid {pid}) is still writing this build; wait for it to finish"
+    return "a build that stopped part-way (its in-progress marker is there): resume it with `hybrid-build run`"
+
+
+def symlinks(root: Path) -> list[str]:
+    """Every symbolic link in the artifact (dot folders, the work folder, left out), one line each."""
+    root = Path(root)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                rel = path.relative_to(root).as_posix()
+                found.append(f"{rel} is a symbolic link (to {os.readlink(path)}): an artifact holds regular files "
+                             "only; remove it")
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not (Path(dirpath) / d).is_symlink())
+    return found
+
+
+def reference_problems(root: Path, recorded: dict | None) -> list[str]:
+    """The reference against the digests the validation report records, and its values: finite
+    log-probabilities <= 0 and token ids >= 0 (a reference of NaNs would silently turn the KL checks
+    off). [] when it is sound or absent."""
+    root = Path(root)
+    problems = []
+    present = [rel for rel in REFERENCE.files if (root / rel).is_file()]
+    if not present:
+        return []
+    if recorded is not None:
+        for rel in REFERENCE.files:
+            name = rel.rsplit("/", 1)[1]
+            want = recorded.get(name)
+            if not (root / rel).is_file():
+                problems.append(f"{rel} is missing; {REPORTS['validation'].main} rests on it")
+            elif want != _sha256(root / rel):
+                problems.append(f"{rel} is not the reference {REPORTS['validation'].main} records (sha256 differs)")
+    path = root / REFERENCE.named(".safetensors")
+    if not path.is_file() or problems:
+        return problems
+    import numpy as np
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        return [f"{REFERENCE.named('.safetensors')} is unreadable ({' '.join(str(e).split())})"]
+    for name, t in sorted(tensors.items()):
+        if name.endswith("logprobs") or name.endswith("logprob"):
+            bad = ~np.isfinite(t) | (t > 1e-4)  # a log-probability is <= 0 (fp32 rounding allowed)
+        elif name.endswith("top_ids"):
+            bad = t < 0
+        else:
+            continue
+        if bad.any():
+            return [f"{REFERENCE.named('.safetensors')}: {name} holds {int(bad.sum())} value(s) that are not "
+                    f"{'finite log-probabilities <= 0' if 'logprob' in name else 'token ids'} (e.g. "
+                    f"{t[bad].flat[0]!r}); the reference is refused whole"]
+    return problems
+
+
+def _report_problems(data, validation: ValidationOutcome) -> tuple[list[str], dict | None]:
+    """A report (``data``, parsed) that contradicts itself, and the reference digests it records."""
+    if not validation.report:
+        return [], None
+    if not isinstance(data, dict):
+        return [], None
+    problems = []
+    failures = data.get("failures") or []
+    if data.get("passed") is True and failures:
+        problems.append(f"{validation.report} says passed but lists {len(failures)} failure(s)")
+    ref = data.get("reference_sha256")
+    return problems, ref if isinstance(ref, dict) else None
+
+
+def record_validated_here(root: Path, outcome: str, bundled: bool) -> None:
+    """After ``validate`` on this machine: the build it passed for (the work folder is never
+    published, so a downloaded copy carries none)."""
+    from .safetensors_io import write_text_atomic
+
+    path = Path(root) / VALIDATED_HERE
+    if outcome == "passed" and bundled:
+        path.parent.mkdir(exist_ok=True)
+        write_text_atomic(path, json.dumps({"build": provenance_sha256(root), "at": utc_now()}) + "\n")
+
+
+def _validated_here(root: Path, build: str) -> bool:
+    try:
+        return json.loads((Path(root) / VALIDATED_HERE).read_text()).get("build") == build
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def trusted_keys(given: list[str] | None = None) -> list[Path]:
+    """The public keys a signature is checked with: ``--trust-key`` files, else those named in
+    ``HYBRID_BUILD_TRUSTED_KEYS`` (paths separated by the OS path separator)."""
+    names = list(given or []) or [p for p in os.environ.get("HYBRID_BUILD_TRUSTED_KEYS", "").split(os.pathsep) if p]
+    keys = []
+    for n in names:
+        p = Path(n).expanduser()
+        if not p.is_file():
+            raise UserError(f"--trust-key {n}: no such file")
+        keys.append(p)
+    return keys
+
+
+def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progress: ProgressFactory = null_progress,
+                  missing_ok: bool = False) -> BoundArtifact | None:
+    """The artifact at ``path``, opened and checked once (the module's docstring). A build that has not
+    finished is an ``ArtifactError``; a folder that is no build of hybrid-build (no provenance, no
+    ``META_DIR``, no work folder) is a ``UserError``, or None with ``missing_ok`` (a plain
+    checkpoint, which serve may still serve)."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UserError(f"{root}: no such artifact folder")
+    why = unfinished(root)
+    if why:
+        raise ArtifactError(f"{root}: not an artifact: {why}")
+    prov = read_provenance(root, missing_ok=True)
+    if prov is None:
+        if (root / META_DIR).is_dir() or (root / WORK_DIR / "inspect.json").is_file():  # a stage ran here
+            raise ArtifactError(f"{root}: not an artifact: a build that did not finish (no {PROVENANCE}): resume "
+                                "it with `hybrid-build run`")
+        if missing_ok:
+            return None
+        read_provenance(root)  # its one line
+    problems = symlinks(root)
+    found = check_artifact(root, prov, progress)
+    built_here = (root / WORK_DIR / "record.json").is_file()  # the record stage's manifest: built on this machine
+    if not built_here and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
+        # a downloaded copy: its README.md is the card publish generated (the signature covers it)
+        found.problems.remove(found.by_file.pop(CARD))
+    problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
+                                                      for s in problems)]
+    validation = validation_outcome(root)
+    raw = (root / PROVENANCE).read_bytes()
+    build = build_digest(raw)
+    bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
+                          built_here=built_here, validated_here=_validated_here(root, build),
+                          provenance_digest=hashlib.sha256(raw).hexdigest())
+    own, ref_digests = _report_problems(bound.read_json(validation.report) if validation.report else None,
+                                        validation)
+    problems += own
+    if not found.intact and any(r in found.by_file for r in REFERENCE.files):
+        pass  # the reference's bytes are already named
+    else:
+        problems += reference_problems(root, ref_digests)
+    sig = root / SIGNATURE
+    if sig.is_file() or sig.is_symlink():
+        if sig.is_symlink():
+            bound.signature = SignatureCheck("invalid", problem=f"{SIGNATURE} is a symbolic link")
+        else:
+            bound.signature = check_signature(sig, bound.signed_set(), list(trusted or []))
+        if bound.signature.state == "invalid":
+            problems.append(bound.signature.line())
+    return bound
