@@ -29,7 +29,9 @@ sliding-window block (0.25.1+: the smallest kernel block; 0.23.0: the engine blo
 GDN pages are padded, 0.26.0+ or with the ``kv_unify`` fix on 0.25.1); the grouping of
 ``_get_kv_cache_groups_uniform_page_size`` (group size = the fewest layers of one spec, or the
 most where that is under 1.5x the fewest); ``num_blocks = available // (page x group size)``;
-the logged capacity ``int(num_blocks / blocks per max_model_len request x max_model_len)``. The
+the logged capacity ``int(num_blocks / blocks per max_model_len request x max_model_len)``, where a
+sliding-window layer counts ``cdiv(min(window - 1 + in-flight tokens, max_model_len), block) + 1``
+blocks (0.26.0+: ``max_in_flight_tokens``, two batches under async scheduling, vLLM's default). The
 layout ``prefix_align`` is the runtime fix of ``serve/runtime/kv_cache_fixes.py`` (every group at
 the GDN block, pages padded to the largest). ``tests/serve/speed/test_memory_plan.py`` checks all
 of it against vLLM's own functions run on CPU.
@@ -110,6 +112,8 @@ class MemoryInputs:
     kv_cache_memory_bytes: int | None = None
     tensor_parallel: int = 1
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
+    # vLLM's default: on with no drafter or an EAGLE-family one (dflash, mtp); --no-async-scheduling turns it off
+    async_scheduling: bool = True
 
 
 @dataclass
@@ -367,12 +371,21 @@ def _groups(specs: list[_Spec]) -> tuple[list[KVGroup], int]:
     return groups, size
 
 
+def in_flight_tokens(i: MemoryInputs) -> int:
+    """The tokens a sliding-window layer holds beyond its window: 0.26.0+ ``VllmConfig.max_in_flight_tokens``
+    (``max_concurrent_batches`` x ``max_num_batched_tokens``; async scheduling keeps two batches in
+    flight at one pipeline stage, on either model runner), 0.23.0 / 0.25.1 ``max_num_batched_tokens``."""
+    if i.engine < "0.26":
+        return i.max_num_batched_tokens
+    return (2 if i.async_scheduling else 1) * i.max_num_batched_tokens
+
+
 def _max_request_blocks(g: KVGroup, i: MemoryInputs) -> int:
     """Blocks ``max_memory_usage_bytes`` counts for one request of ``max_model_len``."""
     if g.kind == "full_attention":
         return math.ceil(i.max_model_len / g.block_size)
     if g.kind == "sliding_window":
-        return math.ceil(min(g.window - 1 + i.max_num_batched_tokens, i.max_model_len) / g.block_size) + 1
+        return math.ceil(min(g.window - 1 + in_flight_tokens(i), i.max_model_len) / g.block_size) + 1
     return g.state_pages
 
 
@@ -497,7 +510,8 @@ def profile_inputs(text_config: dict, profile, engine: str, drafter_config: dict
         kv_cache_dtype=profile_kv_dtype(profile), prefix_caching=bool(profile.enable_prefix_caching),
         layout=layout or profile_layout(profile, engine, drafter_config=drafter_config),
         gpu_memory_utilization=profile.gpu_memory_utilization,
-        max_model_len=profile.max_model_len, engine=engine, **bytes_)
+        max_model_len=profile.max_model_len, engine=engine,
+        async_scheduling="--no-async-scheduling" not in (getattr(profile, "extra_args", None) or []), **bytes_)
 
 
 # ------------------------------------------------------------------------------ hardware and advice

@@ -4,7 +4,7 @@ process, on CPU (run with a vLLM version's sources on PYTHONPATH; kv_probe.py's 
 Usage: ``python kv_pool_probe.py CASES.json OUT.json``. Each case: ``text_config``,
 ``drafter_config`` (or null), ``method`` (dflash | mtp | null), ``num_speculative_tokens``,
 ``kv_bytes``, ``caching``, ``fixes`` (ids of ``serve/runtime/kv_cache_fixes``), ``max_model_len``,
-``available_memory``, ``contexts``.
+``available_memory``, ``contexts``, optionally ``async_scheduling`` (vLLM's default, on, where absent).
 
 What is vLLM's: the spec classes and their page sizes, the GDN state shape
 (``MambaStateShapeCalculator``), ``get_kv_cache_groups`` (page unification, grouping; the
@@ -104,15 +104,28 @@ def config_of(case: dict, version: str):
         method = case["method"]
         spec = types.SimpleNamespace(method=method, use_eagle=lambda: method in ("dflash", "mtp"),
                                      num_speculative_tokens=case["num_speculative_tokens"])
-    sched = types.SimpleNamespace(disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=8192)
-    return types.SimpleNamespace(
+    sched = types.SimpleNamespace(disable_hybrid_kv_cache_manager=False, max_num_batched_tokens=8192,
+                                  async_scheduling=case.get("async_scheduling", True))
+    cfg = types.SimpleNamespace(
         scheduler_config=sched, speculative_config=spec, cache_config=cache,
         model_config=types.SimpleNamespace(max_model_len=case["max_model_len"]),
         parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1,
                                               pipeline_parallel_size=1),
         attention_config=types.SimpleNamespace(hisparse_config=None), kv_transfer_config=None,
-        max_in_flight_tokens=8192, max_concurrent_batches=1,
+        # 0.26.0+ force the V2 runner for a mixed sliding/full DFlash drafter (_dflash_needs_multi_kv_group);
+        # at one pipeline stage either runner keeps two batches in flight under async scheduling
+        use_v2_model_runner=version >= "0.26" and "sliding_attention" in (
+            (case.get("drafter_config") or {}).get("layer_types") or []),
         device_config=types.SimpleNamespace(device_type="cuda"))
+    # the batches in flight and their tokens by VllmConfig's own properties (async scheduling, vLLM's
+    # default for no drafter or an EAGLE-family one, keeps two batches in flight); 0.23.0 / 0.25.1 have
+    # no max_in_flight_tokens (their sliding-window sizing reads max_num_batched_tokens)
+    from vllm.config import VllmConfig
+
+    cfg.max_concurrent_batches = VllmConfig.max_concurrent_batches.fget(cfg)
+    in_flight = getattr(VllmConfig, "max_in_flight_tokens", None)
+    cfg.max_in_flight_tokens = in_flight.fget(cfg) if in_flight is not None else sched.max_num_batched_tokens
+    return cfg
 
 
 def streams(kv_config, case: dict, cfg, lookahead: int, scheduler_block: int, hash_block: int) -> dict:
@@ -127,7 +140,7 @@ def streams(kv_config, case: dict, cfg, lookahead: int, scheduler_block: int, ha
         kw = dict(max_model_len=case["max_model_len"], scheduler_block_size=scheduler_block,
                   hash_block_size=hash_block, enable_caching=False, use_eagle=False)
         try:
-            mgr = KVCacheManager(kv_config, max_in_flight_tokens=8192, **kw)
+            mgr = KVCacheManager(kv_config, max_in_flight_tokens=cfg.max_in_flight_tokens, **kw)
         except TypeError:
             mgr = KVCacheManager(kv_config, **kw)
 

@@ -6,6 +6,9 @@ layout serve installs on that version, ``max_model_len``), the DFlash profiles w
 drafter's shape in both layer layouts, at a KV budget of 547 blocks of the 122B's stock page (the
 public GB10 log at ``gpu_memory_utilization`` 0.82). The plan's pool (the figure vLLM logs) must be
 within 1% of vLLM's, and the streams of 32k / 100k tokens the manager admits must be the plan's.
+On 0.26.0 the same subprocess also runs a real engine start (``data/h100_run15.json``: the 122B at
+full depth, 64 experts, the mixed drafter, ``prefix_align``): vLLM's planning on CPU and the plan
+must both give the pool that engine logged.
 """
 from __future__ import annotations
 
@@ -31,6 +34,34 @@ from hybrid_build.pipeline.generators import synthetic as syn  # noqa: E402
 
 BUDGET = 547 * 55_050_240  # bytes: lab/results/kv_pool_plan_vs_vllm_cpu.json states its basis
 CONTEXTS = (32768, 100000)
+RUN15 = json.loads((Path(__file__).parent / "data" / "h100_run15.json").read_text())
+RUN15_ID = "h100-run15/122b-L48-e64/dense/mixed/prefix_align"
+
+
+def run15_available_bytes() -> int:
+    """The KV bytes that engine had: its ``--kv-cache-memory`` suggestion is the profiled budget
+    less a 150 MiB buffer, from the same weight / peak / non-torch terms (0.26.0 gpu_worker.py;
+    no CUDA graphs under enforce-eager), so the budget is the suggestion + 150 MiB."""
+    return RUN15["logged"]["kv_cache_memory_suggestion"] + RUN15["logged"]["suggestion_buffer_bytes"]
+
+
+def run15_inputs(**changes) -> mp.MemoryInputs:
+    sv = RUN15["serve"]
+    kw = dict(text_config=RUN15["text_config"], drafter_config=RUN15["drafter_config"], method=sv["method"],
+              num_speculative_tokens=sv["num_speculative_tokens"], layout=sv["layout"],
+              prefix_caching=sv["prefix_caching"], gpu_memory_utilization=sv["gpu_memory_utilization"],
+              max_model_len=sv["max_model_len"], engine="0.26.0", async_scheduling=sv["async_scheduling"],
+              max_num_batched_tokens=sv["max_num_batched_tokens"], kv_cache_memory_bytes=run15_available_bytes())
+    return mp.MemoryInputs(**{**kw, **changes})
+
+
+def run15_case() -> tuple[dict, mp.MemoryInputs]:
+    i = run15_inputs()
+    return ({"id": RUN15_ID, "text_config": i.text_config, "drafter_config": i.drafter_config, "method": i.method,
+             "num_speculative_tokens": i.num_speculative_tokens, "kv_bytes": 2, "caching": True,
+             "fixes": ["prefix_align"], "max_model_len": i.max_model_len,
+             "available_memory": i.kv_cache_memory_bytes, "async_scheduling": i.async_scheduling,
+             "contexts": [32768]}, i)
 
 
 def text_config(recipe: str) -> dict:
@@ -66,6 +97,8 @@ def cases(version: str) -> list[tuple[dict, mp.MemoryInputs]]:
                             "fixes": fixes, "max_model_len": i.max_model_len, "available_memory": BUDGET,
                             "contexts": [c for c in CONTEXTS if c <= i.max_model_len]}
                     out.append((case, i))
+    if version == "0.26.0":
+        out.append(run15_case())
     out.sort(key=lambda ci: "prefix_align" in ci[0]["fixes"])  # an installed prefix_align stays installed
     return out
 
@@ -116,6 +149,10 @@ def test_pool_and_streams_match_vllms_own_planning(version, tmp_path):
     for r in rows:
         for ctx, s in r.get("streams", {}).items():
             assert s["plan"] == s["vllm"], (r["case"], ctx, s)
+    if version == "0.26.0":  # the real engine's logged pool, by vLLM's planning on CPU and by the plan
+        r = next(r for r in rows if r["case"] == RUN15_ID)
+        logged = RUN15["logged"]["pool_tokens"]
+        assert (r["vllm_pool_tokens"], r["plan_pool_tokens"]) == (logged, logged), r
     out = os.environ.get("HYBRID_BUILD_MEMORY_TABLE")
     if out:  # the lab table: HYBRID_BUILD_MEMORY_TABLE=FILE pytest ...
         prev = json.loads(Path(out).read_text()) if Path(out).exists() else {}
@@ -135,6 +172,22 @@ def test_the_turn5_figures_of_the_122b_with_the_real_drafter():
                                              kv_cache_memory_bytes=BUDGET))
         got[layout] = (p.num_blocks, p.pool_tokens, p.streams_that_fit(100000).whole, p.kv_bytes_per_token)
     assert got == {"stock": (547, 448102, 3, 48 * 1024), "prefix_align": (547, 327380, 2, 72 * 1024)}
+
+
+def test_the_h100_run15_pool():
+    """The pool a real 0.26.0 engine logged (343,627 tokens at 41.72 GiB), from its configs and the
+    budget its log gives; with one batch in flight (no async scheduling) a sliding-window drafter
+    layer would count 7 blocks a request instead of 11, and the pool would be 2.1% larger."""
+    logged = RUN15["logged"]
+    assert round(run15_available_bytes() / 2**30, 2) == logged["available_kv_cache_gib"]
+    p = mp.plan_memory(run15_inputs())
+    assert p.pool_tokens == logged["pool_tokens"]
+    assert round(p.pool_tokens / p.inputs.max_model_len, 2) == logged["max_concurrency"]
+    sliding = [g for g in p.groups if g.kind == "sliding_window"]
+    assert len(sliding) == 5 and {mp._max_request_blocks(g, p.inputs) for g in sliding} == {11}
+    sync = mp.plan_memory(run15_inputs(async_scheduling=False))
+    assert {mp._max_request_blocks(g, sync.inputs) for g in sync.groups if g.kind == "sliding_window"} == {7}
+    assert sync.num_blocks == p.num_blocks and sync.pool_tokens > p.pool_tokens * 1.02
 
 
 def test_log_comparison_warns_beyond_two_percent():
