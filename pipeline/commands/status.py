@@ -18,8 +18,10 @@ files are checked against the provenance (sha256, cached by size, mtime, ctime, 
 in .hybrid-build/artifact-sha256.json): a file that differs is named and makes the stage that
 wrote it stale. validation: the build's latest validate outcome (passed, failed, could not run,
 missing, stale) with the reason and the time; `--json` has it under "validation". Reads the output
-folder alone (and the source where the build recorded it); exit 0 whatever the states, 2 when
-the folder is not an output of `hybrid-build run`.
+folder alone (and the source where the build recorded it). Exit 0 whatever the stages' and
+reports' states, 1 when the artifact's files are not what its provenance binds (a changed, missing,
+unlisted or linked file, a reference or signature that is not sound: the line names the file, as
+serve and publish refuse it), 2 when the folder is not an output of `hybrid-build run`.
 """
 
 
@@ -76,6 +78,12 @@ def _handle(args: argparse.Namespace) -> int:
         emit_json(data)
     else:
         print(_render(data))
+    art = data.get("artifact")
+    if art is not None and not art["intact"]:  # what serve and publish refuse: a failed check, named
+        import sys
+
+        print(f"error: {art['problem']}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

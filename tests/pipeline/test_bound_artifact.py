@@ -63,7 +63,7 @@ def refused_everywhere(capsys, art: Path, name: str) -> None:
     assert rc == 1 and name in one_line(err), err
     rc, out, _ = cli(capsys, "status", art, "--json")
     data = json.loads(out)
-    assert rc == 0 and not data["artifact"]["intact"] and name in data["artifact"]["problem"]
+    assert rc == 1 and not data["artifact"]["intact"] and name in data["artifact"]["problem"]
     rc, out, _ = cli(capsys, "verify-artifact", art)
     assert rc == 1 and name in out
 

@@ -36,14 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.api_key import CLIENT_ENV, bearer, raise_if_refused
+from hybrid_build.core.api_key import CLIENT_ENV
 from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenance, seal_report_at
 from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
@@ -279,21 +277,15 @@ def run_lm_eval(lm, settings: EvalSettings, manager) -> dict:
 
 
 def list_models(url: str, timeout: float = 10.0, api_key: str | None = None) -> list[dict]:
-    """The server's ``/models`` entries; a server that does not answer, or not as an OpenAI server,
-    is one ``CannotRun`` (exit 3), a refused key one ``KeyRefused``."""
-    req = urllib.request.Request(url.rstrip("/") + "/models", headers=bearer(api_key))
+    """The server's ``/models`` entries, through the one HTTP client (``core.http_client``): a
+    server that does not answer, or not as an OpenAI server, is one line with its exit code (3), a
+    refused key one ``KeyRefused``, a redirect is not followed."""
+    from hybrid_build.core.http_client import ErrorStatus, shared_client
+
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            data = json.loads(r.read().decode())
-    except urllib.error.HTTPError as e:
-        raise_if_refused(e, url, bool(api_key))
-        raise CannotRun(f"{url}: GET /models answered HTTP {e.code}: is this an OpenAI-compatible base URL "
-                                f"(ending in /v1)?") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise CannotRun(f"cannot reach {url} ({getattr(e, 'reason', e)}): is the server running? "
-                                f"(`hybrid-build serve` prints its URL)") from None
-    except ValueError:
-        raise CannotRun(f"{url}: GET /models did not answer JSON: not an OpenAI-compatible server") from None
+        data = shared_client(api_key, timeout).get_json(url.rstrip("/") + "/models")
+    except ErrorStatus as e:
+        raise CannotRun(f"{url}: GET /models: {e}: is this an OpenAI-compatible base URL (ending in /v1)?") from None
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
         raise CannotRun(f"{url}: GET /models lists no model")
