@@ -64,6 +64,6 @@ def test_an_exception_that_is_not_the_hubs_is_printed_redacted(refused_url, monk
     assert main(["bench", url, "--runs", "1", "--json", "--api-key", FLAG_SECRET, "-vv"]) == 3
     out, err = capsys.readouterr()
     assert ENV_SECRET not in out + err and FLAG_SECRET not in out + err
-    assert json.loads(out)["error"].startswith(f"cannot reach {refused_url}?key=***&other=***/models")
-    assert f"error: cannot reach {refused_url}?key=***&other=***/models" in err
+    assert json.loads(out)["error"].startswith(f"no server answers at {refused_url}?key=***&other=***/models")
+    assert f"error: no server answers at {refused_url}?key=***&other=***/models" in err
     assert "Traceback" in err  # -vv shows it, redacted too

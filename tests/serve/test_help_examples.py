@@ -93,6 +93,9 @@ def why_not(cmd: str, cwd: Path) -> str | None:
             return f"replays the user's trace {trace} (tests/serve/bench/test_bench_trace.py makes small ones)"
         if "--duration" in args:
             return "a soak of --duration seconds (tests/serve/bench/test_bench_trace.py runs short ones)"
+    if "--trust-key" in args and not (cwd / args[args.index("--trust-key") + 1]).exists():
+        return (f"needs the publisher's public key {args[args.index('--trust-key') + 1]} "
+                "(tests/pipeline/test_bound_artifact.py signs and checks with a key made in the test)")
     if "--texts" in args and not (cwd / args[args.index("--texts") + 1]).exists():
         return f"reads the user's texts file {args[args.index('--texts') + 1]}"
     return None

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from hybrid_build.core.artifact import PROVENANCE, REPORTS, report_state
+from hybrid_build.core.artifact import PROVENANCE, REPORTS, report_state, seal_report_at
 from hybrid_build.core.errors import ArtifactError, UserError
 from hybrid_build.validate.reference import SIDES, K, read_reference
 from hybrid_build.validate.report import validate_artifact
@@ -173,7 +173,11 @@ def test_publish_sends_it_and_the_card_says_what_it_proves(validated_copy):
     sent = {f.path for f in plan.files}
     assert set(REFERENCE.files) <= sent
     assert "hybrid-build verify URL" in plan.card_text and REFERENCE.named(".safetensors") in plan.card_text
-    # stale (made for another build): sent as a report, but the card no longer speaks of it
+    # one made for another build: the provenance and the validation report bind this one, so it is refused
     main = REFERENCE.path(validated_copy)
     main.write_text(json.dumps({**json.loads(main.read_text()), "provenance_sha256": "0" * 64}))
-    assert "hybrid-build verify" not in plan_publish(validated_copy, "someone/tiny-hybrid").card_text
+    with pytest.raises(ArtifactError, match="reference.json"):
+        plan_publish(validated_copy, "someone/tiny-hybrid")
+    seal_report_at(main)  # sealed as a command would seal it: the validation report still records the other one
+    with pytest.raises(ArtifactError, match="reference.json is not the reference"):
+        plan_publish(validated_copy, "someone/tiny-hybrid")

@@ -115,7 +115,8 @@ def test_case_recipe_and_command(tmp_path):
     case = agent_steps.Case("dflash", "mixed", True)
     cmd = agent_steps.serve_command(case, Path("/f"), on, 8200, 540, Path("/o/x.log"))
     assert cmd[:5] == ["hybrid-build", "serve", "/f/L48-base", "--profile", "dflash"]
-    assert cmd[cmd.index("--drafter") + 1] == "/f/drafter-mixed" and "--no-verify" in cmd and cmd[-1] == "--json"
+    assert cmd[cmd.index("--drafter") + 1] == "/f/drafter-mixed" and "--no-verify" in cmd and "--json" in cmd
+    assert cmd[-1] == "--force"  # a config-only checkpoint has no provenance: serve takes it only so
 
 
 def test_first_error_is_the_exception_line():
