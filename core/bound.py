@@ -47,7 +47,7 @@ from .artifact import (
     validation_outcome,
 )
 from .errors import ArtifactError, UserError
-from .integrity import Integrity, check_artifact
+from .integrity import Integrity, check_artifact, first_problem
 from .manifest import build_digest
 from .progress import ProgressFactory, null_progress
 from .provenance import Provenance
@@ -79,9 +79,7 @@ class BoundArtifact:
 
     @property
     def problem(self) -> str | None:
-        if not self.problems:
-            return None
-        return self.problems[0] + (f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
+        return first_problem(self.problems)
 
     def verified(self) -> dict[str, str]:
         """name -> sha256 of every file the provenance lists (reports included) whose bytes were found

@@ -328,6 +328,29 @@ class _Events:
         return out
 
 
+class _EventStream:
+    """One streamed answer read as events: the byte cap, the end at ``[DONE]`` (what follows is read
+    and dropped, so the connection goes back to the pool) and the deadline, for the sync and async
+    clients alike (they differ only in how they iterate the body)."""
+
+    def __init__(self, client: "_Base", url: str, t: httpx.Timeout):
+        self.client, self.url, self.t = client, url, t
+        self.events, self.n, self.done = _Events(url), 0, False
+
+    def feed(self, chunk: bytes, final: bool = False) -> list[dict]:
+        self.n += len(chunk)
+        if self.n > self.client.max_bytes:
+            raise self.client._too_big(self.url)
+        out = []
+        for data in [] if self.done else self.events.feed(chunk, final):
+            self.done = self.done or data.strip() == "[DONE]"
+            if not self.done:
+                out.append(_event_json(self.url, data))
+        if not final and self.t.read.left() <= 0:
+            raise self.client._late(self.url, self.t)
+        return out
+
+
 def _event_json(url: str, data: str):
     try:
         event = json.loads(data)
@@ -505,22 +528,11 @@ class HttpClient(_Base):
         to its end after ``[DONE]``, so that the connection goes back to the pool (a response closed
         before its end closes its connection: the next request would connect again)."""
         r, t = self._send("POST", url, payload, timeout)
-        events, n, done = _Events(url), 0, False
+        stream = _EventStream(self, url, t)
         try:
             for chunk in r.iter_bytes():
-                n += len(chunk)
-                if n > self.max_bytes:
-                    raise self._too_big(url)
-                for data in [] if done else events.feed(chunk):
-                    done = done or data.strip() == "[DONE]"
-                    if not done:
-                        yield _event_json(url, data)
-                if t.read.left() <= 0:
-                    raise self._late(url, t)
-            for data in [] if done else events.feed(b"", final=True):
-                done = done or data.strip() == "[DONE]"
-                if not done:
-                    yield _event_json(url, data)
+                yield from stream.feed(chunk)
+            yield from stream.feed(b"", final=True)
         except httpx.HTTPError as e:
             raise self._failed(url, e, t) from None
         finally:
@@ -621,22 +633,13 @@ class AsyncHttpClient(_Base):
 
     async def stream_events(self, url: str, payload, timeout: float | None = None) -> AsyncIterator[dict]:
         r, t = await self._send("POST", url, payload, timeout)
-        events, n, done = _Events(url), 0, False
+        stream = _EventStream(self, url, t)
         try:
             async for chunk in r.aiter_bytes():
-                n += len(chunk)
-                if n > self.max_bytes:
-                    raise self._too_big(url)
-                for data in [] if done else events.feed(chunk):
-                    done = done or data.strip() == "[DONE]"
-                    if not done:
-                        yield _event_json(url, data)
-                if t.read.left() <= 0:
-                    raise self._late(url, t)
-            for data in [] if done else events.feed(b"", final=True):
-                done = done or data.strip() == "[DONE]"
-                if not done:
-                    yield _event_json(url, data)
+                for event in stream.feed(chunk):
+                    yield event
+            for event in stream.feed(b"", final=True):
+                yield event
         except httpx.HTTPError as e:
             raise self._failed(url, e, t) from None
         finally:

@@ -61,6 +61,13 @@ class ChangedWhileReading(Exception):
     """The file moved under the check (another file, or written to, while it was read)."""
 
 
+
+def first_problem(problems: list[str]) -> str | None:
+    """The first problem, and how many more there are, in one line (None: none)."""
+    if not problems:
+        return None
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
 @dataclass
 class Integrity:
     """What one check found: counts, and one line per problem (sorted by file name)."""
@@ -82,10 +89,7 @@ class Integrity:
     @property
     def problem(self) -> str | None:
         """The first problem, and how many more there are, in one line (None: intact)."""
-        if not self.problems:
-            return None
-        more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
-        return self.problems[0] + more
+        return first_problem(self.problems)
 
     def summary(self) -> str:
         return (f"{self.files} files, {human_bytes(self.bytes)} checked against {PROVENANCE}: {self.cached} "

@@ -82,3 +82,29 @@ def referenced_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
     if rc != 0 or not (out / "hybrid_build" / "reference.json").is_file():
         pytest.fail(f"hybrid-build run exited {rc} and left no reference in {out}")
     return out
+
+
+@pytest.fixture
+def hostile():
+    """``hostile(answer, on="/", location="", record=None) -> base URL``: a real child server
+    (tests/serve/hostile_server.py) answering ``answer`` on ``on``; every child is killed after."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "serve" / "hostile_server.py"
+    procs = []
+
+    def start(answer: str, on: str = "/", location: str = "", record: Path | None = None) -> str:
+        argv = [sys.executable, str(script), "--answer", answer, "--on", on, "--location", location]
+        if record is not None:
+            argv += ["--record", str(record)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline()  # blocks until the port is bound
+        assert line.startswith("READY "), line
+        return f"http://127.0.0.1:{int(line.split()[1])}"
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait(timeout=30)

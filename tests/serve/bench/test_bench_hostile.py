@@ -8,33 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-HOSTILE = Path(__file__).resolve().parents[1] / "hostile_server.py"
 KEY = "sk-hostile-test-key-1234"
 
 
-@pytest.fixture
-def hostile(tmp_path):
-    """``hostile(answer, on="/", location="", record=None) -> base URL``; every child is killed after."""
-    procs = []
-
-    def start(answer: str, on: str = "/", location: str = "", record: Path | None = None) -> str:
-        argv = [sys.executable, str(HOSTILE), "--answer", answer, "--on", on, "--location", location]
-        if record is not None:
-            argv += ["--record", str(record)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline()  # blocks until the port is bound
-        assert line.startswith("READY "), line
-        return f"http://127.0.0.1:{int(line.split()[1])}"
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait(timeout=30)
 
 
 def _bench(capsys, url: str, *extra: str) -> tuple[int, str, str]:

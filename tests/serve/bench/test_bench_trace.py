@@ -571,11 +571,11 @@ def test_the_soak_exits_1_on_a_failed_request(standin, traces, tmp_path, capsys)
 
 # ---- hostile servers (hostile_server.py, the client's own tests' child server) ---------------------------
 
-from test_bench_hostile import KEY, hostile  # noqa: E402,F401 - the fixture, shared
+from test_bench_hostile import KEY  # noqa: E402 - the hostile fixture is tests/conftest.py's
 
 
 @pytest.mark.parametrize("status, on", [("307", "/v1/models"), ("302", "/v1/chat/completions")])
-def test_a_replay_follows_no_redirect_and_keeps_the_key(hostile, traces, capsys, tmp_path, status, on):  # noqa: F811
+def test_a_replay_follows_no_redirect_and_keeps_the_key(hostile, traces, capsys, tmp_path, status, on):
     seen = tmp_path / "other-port.jsonl"
     other = hostile("models", record=seen)
     url = hostile(status, on=on, location=other)

@@ -5,34 +5,13 @@ and the key never reaches the other port, whose server records every request it 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-HOSTILE = Path(__file__).resolve().parents[2] / "serve" / "hostile_server.py"
 KEY = "sk-hostile-test-key-1234"
 
 
-@pytest.fixture
-def hostile():
-    procs = []
-
-    def start(answer: str, on: str = "/", location: str = "", record: Path | None = None) -> str:
-        argv = [sys.executable, str(HOSTILE), "--answer", answer, "--on", on, "--location", location]
-        if record is not None:
-            argv += ["--record", str(record)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline()  # blocks until the port is bound
-        assert line.startswith("READY "), line
-        return f"http://127.0.0.1:{int(line.split()[1])}"
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait(timeout=30)
 
 
 def _verify(capsys, url: str, artifact: Path, *extra: str) -> tuple[int, str, str]:
