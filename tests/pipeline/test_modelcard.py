@@ -553,7 +553,8 @@ def test_the_build_time_follows_source_date_epoch():
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", build_time({}))
 
 
-def test_the_card_states_the_pool_and_streams_that_fit_as_serve_prints_them(artifact, capsys, monkeypatch):
+def test_the_card_states_the_pool_and_streams_that_fit_as_serve_prints_them(artifact, tiny_checkpoint, capsys,
+                                                                            monkeypatch):
     """The card's memory table (the dense profile on a GB10 and an H200, vLLM 0.26.0's planning) holds
     the figures `hybrid-build serve --dry-run` prints for the same profile and hardware: one memory
     model, from the artifact's headers. A drafter that is not published is left out and said to be."""
@@ -565,6 +566,9 @@ def test_the_card_states_the_pool_and_streams_that_fit_as_serve_prints_them(arti
     assert "0 speculative tokens; without the drafter, which is not in this repository" in body
     drafter = "z-lab/Qwen3.5-122B-A10B-DFlash"
     _publish_drafter(artifact, drafter)
+    # the copy has no work folder (a downloaded one, unsigned): serve takes it after a passing local validate
+    assert main(["validate", str(artifact), "--source", str(tiny_checkpoint), "--no-e2e", "-q"]) == 0
+    capsys.readouterr()
     _, body = split_card(plan_publish(artifact, REPO).card_text)
     rows = {r[0]: r[1:] for r in table_rows(body, "hardware")}
     assert set(rows) == {"NVIDIA DGX Spark (GB10, LPDDR5X)", "NVIDIA H200 (HBM3e)"}

@@ -68,10 +68,15 @@ TARGET = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
 
 
 def install(enabled: frozenset[str]) -> dict[str, str]:
-    from hybrid_build.serve.runtime import align_mode_fixes, kv_cache_fixes
+    """Each plugin hook (``fixes.hooks()``) called with the ids of ``enabled`` it installs, as the
+    plugin's ``register`` calls them."""
+    from hybrid_build.serve.runtime import plugin
+    from hybrid_build.serve.runtime.fixes import hooks
 
-    state = kv_cache_fixes.install(enabled)
-    state.update(align_mode_fixes.install(enabled))
+    state: dict[str, str] = {}
+    for hook, ids in hooks().items():
+        if enabled & set(ids):
+            state.update(plugin._hook(hook)(enabled & frozenset(ids)))
     return state
 
 
@@ -294,6 +299,8 @@ def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int) 
 def main() -> int:
     """``CASES`` (``shape:fixes`` joined by ``;``) run in this order in one process. An installed fix
     stays installed, so each case's fixes must include the previous case's: run a fix off first."""
+    from hybrid_build.serve.runtime.fixes import FIX_IDS
+
     cases, work, out = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     model = target_config(work)
@@ -301,9 +308,11 @@ def main() -> int:
     for case in cases.split(";"):
         shape, _, fixes = case.partition(":")
         enabled = frozenset() if fixes in ("", "none") else frozenset(fixes.split(","))
-        if shape not in SHAPES or not before <= enabled:
-            print(f"align_probe: bad case {case!r} (shapes: {', '.join(SHAPES)}; each case's fixes must include "
-                  f"the previous case's)", file=sys.stderr)
+        unknown = enabled - set(FIX_IDS)
+        if shape not in SHAPES or unknown or not before <= enabled:
+            print(f"align_probe: bad case {case!r} (shapes: {', '.join(SHAPES)}; fixes: ids of serve/runtime/fixes.py"
+                  f"{', not ' + ', '.join(sorted(unknown)) if unknown else ''}; each case's fixes must include the "
+                  f"previous case's)", file=sys.stderr)
             return 2
         before = enabled
         results.append(run_case(model, work, shape, enabled, seed))

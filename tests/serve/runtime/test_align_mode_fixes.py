@@ -76,11 +76,12 @@ def _clean(res: dict, min_hits: int = 6) -> None:
 # a group below the GDN block in align mode: the coordinator needs every block divisible by the hash
 # block, which 0.25.1 / 0.26.0 take as the LCM when a GDN block differs from cache_config.block_size
 NO_START = "divisible by hash_block_size"
-# each version's cases, run in this order (a fix stays installed once on: it is off first)
+# each version's cases, run in this order (a fix stays installed once on: it is off first); a DFlash
+# case with prefix_align names dflash_keep_last_block too, as the plugin installs both by default
 CASES = {
     "0.25.1": "sliding6:none;mtp:none;mtp:mamba_eagle_drop;"
-              "full6:kv_unify,prefix_align,mamba_eagle_drop,mamba_state_seed",
-    "0.26.0": "mtp:none;sliding6:none;mixed:none;mixed:prefix_align,mamba_state_seed",
+              "full6:kv_unify,prefix_align,mamba_eagle_drop,mamba_state_seed,dflash_keep_last_block",
+    "0.26.0": "mtp:none;sliding6:none;mixed:none;mixed:prefix_align,mamba_state_seed,dflash_keep_last_block",
     "0.33.0": "mtp:none;mixed:none",
 }
 
@@ -101,7 +102,8 @@ def test_0251_mtp_hit_runs_past_the_attention_hit_without_mamba_eagle_drop(tmp_p
     assert off["manager_use_eagle"] is True and on["manager_use_eagle"] is True  # MTP drops the last block
     assert off["crash"] is None and "held no cached KV before this step" in (off["violation"] or ""), off
     _clean(on)
-    full6 = res["full6:kv_unify,prefix_align,mamba_eagle_drop,mamba_state_seed"]
+    full6 = res["full6:kv_unify,prefix_align,mamba_eagle_drop,mamba_state_seed,dflash_keep_last_block"]
+    assert set(full6["install"]) == set(full6["fixes"]), full6["install"]  # each named fix was installed
     assert all(v == "applied" for v in full6["install"].values()), full6["install"]
     assert full6["scheduler_use_eagle"] is True and full6["manager_use_eagle"] is False  # no drop for DFlash
     _clean(full6)
@@ -117,7 +119,8 @@ def test_0260_keeps_the_invariants_and_refuses_a_smaller_group(tmp_path):
     _clean(res["mtp:none"])
     assert NO_START in (res["sliding6:none"]["start"] or ""), res["sliding6:none"]
     _clean(res["mixed:none"], min_hits=3)
-    fixed = res["mixed:prefix_align,mamba_state_seed"]
+    fixed = res["mixed:prefix_align,mamba_state_seed,dflash_keep_last_block"]
+    assert set(fixed["install"]) == set(fixed["fixes"]), fixed["install"]  # each named fix was installed
     assert all(v == "applied" for v in fixed["install"].values()), fixed["install"]
     assert fixed["manager_use_eagle"] is False
     _clean(fixed)
