@@ -320,7 +320,7 @@ def test_one_line_errors(built_artifact, standin, capsys, tmp_path):
                                   r"the bundled offline tasks are hybrid_build, hybrid_build_gen", line)
     port = _free_port()
     code, line = _error(capsys, ["eval", "--source-url", f"http://127.0.0.1:{port}/v1", "--hybrid-url", url, *out])
-    assert code == 3 and line.startswith(f"error: cannot reach http://127.0.0.1:{port}/v1 (")  # could not run
+    assert code == 3 and line.startswith(f"error: no server answers at http://127.0.0.1:{port}/v1")  # could not run
     code, line = _error(capsys, ["eval", "--url", url, "--source-model", "base", "--hybrid-model", "hybrid", *out])
     assert code == 2
     assert line == f"error: {url} serves 'source', 'hybrid', not 'base' (--source-model): is it the source server?"
