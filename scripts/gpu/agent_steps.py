@@ -297,13 +297,38 @@ def run(steps: list[str], record, out: Path, floor: Path, work: Path, cases: lis
         record(out, f"agent_{case.key}", run_case(case, floor, work, out, steps, contexts, runs, left(), kv_bytes))
 
 
+def cut_experts(src: Path, out: Path, experts: int) -> list[Path]:
+    """The config-only targets and drafters of ``src`` (floor_configs.py + ``drafters``) with the
+    routed experts cut to ``experts``, for an 80 GB card: the attention, GDN, KV and drafter shapes
+    are unchanged and prefill does the same work per token; only the expert weights shrink."""
+    import shutil
+
+    made = []
+    for name in ("L48-dense", "L48-base", "drafter-mixed", "drafter-full6"):
+        if not (src / name).is_dir():
+            continue
+        shutil.copytree(src / name, out / name, dirs_exist_ok=True)
+        if name.startswith("L48-"):
+            cfg = json.loads((out / name / "config.json").read_text())
+            cfg.get("text_config", cfg)["num_experts"] = experts
+            (out / name / "config.json").write_text(json.dumps(cfg, indent=2))
+        made.append(out / name)
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="config-only DFlash drafters of the real 122B drafter's shape")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("drafters", help="write drafter-mixed/ and drafter-full6/ into FOLDER")
     d.add_argument("folder", type=Path)
+    c = sub.add_parser("cut-experts", help="copy the full-depth targets and drafters of SRC into OUT with "
+                                           "--experts routed experts (an H100: 64)")
+    c.add_argument("src", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("--experts", type=int, default=64)
     a = ap.parse_args(argv)
-    for p in write_drafters(a.folder):
+    made = cut_experts(a.src, a.out, a.experts) if a.cmd == "cut-experts" else write_drafters(a.folder)
+    for p in made:
         print(p)
     return 0
 
