@@ -328,6 +328,24 @@ class _Events:
         return out
 
 
+class _CappedBody:
+    """A whole answer read under the byte cap and the deadline, for the sync and async clients alike."""
+
+    def __init__(self, client: "_Base", url: str, t: httpx.Timeout):
+        self.client, self.url, self.t, self.chunks, self.n = client, url, t, [], 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.n += len(chunk)
+        if self.n > self.client.max_bytes:
+            raise self.client._too_big(self.url)
+        if self.t.read.left() <= 0:
+            raise self.client._late(self.url, self.t)
+        self.chunks.append(chunk)
+
+    def bytes(self) -> bytes:
+        return b"".join(self.chunks)
+
+
 class _EventStream:
     """One streamed answer read as events: the byte cap, the end at ``[DONE]`` (what follows is read
     and dropped, so the connection goes back to the pool) and the deadline, for the sync and async
@@ -480,20 +498,15 @@ class HttpClient(_Base):
         return out[:DETAIL_BYTES]
 
     def _body(self, url: str, r: httpx.Response, t) -> bytes:
-        chunks, n = [], 0
+        body = _CappedBody(self, url, t)
         try:
             for chunk in r.iter_bytes():
-                n += len(chunk)
-                if n > self.max_bytes:
-                    raise self._too_big(url)
-                if t.read.left() <= 0:
-                    raise self._late(url, t)
-                chunks.append(chunk)
+                body.feed(chunk)
         except httpx.HTTPError as e:
             raise self._failed(url, e, t) from None
         finally:
             r.close()
-        return b"".join(chunks)
+        return body.bytes()
 
     def request(self, method: str, url: str, payload=None, timeout: float | None = None) -> Answer:
         r, t = self._send(method, url, payload, timeout)
@@ -595,20 +608,15 @@ class AsyncHttpClient(_Base):
 
     async def request(self, method: str, url: str, payload=None, timeout: float | None = None) -> Answer:
         r, t = await self._send(method, url, payload, timeout)
-        chunks, n = [], 0
+        body = _CappedBody(self, url, t)
         try:
             async for chunk in r.aiter_bytes():
-                n += len(chunk)
-                if n > self.max_bytes:
-                    raise self._too_big(url)
-                if t.read.left() <= 0:
-                    raise self._late(url, t)
-                chunks.append(chunk)
+                body.feed(chunk)
         except httpx.HTTPError as e:
             raise self._failed(url, e, t) from None
         finally:
             await r.aclose()
-        return Answer(url, r.status_code, r.headers, b"".join(chunks))
+        return Answer(url, r.status_code, r.headers, body.bytes())
 
     async def get(self, url: str, timeout: float | None = None) -> Answer:
         return await self.request("GET", url, None, timeout)
