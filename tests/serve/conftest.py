@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from meminfo_file import write_meminfo  # noqa: E402
 
 # the tests live in one folder per serve sub-package; the helper modules they import by name (stand-in
 # servers, vLLM sources, probes, serve_cli) stay here, beside the golden files
@@ -94,13 +95,6 @@ os.execv(sys.executable, [sys.executable, {standin!r}, "--port", opt("--port"), 
 '''
 
 
-def write_meminfo(path: Path, available_gb: float, total_gb: float) -> None:
-    """A /proc/meminfo with these figures (GB; the file's kB are KiB), written whole (rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    kib = lambda gb: int(gb * 1e9 / 1024)  # noqa: E731
-    tmp.write_text(f"MemTotal:       {kib(total_gb)} kB\nMemFree:        {kib(available_gb / 2)} kB\n"
-                   f"MemAvailable:   {kib(available_gb)} kB\n")
-    os.replace(tmp, path)
 
 
 @pytest.fixture

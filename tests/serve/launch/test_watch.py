@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import write_meminfo
+from meminfo_file import write_meminfo
 from serve_cli import CliRun
 
 LOOK = 0.05  # --watch-interval
