@@ -10,7 +10,6 @@ OpenAI clients and lm-eval's API models read.
 from __future__ import annotations
 
 import os
-import urllib.error
 
 from .errors import KeyRefused
 
@@ -33,9 +32,3 @@ def refused(url: str, code: int, sent: bool, hint: str = HINT) -> KeyRefused:
     """The one line for a 401/403: whether a key was sent, never the key."""
     what = "refused the API key" if sent else "wants an API key and none was sent"
     return KeyRefused(f"the server at {url} {what} (HTTP {code}): {hint}")
-
-
-def raise_if_refused(e: urllib.error.HTTPError, url: str, sent: bool, hint: str = HINT) -> None:
-    """Raise ``refused(...)`` in place of ``e`` when it is a 401/403; any other code: return."""
-    if e.code in REFUSED:
-        raise refused(url, e.code, sent, hint) from None

@@ -40,7 +40,6 @@ from .artifact import (
     unexpected_files,
 )
 from .byte_units import human_bytes
-from .errors import ArtifactError
 from .manifest import HASH_CHUNK
 from .progress import ProgressFactory, close_bar, null_progress
 from .safetensors_io import special_kind
@@ -227,13 +226,3 @@ def _hash(artifact: Path, todo: list[tuple[str, os.stat_result]], listed: dict[s
             found[name] = _differs(name, sha, listed[name].sha256)
         else:
             result.matched += 1
-
-
-def require_intact(artifact: Path, provenance: Provenance | None = None, progress: ProgressFactory = null_progress,
-                   names: list[str] | None = None,
-                   hint: str = "rebuild it (`hybrid-build run`), or remove a file added since") -> Integrity:
-    """``check_artifact``, raising ``ArtifactError`` (one line naming the first file) unless intact."""
-    result = check_artifact(artifact, provenance, progress, names)
-    if not result.intact:
-        raise ArtifactError(f"{artifact}: the artifact differs from its provenance: {result.problem}; {hint}")
-    return result

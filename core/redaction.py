@@ -39,12 +39,6 @@ def remember_file(*paths: str | os.PathLike | None) -> None:
     _files.update(Path(p).expanduser() for p in paths if p)
 
 
-def forget() -> None:
-    """Drop what ``remember`` and ``remember_file`` were told (one command's secrets, in tests)."""
-    _secrets.clear()
-    _files.clear()
-
-
 def _hub_token_file() -> Path:
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     return Path(home).expanduser() / "token"

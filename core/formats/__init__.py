@@ -43,11 +43,6 @@ def get(name: str) -> OutputFormat:
     return fmt
 
 
-def choices_help() -> str:
-    """One line per format for ``--help``: ``name: description``."""
-    return "; ".join(f"{f.name}: {f.description}" for f in REGISTRY.values())
-
-
 def head_quantized_at_load(label: str | None) -> bool:
     """An artifact's ``hybrid_build.lm_head`` says its head was left BF16 for the server to quantize."""
     return label == AT_LOAD_LABEL

@@ -438,19 +438,6 @@ def implied_experts(parts: dict[str, int], experts: int, top_k: int, accept: flo
     return (step_bytes - other) / (parts["routed_expert"] / top_k)
 
 
-def calibrate_overlap(parts: dict[str, int], experts: int, top_k: int, accept: float, streams: int, tok_s: float,
-                      bandwidth_gbps: float, efficiency: float, drafter: Drafter = DFLASH_122B,
-                      context: int = DEFAULT_CONTEXT, floor_ms: float = 0.0, kv_bytes: int = 2) -> float:
-    """The ``overlap`` (``batch_experts``) that makes ``streams`` streams decode at ``tok_s`` each."""
-    if streams < 2:
-        raise ValueError("an overlap between streams needs 2 or more streams")
-    implied = implied_experts(parts, experts, top_k, accept, tok_s, bandwidth_gbps, efficiency, drafter, context,
-                              floor_ms, streams, kv_bytes)
-    one = expected_experts(experts, top_k, accept)
-    independent = expected_experts(experts, top_k, accept * streams)
-    return 1.0 - (implied - one) / (independent - one)
-
-
 def spec_floor_ms(floor: StepFloor, target_layers: list[str], drafter: Drafter) -> float:
     """The floor of one speculative step: the target's verify pass (its kernels do not multiply
     with the positions verified) plus one draft pass, each drafter layer counted as a target

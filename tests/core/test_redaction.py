@@ -20,10 +20,10 @@ FILE_SECRET = "hf_REDACTfile0123456789abcdefghijk"
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    redaction.forget()
-    yield
-    redaction.forget()
+def _fresh(monkeypatch):
+    """Each test starts with no remembered secret, and leaves none behind."""
+    monkeypatch.setattr(redaction, "_secrets", set())
+    monkeypatch.setattr(redaction, "_files", set())
 
 
 @pytest.fixture

@@ -408,9 +408,14 @@ def test_seed_stream_overlap_is_calibrated_on_one_figure(real_122b):
     reads = _reads(real_122b, bw.SEED_CONTEXT)
     hw = bw.HARDWARE["gb10"]
     floor = bw.spec_floor_ms(hw.floor, bw.layer_types(real_122b.text_config), bw.DFLASH_122B)
-    overlap = bw.calibrate_overlap(reads.parts["dense"], reads.experts, reads.top_k, 5.4, 2,
-                                   SEED_CONCURRENCY[("code", 5.4)][2], hw.bandwidth_gbps, hw.efficiency,
-                                   bw.DFLASH_122B, bw.SEED_CONTEXT, floor)
+    # the experts per layer that 2 streams at the published tok/s imply, placed between one stream's and
+    # two independent streams' (batch_experts: one + (1 - overlap) * (independent - one))
+    implied = bw.implied_experts(reads.parts["dense"], reads.experts, reads.top_k, 5.4,
+                                 SEED_CONCURRENCY[("code", 5.4)][2], hw.bandwidth_gbps, hw.efficiency,
+                                 bw.DFLASH_122B, bw.SEED_CONTEXT, floor, 2)
+    one = bw.expected_experts(reads.experts, reads.top_k, 5.4)
+    independent = bw.expected_experts(reads.experts, reads.top_k, 5.4 * 2)
+    overlap = 1.0 - (implied - one) / (independent - one)
     assert overlap == pytest.approx(bw.SEED_STREAM_OVERLAP, abs=5e-4)
     assert [r for r in bw.PUBLISHED_GB10_CONCURRENCY if r["calibrates"]] == [
         {"workload": "code", "profile": "dense", "accept": 5.4, "concurrency": 2, "tok_s": 55.3, "calibrates": True}]
