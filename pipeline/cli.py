@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes, one per outcome for every command: 0 passed, 1 a check failed, 2 bad input,
     3 could not run here (``core/errors.py``); 128 + N for stop signal N."""
     json_written(reset=True)
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["--version"]:  # the parser would import every command
+        from hybrid_build.core import __version__
+
+        print(f"hybrid-build {__version__}")
+        return 0
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

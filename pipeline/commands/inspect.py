@@ -8,12 +8,11 @@ from pathlib import Path
 from hybrid_build.core.cli_support import ExampleFormatter, add_json_flag, emit_json
 from hybrid_build.core.errors import SourceError
 
-from ..generators.sources import open_source
-
 
 def _handle(args: argparse.Namespace) -> int:
     from hybrid_build.recipes.inventory import build_report, render_text  # torch: only when the command runs
 
+    from ..generators.sources import open_source
 
     with tempfile.TemporaryDirectory(prefix="hybrid-build-inspect-") as tmp:
         ckpt = open_source(args.source, args.revision, Path(tmp), require_clean=False)

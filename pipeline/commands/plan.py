@@ -36,8 +36,6 @@ from hybrid_build.serve.speed.speed_plan import (
     write_plot,
 )
 
-from ..generators.sources import open_source
-
 
 def _memory_budget(memory: dict, hardware: str | None) -> dict | None:
     """The start budget `serve` checks (``serve/launch/memory_budget``) for the dense profile's memory
@@ -60,6 +58,8 @@ def _memory_budget(memory: dict, hardware: str | None) -> dict | None:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from ..generators.sources import open_source
+
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions) if hasattr(args, f.name)}
     values["contexts"] = values["context"]  # --context takes several; the first is the tables' context
     values["context"] = values["contexts"][0]

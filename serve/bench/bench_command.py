@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from hybrid_build.core.api_key import client_key
-from hybrid_build.core.artifact import seal_report_at
 from hybrid_build.core.cli_support import (
     POSITIVE_INT,
     SECONDS,
@@ -22,19 +21,7 @@ from hybrid_build.core.cli_support import (
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.user_paths import check_output_path
 
-from .bench import (
-    LOW_ACCEPTANCE_FRACTION,
-    LOW_ACCEPTANCE_MIN_GAP,
-    MAX_CONCURRENCY,
-    MIN_RUNS_FOR_VERDICT,
-    WORKLOADS,
-    bench,
-    bench_pair,
-    compare,
-    compare_table,
-    load_report,
-    table,
-)
+from .workloads import LOW_ACCEPTANCE_FRACTION, LOW_ACCEPTANCE_MIN_GAP, MAX_CONCURRENCY, MIN_RUNS_FOR_VERDICT, WORKLOADS
 
 
 def register(sub, common) -> None:
@@ -139,6 +126,8 @@ def _url(u: str) -> str:
 
 
 def _write(args: argparse.Namespace, result: dict) -> None:
+    from hybrid_build.core.artifact import seal_report_at
+
     if args.out:
         try:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -148,6 +137,8 @@ def _write(args: argparse.Namespace, result: dict) -> None:
 
 
 def _read(path: Path) -> dict:
+    from .bench import load_report
+
     try:
         text = path.read_text()
     except OSError as e:
@@ -227,6 +218,8 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .bench import bench, bench_pair, compare, compare_table, table  # the client (httpx): when the command runs
+
     if args.out:  # refused before a request is sent, not after the measuring
         check_output_path(args.out, "--out", folder=False)
     if args.trace:

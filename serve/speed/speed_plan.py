@@ -12,13 +12,17 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import UserError
 
 from . import bandwidth as bw
-from . import memory_plan as mem
 from . import multinode_plan as mnp
+
+if TYPE_CHECKING:  # `plan --help` reads this module's choices: the checkpoint reader and the memory planner wait
+    from hybrid_build.core.checkpoint import Checkpoint
+
+    from . import memory_plan as mem
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +334,8 @@ def memory_inputs(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, plan, dr
     """The memory plan's inputs for a serve profile of the recipe on this hardware (None: no profile)."""
     from hybrid_build.recipes.schema import load_recipe
 
+    from . import memory_plan as mem
+
     recipe = plan.recipe if plan is not None else None
     if recipe is None and args.recipe:
         recipe = load_recipe(args.recipe)
@@ -355,6 +361,8 @@ def memory_section(ckpt: Checkpoint, args: PlanOptions, hw: bw.Hardware, plan, c
                    streams: list[int], drafter: bw.Drafter) -> dict:
     """The KV pool of the recipe's dense profile as vLLM ``args.engine`` plans it, the largest context one
     stream holds, and how many streams of each context fit (serve/speed/memory_plan.py)."""
+    from . import memory_plan as mem
+
     if not bw.layer_types(ckpt.text_config).count("linear_attention"):
         return {}
     try:

@@ -1,6 +1,7 @@
 """The CLI answers at once: building the parser, `--version` and every `--help` import none of the
-heavy libraries (torch and the rest). Guarded by what is imported, never by timing; how long
-it takes is `benchmarks/bench_cli_start.py`'s to measure."""
+heavy libraries (torch, httpx, vLLM and the rest), and every command module, imported alone, imports
+none either: a command imports them in the function that runs it. Guarded by what is imported, never
+by timing; how long it takes is `benchmarks/bench_cli_start.py`'s to measure."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from hybrid_build.core import formats
 from hybrid_build.pipeline.cli import COMMANDS, build_parser
 
 HEAVY = ("torch", "transformers", "safetensors", "huggingface_hub", "triton", "numpy", "tokenizers", "auto_round",
-         "llmcompressor", "compressed_tensors", "lm_eval", "matplotlib", "ray", "pydantic", "yaml", "tqdm")
+         "llmcompressor", "compressed_tensors", "lm_eval", "matplotlib", "ray", "pydantic", "yaml", "tqdm", "httpx",
+         "httpcore", "vllm", "prometheus_client", "model_signing")
 
 # In a fresh interpreter: after each step, the heavy modules that step brought in.
 PROBE = r"""
@@ -50,6 +52,34 @@ def test_version_and_every_help_import_no_heavy_library():
     from hybrid_build.core import __version__
 
     assert found["--version"][1].strip() == f"hybrid-build {__version__}"
+
+
+# In a fresh interpreter per module: the heavy modules that importing it brought in.
+ALONE = r"""
+import importlib, json, sys
+HEAVY = %r
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted(h for h in HEAVY if h in sys.modules)))
+"""
+
+
+def test_every_command_module_imports_alone_without_a_heavy_library():
+    # one interpreter each: a module's heavy import must not hide behind another module's
+    found = {}
+    for module in COMMANDS.values():
+        proc = subprocess.run([sys.executable, "-c", ALONE % (HEAVY,), module], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        found[module] = json.loads(proc.stdout)
+    assert found == {m: [] for m in COMMANDS.values()}
+
+
+def test_the_probe_sees_a_heavy_import():
+    """The check can fail: a module that imports httpx at its top is caught."""
+    proc = subprocess.run([sys.executable, "-c", ALONE % (HEAVY,), "hybrid_build.core.http_client"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "httpx" in json.loads(proc.stdout)
 
 
 def test_run_help_names_every_registered_format():

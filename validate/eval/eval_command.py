@@ -36,7 +36,7 @@ to %s, where `publish` puts it on the model card.
 
 
 def register(sub, common) -> None:
-    from hybrid_build.validate.eval.task_eval import BACKENDS, DEFAULT_TASKS
+    from hybrid_build.validate.eval.eval_names import BACKENDS, DEFAULT_TASKS
 
     p = sub.add_parser(
         "eval", parents=[common], formatter_class=ExampleFormatter, epilog=EPILOG,

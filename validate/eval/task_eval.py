@@ -46,14 +46,13 @@ from hybrid_build.core.artifact import REPORTS, artifact_identity, read_provenan
 from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.progress import ProgressFactory, close_bar, null_progress
 
+from .eval_names import DEFAULT_TASKS
 from .eval_taskset import BUNDLED_TASKS, GROUPS, task_dir
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hf", "completions", "chat")
 LM_EVAL_MODELS = {"hf": "hf", "completions": "local-completions", "chat": "local-chat-completions"}
 API_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
-DEFAULT_TASKS = ("hybrid_build",)
 BUNDLED_DATASET = "hybrid-build/bundled-eval-tasks"  # how the card names the bundled set
 SCHEMA_VERSION = 1
 ALPHA = 0.05

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_build.core.errors import ProtocolViolation
-from hybrid_build.core.http_client import parse_metrics
+from hybrid_build.core.http_client import metrics_url, parse_metrics
 from hybrid_build.pipeline.cli import main
 from hybrid_build.serve.bench import bench as bench_mod
 
@@ -96,7 +96,7 @@ def test_a_metrics_text_that_is_not_prometheus_is_one_line(text):
     ("http://127.0.0.1:8000", "http://127.0.0.1:8000/metrics"),
 ])
 def test_metrics_url_is_at_the_server_root(base, metrics):
-    assert bench_mod.metrics_url(base) == metrics
+    assert metrics_url(base) == metrics
 
 
 # ---- acceptance against the stand-in server ---------------------------------------------------------
