@@ -1,10 +1,14 @@
-"""Read a checkpoint folder from its config and safetensors headers only (no tensor data).
+"""Read a checkpoint from its config and safetensors headers only (no tensor data).
 
-``Checkpoint.open`` reads ``config.json`` (VL or text-only form), the quantization config
+A checkpoint is read from ``config.json`` (VL or text-only form), its quantization config
 (auto-round, FP8, compressed-tensors), the index, and the header of EVERY ``*.safetensors`` file
-in the folder, listed in the index or not (Intel's MTP tensors live in a file the index may not
-list). What is wrong is collected as ``Problem``s, not raised, so ``inspect`` can show them all;
-``require_clean`` turns error-level problems into one ``SourceError``.
+beside them, listed in the index or not (Intel's MTP tensors live in a file the index may not
+list). Where the files are is a ``CheckpointFiles``: ``FolderFiles`` (a local folder) or
+``hub_headers.HubFiles`` (a Hub repository read remotely, headers only); the checks are the same.
+``Checkpoint.read_folder`` reads a folder, ``Checkpoint.open`` a folder or a Hub id downloaded whole
+(what ``run`` converts), ``Checkpoint.open_headers`` a folder or a Hub id's headers (``inspect``,
+``plan``: a few MB for a 70 GB checkpoint). What is wrong is collected as ``Problem``s, not raised,
+so ``inspect`` can show them all; ``require_clean`` turns error-level problems into one ``SourceError``.
 """
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
 from .errors import SourceError
-from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
+from .safetensors_io import INDEX_NAME, TMP_SUFFIX, FileHeader, TensorHeader, read_header
 from .tensor_classes import classify, dtype_problem, dtype_storage, module_storage, split_module
 from .user_paths import kind_of
 
@@ -142,7 +147,7 @@ _INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_p
                "num_attention_heads", "num_key_value_heads", "head_dim", "full_attention_interval")
 
 
-def _check_config_shape(config, path: Path) -> None:
+def _check_config_shape(config, path: Path | str) -> None:
     """A config.json that parses but is not what transformers writes: one line naming the field."""
     if not isinstance(config, dict):
         raise SourceError(f"{path}: expected a JSON object, found a {type(config).__name__}")
@@ -159,9 +164,55 @@ def _check_config_shape(config, path: Path) -> None:
         raise SourceError(f"{path}: text_config.layer_types must be a list of strings")
 
 
+class CheckpointFiles(Protocol):
+    """Where a checkpoint's files are read from. ``where`` names the checkpoint in messages and
+    ``name(file)`` one of its files; ``root`` is its local folder (None: nothing of it is local)."""
+
+    where: str
+    root: Path | None
+
+    def name(self, file: str) -> str: ...
+
+    def read_json(self, file: str) -> bytes | None:
+        """The bytes of one of its JSON files; None when it has none of that name."""
+
+    def safetensors_files(self) -> list[str]:
+        """Its ``*.safetensors`` files, sorted."""
+
+    def read_headers(self, files: list[str]) -> dict[str, FileHeader | SourceError]:
+        """Each file's header, checked (``safetensors_io.header_from_json``), or why it is not one."""
+
+
+class FolderFiles:
+    """A checkpoint folder on this machine."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.where = str(self.root)
+
+    def name(self, file: str) -> str:
+        return str(self.root / file)
+
+    def read_json(self, file: str) -> bytes | None:
+        path = self.root / file
+        return _json_bytes(path) if path.exists() else None
+
+    def safetensors_files(self) -> list[str]:
+        return sorted(p.name for p in self.root.glob("*.safetensors") if not p.name.endswith(TMP_SUFFIX))
+
+    def read_headers(self, files: list[str]) -> dict[str, FileHeader | SourceError]:
+        out: dict[str, FileHeader | SourceError] = {}
+        for f in files:
+            try:
+                out[f] = read_header(self.root / f)
+            except SourceError as e:
+                out[f] = e
+        return out
+
+
 @dataclass
 class Checkpoint:
-    root: Path
+    root: Path | None  # None: read from the Hub's headers, nothing of it is on this machine
     config: dict
     quant: QuantizationInfo
     index: dict | None
@@ -203,6 +254,8 @@ class Checkpoint:
         return out
 
     def path_of(self, t: TensorInfo) -> Path:
+        if self.root is None:
+            raise SourceError(f"{self.source_id}: read from the Hub's headers only, its tensors are not here")
         return self.root / t.file
 
     def errors(self) -> list[Problem]:
@@ -218,8 +271,21 @@ class Checkpoint:
     # ------------------------------------------------------------------ reading
     @classmethod
     def open(cls, source: str | os.PathLike, revision: str | None = None) -> "Checkpoint":
+        """A folder, or a Hub id downloaded whole into the Hub cache (resumable, with progress)."""
         root, source_id, resolved_rev = resolve_source(source, revision)
         return cls.read_folder(root, source_id=source_id, revision=resolved_rev)
+
+    @classmethod
+    def open_headers(cls, source: str | os.PathLike, revision: str | None = None) -> "Checkpoint":
+        """A folder, or a Hub id read remotely, headers only: the JSON files and each shard's header,
+        nothing of the weights (offline, the Hub cache's snapshot, as ``open``)."""
+        if Path(source).expanduser().exists() or _offline():
+            return cls.open(source, revision)
+        repo_id = _hub_id(source)
+        from .hub_headers import HubFiles
+
+        files = HubFiles.open(repo_id, revision)
+        return cls._read(files, source_id=repo_id, revision=files.commit)
 
     @classmethod
     def read_folder(cls, root: Path, source_id: str | None = None, revision: str | None = None) -> "Checkpoint":
@@ -228,32 +294,37 @@ class Checkpoint:
             raise SourceError(f"{root}: no such file or directory")
         if not root.is_dir():
             raise SourceError(f"{root}: not a directory (a checkpoint is a folder with config.json)")
-        cfg_path = root / "config.json"
-        if not cfg_path.exists():
-            raise SourceError(f"{root}: missing config.json (not a transformers checkpoint folder)")
+        return cls._read(FolderFiles(root), source_id=source_id, revision=revision)
+
+    @classmethod
+    def _read(cls, src: CheckpointFiles, source_id: str | None = None, revision: str | None = None) -> "Checkpoint":
+        raw = src.read_json("config.json")
+        if raw is None:
+            raise SourceError(f"{src.where}: missing config.json (not a transformers checkpoint folder)")
+        cfg_name = src.name("config.json")
         try:
-            config = json.loads(_json_bytes(cfg_path))
+            config = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise SourceError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})")
+            raise SourceError(f"{cfg_name}: invalid JSON ({e.msg} at line {e.lineno})")
         except UnicodeDecodeError:
-            raise SourceError(f"{cfg_path}: invalid JSON (not UTF-8 text)") from None
-        _check_config_shape(config, cfg_path)
+            raise SourceError(f"{cfg_name}: invalid JSON (not UTF-8 text)") from None
+        _check_config_shape(config, cfg_name)
         quant = _quantization(config)
         problems: list[Problem] = []
 
         index = None
-        index_path = root / INDEX_NAME
-        if index_path.exists():
+        raw = src.read_json(INDEX_NAME)
+        if raw is not None:
             try:
-                index = json.loads(_json_bytes(index_path))
+                index = json.loads(raw)
                 weight_map = index["weight_map"]
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                raise SourceError(f"{index_path.name}: invalid index (expected JSON with a weight_map)")
+                raise SourceError(f"{INDEX_NAME}: invalid index (expected JSON with a weight_map)")
         weight_map: dict[str, str] = (index or {}).get("weight_map", {})
 
-        files = sorted(p.name for p in root.glob("*.safetensors") if not p.name.endswith(TMP_SUFFIX))
+        files = src.safetensors_files()
         if not files:
-            raise SourceError(f"{root}: no *.safetensors files")
+            raise SourceError(f"{src.where}: no *.safetensors files")
         for missing in sorted(set(weight_map.values()) - set(files)):
             n = sum(1 for f in weight_map.values() if f == missing)
             problems.append(Problem("error", "missing_file",
@@ -266,11 +337,11 @@ class Checkpoint:
                                             f"{f} is not listed in the index; its tensors are read too"))
 
         headers = {}
-        for f in files:
-            try:
-                headers[f] = read_header(root / f)
-            except SourceError as e:
-                problems.append(Problem("error", "bad_file", str(e)))
+        for f, h in src.read_headers(files).items():
+            if isinstance(h, SourceError):
+                problems.append(Problem("error", "bad_file", str(h)))
+            else:
+                headers[f] = h
 
         # first pass: where each tensor lives, and duplicates
         located: dict[str, tuple[str, TensorHeader]] = {}
@@ -304,7 +375,7 @@ class Checkpoint:
             if why:
                 problems.append(Problem("error", "bad_dtype", f"{f}: {why}"))
 
-        ckpt = cls(root, config, quant, index, tensors, files, problems, source_id, revision)
+        ckpt = cls(src.root, config, quant, index, tensors, files, problems, source_id, revision)
         ckpt.problems.extend(_packing_problems(ckpt))
         if ckpt.hybrid_info or any(t.storage == "fp8" and t.klass == "shared_expert" for t in tensors.values()):
             ckpt.problems.append(Problem(
@@ -361,17 +432,26 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> tu
     path = Path(source).expanduser()
     if path.exists():
         return path, None, revision
-    text = str(source)
-    if not HUB_ID.match(text) or text.startswith((".", "/")):
-        raise SourceError(f"{source}: no such file or directory")
+    text = _hub_id(source)
     from huggingface_hub import snapshot_download
 
     from .hub_errors import hub_error, hub_exceptions
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
     try:
-        local = snapshot_download(text, revision=revision, local_files_only=offline)
+        local = snapshot_download(text, revision=revision, local_files_only=_offline())
     except hub_exceptions() as e:  # offline, not found, gated, unauthorized, bad revision...: said in one line
         raise hub_error(e, text, revision=revision) from None
     rev = Path(local).name  # snapshot folders are named by commit hash
     return Path(local), text, rev
+
+
+def _hub_id(source: str | os.PathLike) -> str:
+    """``source`` as a Hub id (``org/name``), or the one line for a path that does not exist."""
+    text = str(source)
+    if not HUB_ID.match(text) or text.startswith((".", "/")):
+        raise SourceError(f"{source}: no such file or directory")
+    return text
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")

@@ -125,12 +125,23 @@ def read_header(path: str | os.PathLike) -> FileHeader:
         raise SourceError(f"{path.name}: not a safetensors file (header is not JSON: {why})")
     if not isinstance(header, dict):
         raise SourceError(f"{path.name}: not a safetensors file (header is not a JSON object)")
-    data_start = 8 + hlen
-    metadata = header.pop("__metadata__", None) or {}
+    return header_from_json(path, header, 8 + hlen, size)
+
+
+def header_from_json(path: Path, header: dict, data_start: int, size: int) -> FileHeader:
+    """A file's parsed JSON header checked as safetensors reads it: each entry's dtype, shape and span,
+    every tensor inside the file of ``size`` bytes whose data begins at ``data_start``, and the
+    tensors covering the data (``_check_coverage``). Shared by the local reader and the Hub's
+    (``hub_headers``); ``SourceError`` naming the file for anything malformed."""
+    metadata = header.get("__metadata__") or {}
     tensors: dict[str, TensorHeader] = {}
     for name, entry in header.items():
+        if name == "__metadata__":
+            continue
         try:
             dtype, shape, (lo, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            if not (isinstance(dtype, str) and all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise SourceError(f"{path.name}: malformed header entry for {name!r}")
         expected = tensor_nbytes(dtype, shape) if dtype in DTYPE_SIZES else hi - lo

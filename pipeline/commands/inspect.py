@@ -15,7 +15,7 @@ def _handle(args: argparse.Namespace) -> int:
     from ..generators.sources import open_source
 
     with tempfile.TemporaryDirectory(prefix="hybrid-build-inspect-") as tmp:
-        ckpt = open_source(args.source, args.revision, Path(tmp), require_clean=False)
+        ckpt = open_source(args.source, args.revision, Path(tmp), require_clean=False, headers_only=True)
         report = build_report(ckpt, args.recipe)
     data = report.to_json()
     if args.json:

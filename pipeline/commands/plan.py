@@ -67,7 +67,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.plot:
         check_output_path(args.plot, "--plot", folder=False)
     with tempfile.TemporaryDirectory(prefix="hybrid-build-plan-") as tmp:
-        ckpt = open_source(args.source, args.revision, Path(tmp))
+        ckpt = open_source(args.source, args.revision, Path(tmp), headers_only=True)
         data = build_plan(ckpt, options)
     data["memory_budget"] = _memory_budget(data.get("memory") or {}, data.get("hardware", {}).get("name"))
     if args.plot:

@@ -18,9 +18,11 @@ def synthetic_models() -> dict:
             "qwen3.5-397b-a17b": lambda: qwen35_397b_config(compact_extra_config=True)}
 
 
-def open_source(source: str, revision: str | None, workdir: Path, require_clean: bool = True) -> Checkpoint:
+def open_source(source: str, revision: str | None, workdir: Path, require_clean: bool = True,
+                headers_only: bool = False) -> Checkpoint:
     """A checkpoint from a folder or Hub id; ``synthetic:NAME`` writes NAME's sparse headers into
-    ``workdir`` first. Problems that make it unreadable raise ``SourceError``."""
+    ``workdir`` first. A Hub id is downloaded whole, or with ``headers_only`` read remotely, headers
+    only (``Checkpoint.open_headers``). Problems that make it unreadable raise ``SourceError``."""
     if source.startswith(SYNTHETIC_PREFIX):
         from .synthetic import write_synthetic_checkpoint
 
@@ -31,6 +33,8 @@ def open_source(source: str, revision: str | None, workdir: Path, require_clean:
             raise UserError(f"{source}: unknown synthetic model (known: {known})")
         folder = write_synthetic_checkpoint(workdir / name, models[name](), sparse=True)
         ckpt = Checkpoint.read_folder(folder, source_id=source)
+    elif headers_only:
+        ckpt = Checkpoint.open_headers(source, revision=revision)
     else:
         ckpt = Checkpoint.open(source, revision=revision)
     if require_clean:
