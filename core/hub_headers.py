@@ -71,8 +71,8 @@ class HubFiles:
         if file not in self.sizes:
             return None
         size = self.sizes[file]
-        too_big = SourceError(f"{self.name(file)}: {size if size is not None else 'more than'} bytes; a checkpoint's "
-                              f"JSON file is read up to {MAX_JSON_BYTES >> 20} MiB")
+        too_big = SourceError(f"{self.name(file)}: over {MAX_JSON_BYTES:,} bytes, more than a checkpoint's JSON "
+                              f"file is read up to")
         if size is not None and size > MAX_JSON_BYTES:
             raise too_big
         from huggingface_hub import constants, hf_hub_url

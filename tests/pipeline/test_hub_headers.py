@@ -16,6 +16,7 @@ import pytest
 from hub_http import HubServer
 from huggingface_hub import constants
 
+from hybrid_build.core import hub_headers
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.safetensors_io import INDEX_NAME
@@ -136,6 +137,15 @@ def test_a_header_that_is_not_json(big_checkpoint, hub, capsys, tmp_path):
     assert main(["inspect", REPO]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.safetensors: not a safetensors file" in err, err
+
+
+def test_a_json_file_over_the_cap_is_refused_before_it_is_fetched(big_checkpoint, hub, capsys, monkeypatch):
+    monkeypatch.setattr(hub_headers, "MAX_JSON_BYTES", (big_checkpoint / "config.json").stat().st_size + 1)
+    hub.add_repo(REPO, big_checkpoint)
+    assert main(["inspect", REPO]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{REPO}/{INDEX_NAME}: over " in err, err
+    assert not [s for s in hub.served if s.path.endswith(INDEX_NAME)]
 
 
 def test_an_unknown_repo_and_revision_are_one_line(hub, capsys, big_checkpoint):
