@@ -193,7 +193,7 @@ def _trace(args: argparse.Namespace) -> int:
         trace = generate(params)
         synthetic = stated(trace, params)
     else:
-        trace = read_trace(Path(args.trace).expanduser())
+        trace = read_trace(Path(args.trace).expanduser(), args.conversations, args.seed)
     opts = ReplayOptions(concurrency=args.concurrency, conversations=args.conversations, max_turns=args.max_turns,
                          max_tokens=args.max_tokens, feed_back=args.feed_back, seed=args.seed,
                          thinking=args.thinking, timeout=args.timeout, duration=args.duration, window=args.window,

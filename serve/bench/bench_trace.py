@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from hybrid_build.core.errors import ErrorStatus, ProtocolViolation, ServerUnrea
 from hybrid_build.core.http_client import AsyncHttpClient, metrics_url
 
 from .bench import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS
-from .trace_formats import Conversation, Trace, message_chars
+from .trace_formats import Conversation, Trace, message_chars, take_sample
 from .trace_report import Counters, Slo, ToolCheck, TurnResult, by_position, check_tool_calls, summarize
 
 log = logging.getLogger(__name__)
@@ -71,12 +70,12 @@ class ReplayOptions:
 
 
 def select(trace: Trace, n: int | None, seed: int) -> list[Conversation]:
-    """``n`` conversations of the trace (all when None): a seeded sample in the trace's order."""
+    """``n`` conversations of the trace (all when None): a seeded sample in the trace's order, the
+    one ``read_trace`` takes while reading a file (which then holds exactly those)."""
     convs = list(trace.conversations)
     if n is None or n >= len(convs):
         return convs
-    keep = sorted(random.Random(seed).sample(range(len(convs)), n))
-    return [convs[i] for i in keep]
+    return take_sample(convs, n, seed, trace.name)
 
 
 def tools_to_send(conv: Conversation) -> list[dict]:
@@ -304,7 +303,7 @@ def report(server: Server, trace: Trace, convs: list[Conversation], opts: Replay
                         "sent as tools without parameters")
     return {"kind": REPORT_KIND, "schema_version": SCHEMA_VERSION, "base_url": server.base_url,
             "model": server.model, "trace": {"format": trace.format, "name": trace.name,
-                                             "conversations_in_trace": len(trace.conversations)},
+                                             "conversations_in_trace": trace.total},
             "conversations": len(convs), "concurrency": opts.concurrency, "max_turns": opts.max_turns,
             "max_tokens": opts.max_tokens, "feed_back": opts.feed_back, "seed": opts.seed, "wall_s": wall,
             "overall": overall, "per_position": by_position(turns, wall, opts.slo),

@@ -206,7 +206,7 @@ MALFORMED = {
     "tools-not-list": (lambda t: _jsonl(t, {"id": "conv-1", "messages": conversation(1), "tools": SECRET}),
                        "field tools: is a string"),
     "vllm-not-array": (lambda t: (t / "v.json").write_text(f'[{{"id": "a", "messages": [{SECRET}') and t / "v.json",
-                       "v.json: not JSON"),
+                       "v.json: item 0: not JSON"),
     "vllm-id-number": (lambda t: (t / "v.json").write_text(json.dumps([{"id": 3, "messages": []}])) and t / "v.json",
                        "v.json: conversation #0 (item 0): field id: is a number"),
     "vllm-generator-config": (lambda t: (t / "v.json").write_text(json.dumps(
