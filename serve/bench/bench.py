@@ -66,6 +66,7 @@ from typing import Callable, Iterable
 
 from hybrid_build.core.errors import ErrorStatus, ExternalToolError, ProtocolViolation, UserError
 from hybrid_build.core.http_client import HttpClient, Metrics, metrics_url, parse_metrics, shared_client
+from hybrid_build.core.limits import MAX_STREAMS
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +187,8 @@ MIN_RUNS_FOR_VERDICT = 3
 # concurrent streams: a stream that decoded less than this share of its window while all streams
 # were decoding earns a warning (its tok/s was partly measured with fewer streams running)
 LOW_OVERLAP = 0.5
-# more streams than the sequences vLLM batches by default (max_num_seqs 256) would queue, not overlap
-MAX_CONCURRENCY = 256
+# more streams than the sequences vLLM batches by default would queue, not overlap (core/limits)
+MAX_CONCURRENCY = MAX_STREAMS
 
 
 @dataclass(frozen=True)
@@ -889,12 +890,12 @@ def compare(a: dict, b: dict, interleaved: bool = False) -> dict:
     return out
 
 
-def load_report(path, text: str) -> dict:
-    """A single-server report saved by ``bench --json``/``--out``, checked enough to compare."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not JSON ({e.msg}, line {e.lineno})")
+def load_report(path) -> dict:
+    """A single-server report saved by ``bench --json``/``--out``, checked enough to compare: a
+    regular file, read at most ``JSON_CAP`` and nested at most ``MAX_DEPTH`` (``core/bounded_read``)."""
+    from hybrid_build.core.bounded_read import read_json
+
+    data = read_json(path, str(path))
     if not isinstance(data, dict):
         raise UserError(f"{path}: not a hybrid-build bench result")
     if data.get("kind") == COMPARISON_KIND:

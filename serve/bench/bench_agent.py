@@ -29,6 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from hybrid_build.core import limits
 from hybrid_build.core.errors import ExternalToolError, UserError
 from hybrid_build.validate.verify.verify_paths import PREFIX_HITS, PREFIX_QUERIES
 
@@ -52,7 +53,12 @@ def parse_contexts(text: str) -> list[int]:
         m = re.fullmatch(r"(\d+)(k?)", item)
         if not m or int(m.group(1)) == 0:
             raise UserError(f"--contexts {text}: give token counts such as 8k,32k,64k (k = 1024) or 8192")
-        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+        digits = m.group(1).lstrip("0")
+        tokens = int(digits) * (1024 if m.group(2) else 1) if len(digits) <= 9 else limits.MAX_TOKENS + 1
+        if tokens > limits.MAX_TOKENS:
+            raise UserError(f"--contexts {text}: {item} is more than {limits.MAX_TOKENS:,} tokens, past any served "
+                            "model's max_model_len")
+        out.append(tokens)
     return out
 
 

@@ -37,6 +37,7 @@ from urllib.parse import quote
 from hybrid_build.core.bounded_read import MAX_DEPTH, json_array_items, lines, open_regular, parse_json
 from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.errors import CannotRun, UserError
+from hybrid_build.core.limits import MAX_CONVERSATIONS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -49,7 +50,7 @@ ID_CHARS = 64
 MAX_CONVERSATION_BYTES = 32 << 20
 # replayed whole (no --conversations) up to this many conversations, and a sample holds at most
 # MAX_HELD_BYTES of them: memory holds what is replayed, never the trace
-MAX_HELD = 10_000
+MAX_HELD = MAX_CONVERSATIONS
 MAX_HELD_BYTES = 256 << 20
 # a vLLM generator config (one JSON object) is told apart by reading at most this much of it
 CONFIG_BYTES = 1 << 20
