@@ -12,7 +12,10 @@ YAML a user or an artifact supplies goes through here.
   traceback. YAML is checked on the parsed value (its parser recurses in Python).
 
 Every refusal is one line naming what was read (``what``, which the caller words: a file's name, a
-field) and is a ``UserError`` (exit 2) unless the caller passes its own error type.
+field). What passes a limit (not a regular file, over a cap, nested too deep, a line without end) is
+an ``InputRefused``, a ``UserError``: exit 2. What cannot be read or parsed (missing, unreadable, not
+UTF-8, not JSON) is the caller's ``error`` type, ``InputRefused`` unless it names another (an
+artifact's own file that does not parse is an ``ArtifactError``: rebuild it).
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from .errors import UserError
 
 MAX_DEPTH = 100           # JSON and YAML nesting: far above what a config, a report or a tool schema uses
 JSON_CAP = 64 << 20       # a whole JSON file (a safetensors index of a large model is a few MB)
-TEXT_CAP = 1 << 20        # a recipe, a nodes file, a texts file
+SMALL_JSON = 1 << 20      # a marker, a record, a signature: a few KB
+TEXT_CAP = 4 << 20        # a recipe, a nodes file, a texts file
 SECRET_CAP = 64 << 10     # a key or token file
 
 _SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -75,7 +79,7 @@ def open_regular(path: str | os.PathLike, what: str, error: type[Exception] = In
     except OSError as e:
         raise error(_os_line(what, e)) from None
     if not stat.S_ISREG(mode):
-        raise error(f"{what}: {kind_of(mode)}, not a regular file")
+        raise InputRefused(f"{what}: {kind_of(mode)}, not a regular file")
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
     try:
         fd = os.open(p, flags)
@@ -84,7 +88,7 @@ def open_regular(path: str | os.PathLike, what: str, error: type[Exception] = In
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise error(f"{what}: {kind_of(mode)}, not a regular file")
+        raise InputRefused(f"{what}: {kind_of(mode)}, not a regular file")
     return os.fdopen(fd, "rb")
 
 
@@ -97,7 +101,7 @@ def read_bytes(path: str | os.PathLike, what: str, cap: int = JSON_CAP,
         except OSError as e:
             raise error(_os_line(what, e)) from None
     if len(data) > cap:
-        raise error(f"{what}: larger than {human_bytes(cap)}, the most read of such a file")
+        raise InputRefused(f"{what}: larger than {human_bytes(cap)}, the most read of such a file")
     return data
 
 
@@ -106,9 +110,9 @@ def decode_text(data: bytes, what: str, error: type[Exception] = InputRefused, n
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise error(f"{what}: not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x})") from None
+        raise error(f"{what}: not a UTF-8 text file (byte {e.start} is 0x{data[e.start]:02x})") from None
     if not nul and "\x00" in text:
-        raise error(f"{what}: not a text file (a NUL byte at character {text.index(chr(0))})")
+        raise error(f"{what}: not a text file (it holds NUL bytes at byte {text.index(chr(0))})")
     return text
 
 
@@ -134,7 +138,7 @@ def depth_over(text: str, limit: int = MAX_DEPTH) -> bool:
 
 def check_depth(text: str, what: str, limit: int = MAX_DEPTH, error: type[Exception] = InputRefused) -> None:
     if depth_over(text, limit):
-        raise error(f"{what}: JSON nested deeper than {limit} levels; not read")
+        raise InputRefused(f"{what}: JSON nested deeper than {limit} levels; not read")
 
 
 def parse_json(data: bytes | str, what: str, limit: int = MAX_DEPTH, error: type[Exception] = InputRefused) -> Any:
@@ -144,7 +148,7 @@ def parse_json(data: bytes | str, what: str, limit: int = MAX_DEPTH, error: type
     try:
         return json.loads(text)
     except RecursionError:
-        raise error(f"{what}: JSON nested too deep to read; not read") from None
+        raise InputRefused(f"{what}: JSON nested too deep to read; not read") from None
     except json.JSONDecodeError as e:
         raise error(f"{what}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
 
@@ -176,9 +180,9 @@ def parse_yaml(text: str, what: str, limit: int = MAX_DEPTH, error: type[Excepti
     try:
         data = yaml.safe_load(text)
     except RecursionError:
-        raise error(f"{what}: YAML nested too deep to read; not read") from None
+        raise InputRefused(f"{what}: YAML nested too deep to read; not read") from None
     if value_depth(data) > limit:
-        raise error(f"{what}: YAML nested deeper than {limit} levels; not read")
+        raise InputRefused(f"{what}: YAML nested deeper than {limit} levels; not read")
     return data
 
 
@@ -191,7 +195,7 @@ def lines(f: IO[bytes], what: str, max_line: int, error: type[Exception] = Input
             return
         body = raw.rstrip(b"\r\n")
         if len(body) > max_line:
-            raise error(f"{what}: line {n} is longer than {human_bytes(max_line)}; not read further")
+            raise InputRefused(f"{what}: line {n} is longer than {human_bytes(max_line)}; not read further")
         yield n, body
 
 
@@ -254,16 +258,16 @@ def json_array_items(f: IO[bytes], what: str, max_item: int, limit: int = MAX_DE
                 if end < len(buf) or eof:  # a number at the chunk's end may go on in the next
                     break
             except RecursionError:
-                raise error(f"{what}: item {n}: JSON nested too deep to read; not read") from None
+                raise InputRefused(f"{what}: item {n}: JSON nested too deep to read; not read") from None
             except json.JSONDecodeError as e:
                 if eof or not _cut_off(e, buf):
                     raise error(f"{what}: item {n}: not JSON ({e.msg})") from None
             if len(buf) - pos > max_item:
-                raise error(f"{what}: item {n} is longer than {human_bytes(max_item)}; not read further")
+                raise InputRefused(f"{what}: item {n} is longer than {human_bytes(max_item)}; not read further")
             more()
         if end - pos > max_item:
-            raise error(f"{what}: item {n} is longer than {human_bytes(max_item)}; not read further")
+            raise InputRefused(f"{what}: item {n} is longer than {human_bytes(max_item)}; not read further")
         if depth_over(buf[pos:end], limit):
-            raise error(f"{what}: item {n}: JSON nested deeper than {limit} levels; not read")
+            raise InputRefused(f"{what}: item {n}: JSON nested deeper than {limit} levels; not read")
         pos = end
         yield n, item

@@ -60,6 +60,7 @@ import httpcore
 import httpx
 
 from .api_key import HINT, REFUSED, bearer, refused
+from .bounded_read import depth_over
 from .errors import ErrorStatus, ProtocolViolation, RedirectRefused, ServerUnreachable, UserError
 
 MAX_BYTES = 64 << 20  # an answer of verify's longest prompt log-probabilities is a few MB
@@ -255,6 +256,8 @@ def parse_json(url: str, body: bytes, content_type: str = ""):
                                 "a proxy's or a login page?)")
     text = decode_utf8(url, body)
     try:
+        if depth_over(text):  # core/bounded_read's limit, measured before the parser recurses
+            raise RecursionError
         return json.loads(text)
     except RecursionError:
         raise ProtocolViolation(f"{url} answered JSON nested too deep to read ({len(body)} bytes)") from None
@@ -371,6 +374,8 @@ class _EventStream:
 
 def _event_json(url: str, data: str):
     try:
+        if depth_over(data):
+            raise RecursionError
         event = json.loads(data)
     except RecursionError:
         raise ProtocolViolation(f"{url} streamed an event nested too deep to read") from None
