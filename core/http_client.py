@@ -37,7 +37,8 @@ environment are not used: the servers are addressed directly.
   not Prometheus text;
 - ``RedirectRefused`` (exit 2): a redirect (3xx), not followed;
 - ``KeyRefused`` (exit 2): 401/403, the API key;
-- ``ErrorStatus`` (exit 1): any other status >= 400 (``.status``, ``.detail``: the body's first line);
+- ``ErrorStatus`` (exit 1): any other status >= 400 (``.status``, ``.detail``: the body's first line,
+  ``.message``: the server's own words from a JSON error body, ``error_message``);
 - ``UserError`` (exit 2): a URL that is not http(s) with a host and a port.
 
 ``ServerUnreachable`` and ``ProtocolViolation`` are both ``CannotRun`` and ``CannotVerify``, so
@@ -268,6 +269,25 @@ def parse_json(url: str, body: bytes, content_type: str = ""):
         raise ProtocolViolation(f"{url} answered {what} (not an OpenAI-compatible server?)") from None
 
 
+def error_message(body: bytes) -> str | None:
+    """The server's own words in an error body: OpenAI's and vLLM's ``{"error": {"message": ...}}``,
+    vLLM's older ``{"message": ...}``, FastAPI's ``{"detail": ...}`` or ``{"error": "..."}``; None for
+    anything else (a body cut at ``DETAIL_BYTES``, HTML, text). Unbounded and raw: a caller bounds it."""
+    try:
+        text = body.decode("utf-8")
+        data = None if depth_over(text) else json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    err = data.get("error")
+    for found in ((err or {}).get("message") if isinstance(err, dict) else err, data.get("message"),
+                  data.get("detail")):
+        if isinstance(found, str) and found.strip():
+            return found
+    return None
+
+
 @dataclass(frozen=True)
 class Metrics:
     """A Prometheus text exposition, parsed by ``prometheus_client``: its samples by name."""
@@ -435,7 +455,7 @@ class _Base:
         text = detail.decode("utf-8", "replace")
         if _looks_html(detail, r.headers.get("content-type", "")):
             text = "an HTML page"
-        return ErrorStatus(url, r.status_code, one_line(text, 300))
+        return ErrorStatus(url, r.status_code, one_line(text, 300), error_message(detail))
 
     def _request(self, method: str, url: str, payload) -> httpx.Request:
         body = None if payload is None else json.dumps(payload).encode()

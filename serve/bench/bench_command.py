@@ -23,6 +23,7 @@ from hybrid_build.core.cli_support import (
 )
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.limits import MAX_CONVERSATIONS
+from hybrid_build.core.terminal_text import printable
 from hybrid_build.core.user_paths import check_output_path
 
 from .bench import (
@@ -123,6 +124,10 @@ def register(sub, common) -> None:
                    help="regenerate at most N assistant turns of each")
     t.add_argument("--seed", type=SEED, default=0, help="the sample of conversations, the synthetic trace and the "
                                                         "request seed (default 0)")
+    t.add_argument("--skip-too-long", action="store_true",
+                   help="leave out the turns whose prompt + --max-tokens the server would refuse (longer than its "
+                        "max_model_len, counted by its /tokenize before the replay; without the flag they are "
+                        "counted, said, and fail with the server's reason)")
     t.add_argument("--no-tools", action="store_true",
                    help="send no tool definitions (a server without a tool-call parser refuses requests with tools; "
                         "tool-call validity then measures nothing)")
@@ -208,17 +213,23 @@ def _trace(args: argparse.Namespace) -> int:
     opts = ReplayOptions(concurrency=args.concurrency, conversations=args.conversations, max_turns=args.max_turns,
                          max_tokens=args.max_tokens, feed_back=args.feed_back, seed=args.seed,
                          thinking=args.thinking, timeout=args.timeout, duration=args.duration, window=args.window,
-                         slo=parse_slo(args.slo) if args.slo else None, tools=not args.no_tools)
+                         slo=parse_slo(args.slo) if args.slo else None, tools=not args.no_tools,
+                         skip_too_long=args.skip_too_long)
     api_key = client_key(args.api_key)
+
+    def on_note(line: str) -> None:  # said before the replay starts: a trace that does not fit the server
+        if not args.quiet:
+            print(f"bench: {printable(line, one_line=True)}", file=sys.stderr, flush=True)
+
     with progress(args.quiet, unit="turn", desc="bench --trace", leave=False) as bar:
         on_turn = lambda *_: bar.update(1)  # noqa: E731
         if args.duration:
-            result = soak(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn)
+            result = soak(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn, on_note=on_note)
         elif len(urls) == 2:
             result = replay_pair(urls[0], urls[1], trace, opts, args.runs, args.model, api_key, synthetic,
-                                 on_turn=on_turn)
+                                 on_turn=on_turn, on_note=on_note)
         else:
-            result = replay(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn)
+            result = replay(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn, on_note=on_note)
     _write(args, result)
     png = draw(result, args.out.with_suffix(".png")) if args.duration and args.out else None
     if args.json:
@@ -232,7 +243,8 @@ def _trace(args: argparse.Namespace) -> int:
     if len(urls) == 2:
         failed = sum(1 for r in result["reports"].values() for t in r["turns"] if t["error"])
     if failed:
-        print(f"bench: {failed} request(s) failed (see the errors column)", file=sys.stderr)
+        print(f"bench: {failed} request(s) failed (their reasons: the 'failed:' lines; --json: error_reasons)",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -242,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out", folder=False)
     if args.trace:
         return _trace(args)
-    if args.duration or args.slo or args.conversations or args.max_turns:
-        raise UserError("--duration, --slo, --conversations and --max-turns go with --trace")
+    if args.duration or args.slo or args.conversations or args.max_turns or args.skip_too_long:
+        raise UserError("--duration, --slo, --conversations, --max-turns and --skip-too-long go with --trace")
     if args.agent:
         from .bench_agent import agent_table
 
