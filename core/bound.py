@@ -317,7 +317,7 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
     else:
         problems += reference_problems(root, ref_digests)
     sig = root / SIGNATURE
-    if sig.is_file() or sig.is_symlink():
+    if os.path.lexists(sig):  # a FIFO or device in its place too: check_signature refuses it, unopened
         if sig.is_symlink():
             bound.signature = SignatureCheck("invalid", problem=f"{SIGNATURE} is a symbolic link")
         else:

@@ -222,3 +222,19 @@ def test_validate_refuses_a_disk_that_cannot_hold_its_report_before_a_check_runs
     code, err = _error(capsys, ["validate", str(art), "--source", str(tiny_checkpoint)])
     assert code == 2 and "free on its filesystem, validate writes about" in err and str(art) in err
     assert _tree(art) == before  # no report, no reference, no partial file
+
+
+# ------------------------------------------------------------------ a signature that never ends
+
+
+@pytest.mark.parametrize("command", [["verify-artifact"], ["status"], ["serve", "--dry-run"]])
+def test_a_signature_nested_without_end_is_one_line_exit_2(artifact, command, capsys):
+    (artifact / "model.sig").write_text("[" * 100_000 + "]" * 100_000)
+    code, err = _error(capsys, [command[0], str(artifact), *command[1:]])
+    assert code == 2 and err == "error: model.sig: JSON nested deeper than 100 levels; not read", err
+
+
+def test_a_signature_that_is_a_fifo_is_refused_unopened(artifact):
+    os.mkfifo(artifact / "model.sig")
+    r = subprocess.run(CLI + ["verify-artifact", str(artifact)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == "error: model.sig: a FIFO, not a regular file\n", r.stderr
