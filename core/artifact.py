@@ -23,16 +23,16 @@ they are missing or broken.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .bounded_read import SMALL_JSON, InputRefused, parse_yaml, read_bytes, read_json, read_text
 from .errors import ArtifactError, UserError
 from .manifest import build_digest, sha256_json
-from .safetensors_io import INDEX_NAME, TMP_SUFFIX, open_regular
+from .safetensors_io import INDEX_NAME, TMP_SUFFIX
 
 if TYPE_CHECKING:
     from .provenance import Provenance
@@ -193,17 +193,15 @@ def _provenance_json(artifact: Path, missing_ok: bool) -> object | None:
             return None
         raise UserError(f"{artifact}: no such artifact folder")
     path = artifact / PROVENANCE
-    try:
-        with open_regular(path, ArtifactError) as f:  # a FIFO in its place is refused, never waited on
-            data = json.loads(f.read())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         if missing_ok:
             return None
         raise UserError(f"{artifact}: no {PROVENANCE}: not an artifact built by `hybrid-build run`, or a build "
-                        "that has not finished (`hybrid-build status` says which stage is missing)") from None
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{path}: unreadable ({e}); rebuild the artifact") from None
-    return data
+                        "that has not finished (`hybrid-build status` says which stage is missing)")
+    try:  # a FIFO in its place is refused, never waited on; capped; nested at most MAX_DEPTH
+        return read_json(path, str(path), error=ArtifactError)
+    except ArtifactError as e:
+        raise ArtifactError(f"{e}; rebuild the artifact") from None
 
 
 def read_recipe_data(artifact: Path, *, missing_ok: bool = False, which: str = RECIPE) -> dict | None:
@@ -213,16 +211,15 @@ def read_recipe_data(artifact: Path, *, missing_ok: bool = False, which: str = R
     import yaml
 
     path = Path(artifact) / which
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         if missing_ok:
             return None
         raise ArtifactError(f"{artifact}: no {which}: the build did not get that far, or the file was "
-                            "removed; rebuild it") from None
-    except (OSError, yaml.YAMLError) as e:
+                            "removed; rebuild it")
+    try:
+        return parse_yaml(read_text(path, str(path), error=ArtifactError), str(path))
+    except yaml.YAMLError as e:
         raise ArtifactError(f"{path}: unreadable ({str(e).splitlines()[0]})") from None
-    return data
 
 
 # ------------------------------------------------------------------------------------ identity
@@ -233,8 +230,8 @@ def provenance_sha256(artifact: Path) -> str | None:
     no build). The ``reports`` section that ``seal_reports`` adds later is left out, so that sealing a
     report never changes the build's name that the reports record."""
     try:
-        raw = (Path(artifact) / PROVENANCE).read_bytes()
-    except OSError:
+        raw = read_bytes(Path(artifact) / PROVENANCE, PROVENANCE)
+    except (OSError, InputRefused):
         return None
     return build_digest(raw)
 
@@ -270,7 +267,7 @@ def seal_reports(artifact: Path) -> None:
         path = artifact / rel
         if path.is_symlink():
             raise ArtifactError(f"{artifact}: {rel} is a symbolic link: a report is a regular file; remove it")
-        data = path.read_bytes()
+        data = read_bytes(path, rel)
         reports[rel] = FileEntry(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     built = provenance_sha256(artifact)
     prov.reports = reports or None
@@ -309,8 +306,8 @@ def report_state(artifact: Path, report: Report, *, build=_UNSET, data=_UNSET,
     if report.build_field is not None:
         if data is _UNSET:
             try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
+                data = read_json(path, report.main)
+            except (OSError, InputRefused) as e:
                 data = e
         if isinstance(data, Exception):
             return "stale", f"it is unreadable ({type(data).__name__})"
@@ -362,9 +359,8 @@ def utc_now() -> str:
 
 def _record(artifact: Path, rel: str) -> dict | None:
     try:
-        with open_regular(Path(artifact) / rel, ArtifactError) as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError, ArtifactError):
+        data = read_json(Path(artifact) / rel, rel, SMALL_JSON)
+    except (OSError, InputRefused):
         return None
     return data if isinstance(data, dict) else None
 

@@ -46,6 +46,7 @@ from .artifact import (
     utc_now,
     validation_outcome,
 )
+from .bounded_read import SMALL_JSON, InputRefused, open_regular, read_bytes, read_json
 from .errors import ArtifactError, UserError
 from .integrity import Integrity, check_artifact, first_problem
 from .manifest import build_digest
@@ -92,9 +93,9 @@ class BoundArtifact:
         not there, the exception when it does not parse. Its bytes were checked by ``open_artifact``."""
         if rel not in self._json:
             path = self.root / rel
-            try:
-                self._json[rel] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-            except (OSError, ValueError) as e:
+            try:  # a regular file, capped, nested at most MAX_DEPTH (core/bounded_read)
+                self._json[rel] = read_json(path, rel) if path.exists() else None
+            except (OSError, InputRefused) as e:
                 self._json[rel] = e
         return self._json[rel]
 
@@ -142,7 +143,11 @@ class BoundArtifact:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    with open_regular(path, path.name) as f:  # a FIFO in a file's place is refused, never waited on
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def unfinished(root: Path) -> str | None:
@@ -151,8 +156,8 @@ def unfinished(root: Path) -> str | None:
     if not marker.is_file():
         return None
     try:
-        pid = int(json.loads(marker.read_text()).get("pid"))
-    except (OSError, ValueError, TypeError, AttributeError):
+        pid = int(read_json(marker, IN_PROGRESS, cap=SMALL_JSON).get("pid"))
+    except (OSError, InputRefused, ValueError, TypeError, AttributeError):
         pid = None
     alive = False
     if pid:
@@ -252,8 +257,8 @@ def record_validated_here(root: Path, outcome: str, bundled: bool) -> None:
 
 def _validated_here(root: Path, build: str) -> bool:
     try:
-        return json.loads((Path(root) / VALIDATED_HERE).read_text()).get("build") == build
-    except (OSError, ValueError, AttributeError):
+        return read_json(Path(root) / VALIDATED_HERE, VALIDATED_HERE, SMALL_JSON).get("build") == build
+    except (OSError, InputRefused, AttributeError):
         return False
 
 
@@ -299,7 +304,7 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
     problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
                                                       for s in problems)]
     validation = validation_outcome(root)
-    raw = (root / PROVENANCE).read_bytes()
+    raw = read_bytes(root / PROVENANCE, PROVENANCE)
     build = build_digest(raw)
     bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
                           built_here=built_here, validated_here=_validated_here(root, build),
@@ -312,7 +317,7 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
     else:
         problems += reference_problems(root, ref_digests)
     sig = root / SIGNATURE
-    if sig.is_file() or sig.is_symlink():
+    if os.path.lexists(sig):  # a FIFO or device in its place too: check_signature refuses it, unopened
         if sig.is_symlink():
             bound.signature = SignatureCheck("invalid", problem=f"{SIGNATURE} is a symbolic link")
         else:

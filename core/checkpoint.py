@@ -16,16 +16,15 @@ import json
 import logging
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from .bounded_read import JSON_CAP, check_depth, read_bytes
 from .errors import SourceError
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, FileHeader, TensorHeader, read_header
 from .tensor_classes import classify, dtype_problem, dtype_storage, module_storage, split_module
-from .user_paths import kind_of
 
 log = logging.getLogger(__name__)
 
@@ -419,12 +418,12 @@ def _packing_problems(ckpt: Checkpoint) -> list[Problem]:
 
 
 def _json_bytes(path: Path) -> bytes:
-    """The bytes of one of the checkpoint's JSON files; a FIFO, device or folder in its place is
-    refused in one line (reading a FIFO would block forever)."""
-    mode = path.stat().st_mode
-    if not stat.S_ISREG(mode):
-        raise SourceError(f"{path}: {kind_of(mode)}, not a JSON file")
-    return path.read_bytes()
+    """The bytes of one of the checkpoint's JSON files (``core/bounded_read``): a FIFO, device or
+    folder in its place refused in one line (reading a FIFO would block forever), at most
+    ``JSON_CAP`` bytes, nested at most ``MAX_DEPTH`` deep."""
+    data = read_bytes(path, str(path), JSON_CAP, error=SourceError)
+    check_depth(data.decode("utf-8", "replace"), str(path))
+    return data
 
 
 def resolve_source(source: str | os.PathLike, revision: str | None = None) -> tuple[Path, str | None, str | None]:

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .limits import MAX_ACCEPT, MAX_COUNT, MAX_GB, MAX_SECONDS, MAX_SEED, MAX_STREAMS, MAX_TOKENS
+
 
 class ExampleFormatter(argparse.RawDescriptionHelpFormatter):
     def _expand_help(self, action: argparse.Action) -> str:
@@ -45,12 +47,16 @@ def _number(kind: type, lo: float | None, hi: float | None, lo_open: bool) -> Ca
         below = lo is not None and (value <= lo if lo_open else value < lo)
         above = hi is not None and value > hi
         if below or above:
+            def show(v: float) -> str:
+                return f"{int(v):,}" if float(v).is_integer() else f"{v:g}"
+
             if lo is not None and hi is not None:
-                want = f"between {lo:g} and {hi:g}" if not lo_open else f"more than {lo:g} and at most {hi:g}"
+                want = f"between {show(lo)} and {show(hi)}" if not lo_open else \
+                    f"more than {show(lo)} and at most {show(hi)}"
             elif lo is not None:
-                want = f"more than {lo:g}" if lo_open else f"at least {lo:g}"
+                want = f"more than {show(lo)}" if lo_open else f"at least {show(lo)}"
             else:
-                want = f"at most {hi:g}"
+                want = f"at most {show(hi)}"
             raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
         return value
 
@@ -68,14 +74,24 @@ def float_range(lo: float | None = None, hi: float | None = None, lo_open: bool 
     return _number(float, lo, hi, lo_open)
 
 
-# the values a command line gives most often: refused before anything starts, dry runs included
+# The numeric options' types, bounded by what the numbers mean (``core/limits``): a value outside is
+# argparse's one line, exit 2, before anything starts (dry runs included). Where the bound depends on
+# the input (a model's max context, a drafter's block) the command checks that too, once it is known.
 PORT = int_range(1, 65535)
-POSITIVE_INT = int_range(1)
-COUNT = int_range(0)
-SECONDS = float_range(0, lo_open=True)
-POSITIVE = float_range(0, lo_open=True)
-NON_NEGATIVE = float_range(0)
+POSITIVE_INT = int_range(1, MAX_COUNT)
+COUNT = int_range(0, MAX_COUNT)
+SECONDS = float_range(0, MAX_SECONDS, lo_open=True)
+NON_NEGATIVE_SECONDS = float_range(0, MAX_SECONDS)
+POSITIVE = float_range(0, 1e9, lo_open=True)
+NON_NEGATIVE = float_range(0, 1e9)
 SHARE = float_range(0, 1)
+STREAMS = int_range(1, MAX_STREAMS)
+ACCEPTANCE = float_range(1, MAX_ACCEPT)
+VERIFY_POSITIONS = int_range(1, MAX_ACCEPT)
+TOKENS = int_range(1, MAX_TOKENS)
+SEED = int_range(0, MAX_SEED)
+GB = float_range(0, MAX_GB)
+GBPS = float_range(0, MAX_GB, lo_open=True)
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:

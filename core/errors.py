@@ -85,11 +85,12 @@ class RedirectRefused(UserError):
 
 class ErrorStatus(ExternalToolError):
     """A server answered an error status (>= 400, other than 401/403): it ran and failed, exit 1.
-    ``status`` and ``detail`` (the body's first line) let a caller word it or go on."""
+    ``status`` and ``detail`` (the body's first line) let a caller word it or go on; ``message`` is
+    the server's own words where the body is an OpenAI-style JSON error (``error.message``), else None."""
 
-    def __init__(self, url: str, status: int, detail: str = "") -> None:
+    def __init__(self, url: str, status: int, detail: str = "", message: str | None = None) -> None:
         super().__init__(f"{url} answered HTTP {status}" + (f": {detail}" if detail else ""))
-        self.url, self.status, self.detail = url, status, detail
+        self.url, self.status, self.detail, self.message = url, status, detail, message
 
 
 class KeyRefused(UserError):

@@ -37,7 +37,8 @@ environment are not used: the servers are addressed directly.
   not Prometheus text;
 - ``RedirectRefused`` (exit 2): a redirect (3xx), not followed;
 - ``KeyRefused`` (exit 2): 401/403, the API key;
-- ``ErrorStatus`` (exit 1): any other status >= 400 (``.status``, ``.detail``: the body's first line);
+- ``ErrorStatus`` (exit 1): any other status >= 400 (``.status``, ``.detail``: the body's first line,
+  ``.message``: the server's own words from a JSON error body, ``error_message``);
 - ``UserError`` (exit 2): a URL that is not http(s) with a host and a port.
 
 ``ServerUnreachable`` and ``ProtocolViolation`` are both ``CannotRun`` and ``CannotVerify``, so
@@ -60,6 +61,7 @@ import httpcore
 import httpx
 
 from .api_key import HINT, REFUSED, bearer, refused
+from .bounded_read import depth_over
 from .errors import ErrorStatus, ProtocolViolation, RedirectRefused, ServerUnreachable, UserError
 
 MAX_BYTES = 64 << 20  # an answer of verify's longest prompt log-probabilities is a few MB
@@ -255,6 +257,8 @@ def parse_json(url: str, body: bytes, content_type: str = ""):
                                 "a proxy's or a login page?)")
     text = decode_utf8(url, body)
     try:
+        if depth_over(text):  # core/bounded_read's limit, measured before the parser recurses
+            raise RecursionError
         return json.loads(text)
     except RecursionError:
         raise ProtocolViolation(f"{url} answered JSON nested too deep to read ({len(body)} bytes)") from None
@@ -263,6 +267,25 @@ def parse_json(url: str, body: bytes, content_type: str = ""):
         cut = isinstance(where, int) and where >= len(text.rstrip()) and text.strip()
         what = "JSON cut off" if cut else "no JSON" if not text.strip() else f"not JSON ({one_line(e, 80)})"
         raise ProtocolViolation(f"{url} answered {what} (not an OpenAI-compatible server?)") from None
+
+
+def error_message(body: bytes) -> str | None:
+    """The server's own words in an error body: OpenAI's and vLLM's ``{"error": {"message": ...}}``,
+    vLLM's older ``{"message": ...}``, FastAPI's ``{"detail": ...}`` or ``{"error": "..."}``; None for
+    anything else (a body cut at ``DETAIL_BYTES``, HTML, text). Unbounded and raw: a caller bounds it."""
+    try:
+        text = body.decode("utf-8")
+        data = None if depth_over(text) else json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    err = data.get("error")
+    for found in ((err or {}).get("message") if isinstance(err, dict) else err, data.get("message"),
+                  data.get("detail")):
+        if isinstance(found, str) and found.strip():
+            return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -371,6 +394,8 @@ class _EventStream:
 
 def _event_json(url: str, data: str):
     try:
+        if depth_over(data):
+            raise RecursionError
         event = json.loads(data)
     except RecursionError:
         raise ProtocolViolation(f"{url} streamed an event nested too deep to read") from None
@@ -430,7 +455,7 @@ class _Base:
         text = detail.decode("utf-8", "replace")
         if _looks_html(detail, r.headers.get("content-type", "")):
             text = "an HTML page"
-        return ErrorStatus(url, r.status_code, one_line(text, 300))
+        return ErrorStatus(url, r.status_code, one_line(text, 300), error_message(detail))
 
     def _request(self, method: str, url: str, payload) -> httpx.Request:
         body = None if payload is None else json.dumps(payload).encode()

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .bounded_read import SMALL_JSON, InputRefused, open_regular, parse_json, read_bytes, read_json
 from .safetensors_io import write_text_atomic
 
 HASH_CHUNK = 16 * 1024 * 1024
@@ -26,7 +27,7 @@ def sha256_file(path: Path, on_bytes: Callable[[int], object] | None = None) -> 
     h = hashlib.sha256()
     buf = bytearray(HASH_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb") as f:
+    with open_regular(path, Path(path).name) as f:  # a FIFO in a file's place is refused, never waited on
         while n := f.readinto(buf):
             h.update(view[:n])
             if on_bytes:
@@ -51,8 +52,8 @@ class StageManifest:
     @classmethod
     def load(cls, path: Path) -> "StageManifest | None":
         try:
-            return cls(**json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError, TypeError):
+            return cls(**read_json(path, path.name, SMALL_JSON))
+        except (OSError, InputRefused, TypeError):
             return None
 
     def save(self, path: Path) -> None:
@@ -88,8 +89,8 @@ def build_digest(raw: bytes) -> str:
     ``seal_reports`` adds it after the build): the build's name, whatever reports were sealed since."""
     if b'"reports"' in raw:
         try:
-            data = json.loads(raw)
-        except ValueError:
+            data = parse_json(raw, "provenance")
+        except InputRefused:
             data = None
         if isinstance(data, dict) and "reports" in data:
             data.pop("reports")
@@ -99,8 +100,8 @@ def build_digest(raw: bytes) -> str:
 
 def _same_build(path: Path, info: dict) -> bool:
     try:
-        return build_digest(path.read_bytes()) == info.get("sha256")
-    except OSError:
+        return build_digest(read_bytes(path, path.name)) == info.get("sha256")
+    except (OSError, InputRefused):
         return False
 
 

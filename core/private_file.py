@@ -7,6 +7,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from .bounded_read import SECRET_CAP, read_text
 from .errors import UserError
 
 
@@ -56,7 +57,7 @@ def read_private(path: Path, what: str) -> str:
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
         raise UserError(f"{what} {path}: can be read or written by others (mode {mode:04o}): `chmod 600 {path}`")
-    try:
-        return path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    try:  # read through core/bounded_read: a FIFO swapped in since the stat is refused, not waited on
+        return read_text(path, f"{what} {path}", SECRET_CAP, UserError).strip()
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot read it ({e.strerror or e})") from None

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from pathlib import Path
+
+from .bounded_read import SECRET_CAP, InputRefused, read_bytes
 
 SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENAI_API_KEY", "VLLM_API_KEY", "RAY_AUTH_TOKEN")
 SECRET_FILE_ENV = ("HF_TOKEN_PATH", "RAY_AUTH_TOKEN_PATH")
@@ -47,11 +48,8 @@ def _hub_token_file() -> Path:
 def _read_secret_file(path: Path) -> str | None:
     """A small regular file's text; None for anything else (a FIFO is never opened: it would block)."""
     try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode) or st.st_size > 64_000:
-            return None
-        return path.read_text(errors="replace").strip()
-    except OSError:
+        return read_bytes(path, path.name, SECRET_CAP).decode("utf-8", "replace").strip()
+    except (OSError, InputRefused):
         return None
 
 

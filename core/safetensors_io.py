@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bounded_read import check_depth
 from .errors import ArtifactError, SourceError
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def read_header(path: str | os.PathLike) -> FileHeader:
                               f"{size - 8} present)")
         blob = f.read(hlen)
     try:
+        check_depth(blob.decode("utf-8", "replace"), f"{path.name}: safetensors header")  # never a RecursionError
         header = json.loads(blob)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         why = e.msg if hasattr(e, "msg") else e

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .artifact import SIGNATURE  # OpenSSF Model Signing's default name, at the model's root
+from .bounded_read import InputRefused, read_json
 from .errors import UserError
 
 
@@ -123,6 +124,19 @@ def sign_files(files: dict[str, Path | bytes], signature: Path, key: SigningKey)
     return time.perf_counter() - t0
 
 
+SIGNATURE_CAP = 16 << 20  # a Sigstore bundle over a manifest of a few hundred files is tens of KB
+
+
+def read_bundle_json(signature: Path) -> dict:
+    """The signature file checked before the library reads it (``core/bounded_read``): a regular file
+    (a FIFO in its place is refused, never waited on), at most ``SIGNATURE_CAP`` bytes, JSON nested at
+    most ``MAX_DEPTH`` deep. A refusal is one line, exit 2."""
+    data = read_json(signature, SIGNATURE, SIGNATURE_CAP)
+    if not isinstance(data, dict):
+        raise InputRefused(f"{SIGNATURE}: not a Sigstore bundle (a JSON object)")
+    return data
+
+
 def signed_manifest(signature: Path, trusted: list[Path]) -> tuple[str, dict[str, str]]:
     """Who signed ``signature`` (the first key of ``trusted`` it verifies with) and the digests it
     signed (name -> sha256 hex). Raises ``ValueError`` when no key verifies it."""
@@ -130,7 +144,11 @@ def signed_manifest(signature: Path, trusted: list[Path]) -> tuple[str, dict[str
     from model_signing._signing import sign_ec_key
     from model_signing._signing.sign_sigstore_pb import Signature
 
-    bundle = Signature.read(signature)
+    read_bundle_json(signature)
+    try:
+        bundle = Signature.read(signature)
+    except Exception as e:  # noqa: BLE001 - a bundle of another shape: KeyError, TypeError, the library's own
+        raise ValueError(f"{SIGNATURE} does not parse as a Sigstore bundle ({type(e).__name__})") from None
     last: Exception | None = None
     for key in trusted:
         cfg = verifying.Config().use_elliptic_key_verifier(public_key=key)
@@ -152,8 +170,9 @@ def check_signature(signature: Path, expected: dict[str, str], trusted: list[Pat
     import time
 
     t0 = time.perf_counter()
-    if not signature.is_file():
+    if not os.path.lexists(signature):
         return SignatureCheck("unsigned")
+    read_bundle_json(signature)  # a FIFO, an endless file or deep nesting: one line, never a hang or a traceback
     if not trusted:
         try:
             from model_signing._signing.sign_sigstore_pb import Signature

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .artifact import WORK_DIR
+from .bounded_read import SMALL_JSON, InputRefused, read_json
 from .errors import SourceMismatch, UserError
 from .manifest import sha256_file, sha256_json
 from .progress import ProgressFactory, close_bar, null_progress
@@ -93,8 +94,8 @@ class DigestCache:
         self.entries: dict[str, dict] = {}
         if path is not None and path.exists():
             try:
-                self.entries = json.loads(path.read_text()).get("files", {})
-            except (OSError, json.JSONDecodeError, AttributeError):
+                self.entries = read_json(path, path.name).get("files", {})
+            except (OSError, InputRefused, AttributeError):
                 log.warning("%s: unreadable digest cache; source files will be hashed again", path)
 
     def lookup(self, path: Path, stat: dict) -> str | None:
@@ -252,8 +253,8 @@ def read_record(artifact: Path, provenance: Provenance | None) -> SourceRecord |
     loc_path = Path(artifact) / WORK_DIR / LOCATION_FILE
     if loc_path.exists():
         try:
-            loc = json.loads(loc_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            loc = read_json(loc_path, LOCATION_FILE, SMALL_JSON)
+        except (OSError, InputRefused):
             loc = {}
         if loc.get("fingerprint") != src.get("fingerprint"):
             loc = {}  # written for another build of this folder

@@ -2,7 +2,7 @@
 a file or folder a command will write. Each is refused in one line (a ``UserError``, exit 2)
 before anything is read or written when it cannot be what is asked: missing, a folder where a file
 is expected, a FIFO, device or socket (reading one would block or never end), a symbolic-link loop,
-a parent that is a file, a file that is not UTF-8 text.
+a parent that is a file, a file that is not UTF-8 text, a file larger than its cap.
 """
 from __future__ import annotations
 
@@ -13,20 +13,9 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from .bounded_read import TEXT_CAP, kind_of, read_text
 from .byte_units import human_bytes
 from .errors import StorageError, UserError
-
-_SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-            (stat.S_ISSOCK, "a socket"))
-
-
-def kind_of(mode: int) -> str:
-    """What a file of this ``st_mode`` is, in words."""
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISREG(mode):
-        return "a file"
-    return next((word for test, word in _SPECIAL if test(mode)), "not a regular file")
 
 
 def _stat_error(path: Path, what: str, e: OSError) -> UserError:
@@ -39,33 +28,10 @@ def _stat_error(path: Path, what: str, e: OSError) -> UserError:
     return UserError(f"{what} {path}: {e.strerror or e}")
 
 
-def regular_file(path: str | os.PathLike, what: str) -> Path:
-    """``path``, checked to be a regular file (symbolic links followed) before it is opened."""
-    p = Path(path)
-    try:
-        mode = p.stat().st_mode
-    except OSError as e:
-        raise _stat_error(p, what, e) from None
-    if not stat.S_ISREG(mode):
-        raise UserError(f"{what} {p}: {kind_of(mode)}, not a regular file")
-    return p
-
-
-def read_text_file(path: str | os.PathLike, what: str) -> str:
-    """The UTF-8 text of a regular file; one line for anything else (binary data included: a NUL
-    byte or bytes that are not UTF-8)."""
-    p = regular_file(path, what)
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise _stat_error(p, what, e) from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{what} {p}: not a UTF-8 text file (byte {e.start} is 0x{data[e.start]:02x})") from None
-    if "\x00" in text:
-        raise UserError(f"{what} {p}: not a text file (it holds NUL bytes at byte {text.index(chr(0))})")
-    return text
+def read_text_file(path: str | os.PathLike, what: str, cap: int = TEXT_CAP) -> str:
+    """The UTF-8 text of a regular file of at most ``cap`` bytes (``core/bounded_read``); one line
+    for anything else (binary data included: a NUL byte or bytes that are not UTF-8)."""
+    return read_text(path, f"{what} {Path(path)}", cap, UserError)
 
 
 def nearest_existing(path: Path) -> Path:

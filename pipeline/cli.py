@@ -24,6 +24,7 @@ from hybrid_build.core.cli_support import (
 from hybrid_build.core.errors import HybridBuildError
 from hybrid_build.core.redaction import redact, remember, remember_file
 from hybrid_build.core.stop_signals import interrupt_exit_code, stop_on_signals
+from hybrid_build.core.terminal_text import PrintableStream, printable
 
 # what the filesystem refuses that another folder, freed space or the right permissions fix: bad input
 # (exit 2), as the space check before a build says it; any other OSError (an I/O error) exits 1
@@ -59,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake in one line and exits 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        line = f"{message} (see `{self.prog} --help`)"
+        line = printable(f"{message} (see `{self.prog} --help`)", one_line=True)
         sys.stderr.write(f"error: {line}\n")
         raise UsageError(line)
 
@@ -107,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _RedactingFormatter(logging.Formatter):
+    """A log line without a secret and without what a terminal would obey (``core/terminal_text``)."""
+
     def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
+        return printable(redact(super().format(record)))
 
 
 def setup_logging(verbose: int, quiet: bool) -> None:
@@ -126,9 +129,10 @@ def setup_logging(verbose: int, quiet: bool) -> None:
 
 
 def _fail(args: argparse.Namespace, code: int, message: str, prefix: str = "error") -> int:
-    """One line on stderr, without a secret (``core/redaction.py``: whatever raised it); with
+    """One line on stderr, without a secret (``core/redaction.py``: whatever raised it) or a terminal
+    control character (``core/terminal_text.py``: a file name, an id or a server's words in it); with
     ``--json``, also the failure's object on stdout unless the command printed its own. Returns ``code``."""
-    message = redact(message)
+    message = printable(redact(message), one_line=True)
     sys.stderr.write(f"{prefix}: {message}\n")
     if getattr(args, "json", False) and not json_written():
         emit_failure_json(code, message)
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     remember_file(getattr(args, "api_key_file", None), getattr(args, "ray_token_file", None))
     setup_logging(args.verbose, args.quiet)
     restore_signals = stop_on_signals()
+    stdout, sys.stdout = sys.stdout, PrintableStream(sys.stdout)  # what a command prints came from outside too
     try:
         return int(args.handler(args) or 0)
     except HybridBuildError as e:
@@ -176,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 else "nothing of this run is kept: the same command starts over")
         return _fail(args, interrupt_exit_code(e), then, prefix="interrupted")
     finally:
+        sys.stdout = stdout
         restore_signals()
 
 

@@ -10,7 +10,6 @@ they differ.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from hybrid_build.calibration.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from hybrid_build.calibration.metrics import error_metrics
+from hybrid_build.core.bounded_read import read_json
 from hybrid_build.core.checkpoint import HUB_ID, Checkpoint
 from hybrid_build.core.errors import SourceError
 from hybrid_build.core.safetensors_io import INDEX_NAME, ByteRange, OutTensor
@@ -43,7 +43,7 @@ def open_fp8_checkpoint(ref: str, modules: list[str], source_prefix: str) -> Che
 
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
     try:
-        index = json.loads(Path(hf_hub_download(ref, INDEX_NAME, local_files_only=offline)).read_text())
+        index = read_json(Path(hf_hub_download(ref, INDEX_NAME, local_files_only=offline)), f"{ref} {INDEX_NAME}")
         wanted = set()
         for m in modules:
             for name in _candidates(m, source_prefix):

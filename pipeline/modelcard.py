@@ -29,6 +29,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from hybrid_build.core import formats
 from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, is_report, report_state
+from hybrid_build.core.bounded_read import InputRefused, parse_yaml, read_json, read_text
 from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.checkpoint import HUB_ID
 from hybrid_build.core.formats.base import OutputFormat
@@ -96,16 +97,16 @@ class CardInputs:
 
 def read_frontmatter(readme: Path) -> dict:
     """The YAML metadata block of a model card file, or {} when it has none or it does not parse."""
-    try:
-        text = readme.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+    try:  # a regular file, capped, its YAML nested at most MAX_DEPTH (core/bounded_read)
+        text = read_text(readme, readme.name)
+    except (OSError, InputRefused):
         return {}
     m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
     if not m:
         return {}
     try:
-        data = yaml.safe_load(m.group(1))
-    except yaml.YAMLError:
+        data = parse_yaml(m.group(1), readme.name)
+    except (yaml.YAMLError, InputRefused):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -126,7 +127,7 @@ def converted_sizes(artifact: Path, provenance: Provenance, bound=None) -> dict[
     """Per kind (fp8 / int8): modules, parameters, their BF16 bytes and the bytes stored now.
 
     Stored bytes come from the safetensors headers of the artifact (headers only, no data read)."""
-    index = json.loads((artifact / INDEX_NAME).read_text()) if bound is None else bound.read_json(INDEX_NAME)
+    index = read_json(artifact / INDEX_NAME, INDEX_NAME) if bound is None else bound.read_json(INDEX_NAME)
     weight_map = index.get("weight_map", {})
     headers: dict[str, dict] = {}
     out: dict[str, dict[str, int]] = {}
@@ -239,8 +240,8 @@ def _memory_section(inp: CardInputs) -> list[str]:
 
 def _json_object(path: Path) -> dict | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(path, path.name)
+    except (OSError, InputRefused):
         return None
     return data if isinstance(data, dict) else None
 

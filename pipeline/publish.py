@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from hybrid_build.core.artifact import (
     validation_outcome,
 )
 from hybrid_build.core.bound import open_artifact
+from hybrid_build.core.bounded_read import open_regular, read_json
 from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.progress import null_progress
@@ -124,18 +124,18 @@ class PublishPlan:
 
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, path.name) as f:  # a FIFO in a file's place is refused, never waited on
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:
+    if not path.exists():
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+    try:  # a regular file, capped, nested at most MAX_DEPTH (core/bounded_read)
+        data = read_json(path, what, error=ArtifactError)
+    except ArtifactError as e:
         raise ArtifactError(f"{what} is unreadable: {e}") from None
     if not isinstance(data, dict):
         raise ArtifactError(f"{what} is not a JSON object")

@@ -14,7 +14,6 @@ read its result, stale, naming the file. Nothing is written but the digest cache
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ from hybrid_build.core.artifact import (
     unexpected_files,
 )
 from hybrid_build.core.bound import BoundArtifact, open_artifact, trusted_keys, unfinished
+from hybrid_build.core.bounded_read import SMALL_JSON, InputRefused, read_json
 from hybrid_build.core.errors import HybridBuildError, UserError
 from hybrid_build.core.manifest import StageManifest
 from hybrid_build.core.progress import ProgressFactory, null_progress
@@ -173,8 +173,8 @@ def _recorded_source(out: Path, prov: Provenance | None) -> SourceRecord | None:
     if record is not None:
         return record
     try:
-        loc = json.loads((out / WORK_DIR / LOCATION_FILE).read_text())
-    except (OSError, ValueError):
+        loc = read_json(out / WORK_DIR / LOCATION_FILE, LOCATION_FILE, SMALL_JSON)
+    except (OSError, InputRefused):
         return None
     if not isinstance(loc, dict) or not (loc.get("path") or loc.get("in_artifact")):
         return None

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hybrid_build.core.limits import MAX_SPECULATIVE_TOKENS, MAX_STREAMS, MAX_TOKENS
+
 from .serve_names import (  # noqa: F401  (the names' home; imported from here too)
     DOCKER_IMAGE,
     SMOKE_EXPECT,
@@ -26,7 +28,7 @@ class DrafterSpec(BaseModel):
     model: str | None = Field(None, description="drafter Hub id or folder (dflash only); `{source}` stands for "
                                                 "the local source checkpoint's folder, e.g. `{source}-dflash`")
     revision: str | None = None
-    num_speculative_tokens: int = Field(12, ge=1, le=64)
+    num_speculative_tokens: int = Field(12, ge=1, le=MAX_SPECULATIVE_TOKENS)
     attention_backend: str | None = Field(
         "FLASH_ATTN", description="the DFlash drafter is non-causal: its backend must support that")
 
@@ -48,8 +50,8 @@ class ServeProfile(BaseModel):
     speculative: DrafterSpec | None = None
     attention_backend: str | None = None
     gpu_memory_utilization: float = Field(0.82, gt=0, le=1)
-    max_model_len: int = Field(262144, ge=256)
-    max_num_seqs: int = Field(4, ge=1)
+    max_model_len: int = Field(262144, ge=256, le=MAX_TOKENS)
+    max_num_seqs: int = Field(4, ge=1, le=MAX_STREAMS)
     enable_prefix_caching: bool = True
     prefix_caching_note: str | None = Field(
         None, description="why this profile cannot cache a warm prefix well (or has caching off): `serve` prints "

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from hybrid_build.core import formats
+from hybrid_build.core.bounded_read import parse_yaml
 from hybrid_build.core.errors import RecipeError
 from hybrid_build.core.formats.base import OutputFormat
 from hybrid_build.core.user_paths import read_text_file
@@ -252,7 +253,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
                           f"(shipped: {', '.join(shipped)})")
     text = read_text_file(path, "recipe")  # a binary file, a FIFO or a folder: one line, never a hang
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text, f"recipe {path.name}")  # nested too deep: one line, never a RecursionError
     except yaml.YAMLError as e:
         raise RecipeError(f"{path.name}: not valid YAML ({str(e).splitlines()[0]})")
     return parse_recipe(data, path.name)

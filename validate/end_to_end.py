@@ -17,11 +17,11 @@ file is one text, a ``.jsonl`` file one ``{"name", "text"}`` object a line).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
+from hybrid_build.core.bounded_read import parse_json
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import CannotRun, HybridBuildError, UserError
 from hybrid_build.core.user_paths import read_text_file
@@ -46,9 +46,9 @@ def load_texts(files: list[Path] | None) -> dict[str, str]:
                 if not line.strip():
                     continue
                 try:
-                    item = json.loads(line)
+                    item = parse_json(line, f"{path}:{n}", error=UserError)
                     texts[str(item["name"])] = str(item["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (KeyError, TypeError):
                     raise UserError(f"{path}:{n}: expected a JSON object with \"name\" and \"text\"") from None
         else:
             texts[path.stem] = text

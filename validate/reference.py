@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from hybrid_build.core.artifact import REPORTS, provenance_sha256
+from hybrid_build.core.bounded_read import read_json
 from hybrid_build.core.errors import ArtifactError, UserError
 from hybrid_build.core.safetensors_io import TMP_SUFFIX, write_bytes_atomic, write_text_atomic
 
@@ -238,13 +239,13 @@ def read_reference(artifact: Path, bound: bool = False) -> Reference:
 
 def _read_json(artifact: Path) -> dict:
     path = REFERENCE.path(artifact)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.exists():
         raise UserError(f"{artifact}: no {REFERENCE.main}: run `hybrid-build validate` (streamed engine) on it "
-                        "first") from None
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{path}: unreadable ({type(e).__name__}); run `hybrid-build validate` again") from None
+                        "first")
+    try:  # a regular file, capped, nested at most MAX_DEPTH (core/bounded_read)
+        data = read_json(path, REFERENCE.main, error=ArtifactError)
+    except (OSError, ArtifactError) as e:
+        raise ArtifactError(f"{path}: unreadable ({e}); run `hybrid-build validate` again") from None
     ok = (isinstance(data, dict) and data.get("schema_version") == SCHEMA_VERSION
           and isinstance(data.get("provenance_sha256"), str) and isinstance(data.get("k"), int)
           and isinstance(data.get("texts"), dict))

@@ -37,12 +37,13 @@ from hybrid_build.core.artifact import (
     texts_report,
     utc_now,
 )
+from hybrid_build.core.bounded_read import InputRefused, read_json
 from hybrid_build.core.checkpoint import Checkpoint
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, HybridBuildError, SourceError, UserError
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.manifest import sha256_json
 from hybrid_build.core.provenance import Provenance
-from hybrid_build.core.safetensors_io import TMP_SUFFIX, open_regular
+from hybrid_build.core.safetensors_io import TMP_SUFFIX
 from hybrid_build.core.source_identity import open_recorded_source
 from hybrid_build.recipes.conversion import plan_conversion
 from hybrid_build.recipes.schema import Recipe, parse_recipe, select_recipe
@@ -351,9 +352,8 @@ def _sha256_of(path: Path) -> str:
 def _build_report(artifact: Path) -> dict | None:
     """The build's report in ``artifact`` as JSON (None: absent, unreadable, not a regular file)."""
     try:
-        with open_regular(artifact / VALIDATION.main, ArtifactError) as f:
-            return json.loads(f.read())
-    except (OSError, ValueError, ArtifactError):
+        return read_json(artifact / VALIDATION.main, VALIDATION.main)
+    except (OSError, InputRefused):
         return None
 
 

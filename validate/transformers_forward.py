@@ -119,8 +119,6 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-# CSI (colours, cursor moves), OSC (titles, links) and the two-character escapes
-_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 # auto-round's two ways of saying that an INT4 layer has no kernel on this device: a ValueError
 # naming the layer, or an error log asking for a package, then exit(-1)
 _NO_BACKEND = re.compile(r"No compatible backend found for layer (\S+)")
@@ -128,8 +126,11 @@ _NEEDS_PACKAGE = re.compile(r"Inference requires the following libraries.*?`pip 
 
 
 def strip_ansi(text: str) -> str:
-    """``text`` without terminal escape sequences (auto-round colours its log lines)."""
-    return _ANSI.sub("", text)
+    """``text`` without terminal escape sequences (auto-round colours its log lines): the CLI's one
+    sanitizer (``core/terminal_text``)."""
+    from hybrid_build.core.terminal_text import printable
+
+    return printable(text)
 
 
 def describe_failure(returncode: int, stderr: str | None) -> str:

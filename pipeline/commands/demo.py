@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from hybrid_build.core.cli_support import SEED
 from hybrid_build.core.errors import UserError
 
 
@@ -45,5 +46,5 @@ def register(sub, common) -> None:
                     "that speculate with DFlash.",
         epilog="example:\n  hybrid-build demo-checkpoint ./tiny-int4       # also writes ./tiny-int4-dflash")
     p.add_argument("out", type=Path, help="output folder (must not exist or be empty)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="random seed of the weights (default 0)")
     p.set_defaults(handler=_handle)

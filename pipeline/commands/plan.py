@@ -12,10 +12,13 @@ import tempfile
 from pathlib import Path
 
 from hybrid_build.core.cli_support import (
-    NON_NEGATIVE,
-    POSITIVE,
-    POSITIVE_INT,
+    ACCEPTANCE,
+    GB,
+    GBPS,
     SHARE,
+    STREAMS,
+    TOKENS,
+    VERIFY_POSITIONS,
     ExampleFormatter,
     add_json_flag,
     emit_json,
@@ -31,6 +34,7 @@ from hybrid_build.serve.speed.speed_plan import (
     STATE_DTYPES,
     PlanOptions,
     build_plan,
+    check_speculation,
     drafter_of,
     render_text,
     write_plot,
@@ -64,6 +68,7 @@ def _handle(args: argparse.Namespace) -> int:
     values["contexts"] = values["context"]  # --context takes several; the first is the tables' context
     values["context"] = values["contexts"][0]
     options = PlanOptions(**values)
+    check_speculation(options)  # before the checkpoint is opened: a bad --accept is said at once
     if args.plot:
         check_output_path(args.plot, "--plot", folder=False)
     with tempfile.TemporaryDirectory(prefix="hybrid-build-plan-") as tmp:
@@ -114,28 +119,29 @@ def register(sub, common) -> None:
     p.add_argument("--recipe", help="recipe name or YAML file (default: chosen from config.json)")
     g = p.add_argument_group("hardware")
     g.add_argument("--hardware", choices=sorted(bw.HARDWARE), default="gb10", help="preset (default: gb10)")
-    g.add_argument("--bandwidth", type=POSITIVE, metavar="GBPS",
+    g.add_argument("--bandwidth", type=GBPS, metavar="GBPS",
                    help="peak memory bandwidth in GB/s (overrides the preset)")
     g.add_argument("--efficiency", type=float_range(0, 1, lo_open=True),
                    help="fraction of the bandwidth decode achieves (overrides the preset)")
-    g.add_argument("--floor-ms", type=NON_NEGATIVE, metavar="MS",
+    g.add_argument("--floor-ms", type=float_range(0, 10_000), metavar="MS",
                    help="time per decode step that is not bytes, in ms (overrides the preset's measured floor; "
                         "0: bound by bytes alone)")
-    g.add_argument("--calibrate", type=POSITIVE, metavar="TOK_S",
+    g.add_argument("--calibrate", type=float_range(0, 1e6, lo_open=True), metavar="TOK_S",
                    help="set the efficiency so that the base profile decodes at this measured tok/s")
     g = p.add_argument_group("workload")
-    g.add_argument("--context", type=POSITIVE_INT, nargs="+", default=[bw.DEFAULT_CONTEXT], metavar="N",
+    g.add_argument("--context", type=TOKENS, nargs="+", default=[bw.DEFAULT_CONTEXT], metavar="N",
                    help="context lengths in tokens, up to the model's max_position_embeddings; the first is the "
                         "per-token table's; several give a row set each (default: %(default)s)")
     g.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16", help="KV-cache dtype (default: bf16)")
     g.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="auto",
                    help="DeltaNet state dtype (default: the config's mamba_ssm_dtype, else bf16)")
-    g.add_argument("--accept", type=float_range(1), nargs="+", metavar="L",
-                   help="acceptance lengths (tokens per verify step, bonus token included; "
+    g.add_argument("--accept", type=ACCEPTANCE, nargs="+", metavar="L",
+                   help="acceptance lengths (tokens per verify step, bonus token included, so at most the "
+                        "speculative tokens + 1: the DFlash drafter's block, or --verify-block; "
                         f"default: {' '.join(f'{a:g}' for a in DEFAULT_ACCEPT)})")
-    g.add_argument("--concurrency", type=POSITIVE_INT, nargs="+", metavar="N",
+    g.add_argument("--concurrency", type=STREAMS, nargs="+", metavar="N",
                    help="streams sharing each verify step, each at the acceptance and context given: per-stream and "
-                        "total tok/s for each count")
+                        "total tok/s for each count (at most 1024: the most sequences vLLM batches by default)")
     g.add_argument("--stream-overlap", type=SHARE, default=0.0, metavar="F",
                    help="share of steps in which the streams emit the same tokens, as when one prompt is sent to "
                         f"every stream at temperature 0 (default: 0, independent conversations; the seed's benchmark: "
@@ -145,19 +151,19 @@ def register(sub, common) -> None:
                         "default: all)")
     g.add_argument("--drafter", choices=["dflash", "none"], default="dflash",
                    help="drafter read per step: DFlash (1.6 GB + the target lm-head) or none (default: dflash)")
-    g.add_argument("--drafter-gb", type=NON_NEGATIVE, help="drafter weight bytes in GB (default: 1.6)")
-    g.add_argument("--verify-block", type=POSITIVE_INT, metavar="N",
+    g.add_argument("--drafter-gb", type=GB, help="drafter weight bytes in GB (default: 1.6)")
+    g.add_argument("--verify-block", type=VERIFY_POSITIONS, metavar="N",
                    help="count experts over N verified positions (drafted + 1) instead of the accepted ones")
     g.add_argument("--engine", choices=["0.23.0", "0.25.1", "0.26.0", "0.33.0"], default="0.26.0",
                    help="vLLM version whose KV-cache planning the memory figures follow (default: %(default)s)")
     g.add_argument("--published", action="store_true", help="compare with the published GB10 figures of the 122B")
     g = p.add_argument_group("several nodes")
-    g.add_argument("--nodes", type=int_range(2), metavar="N",
+    g.add_argument("--nodes", type=int_range(2, 64), metavar="N",
                    help="also predict N nodes over a link: bytes per node, the all-reduce traffic, tok/s for TP=N and "
                         "PP=N (docs/multinode.md)")
-    g.add_argument("--link-gbps", type=POSITIVE, default=mnp.LINK_GBPS,
+    g.add_argument("--link-gbps", type=GBPS, default=mnp.LINK_GBPS,
                    help="link bandwidth between nodes in Gb/s (default: %(default)g, a DGX Spark's ConnectX-7)")
-    g.add_argument("--link-latency-us", type=NON_NEGATIVE, default=mnp.LINK_LATENCY_US,
+    g.add_argument("--link-latency-us", type=float_range(0, 1e6), default=mnp.LINK_LATENCY_US,
                    help="latency of a two-node all-reduce of a few KB in us (default: %(default)g, assumed; "
                         "measure with nccl-tests)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of tok/s against acceptance length")

@@ -340,7 +340,8 @@ class Server:
     def measure_round(self, streams: list["Stream"], max_tokens: int, thinking: bool) -> tuple[list, dict]:
         """The streams at once, with the (server-wide) counters read just before and just after them."""
         before = self.spec_counts()
-        timed = at_once(self, streams, max_tokens, thinking)
+        timed = at_once([lambda s=s: stream_timed(self.base_url, self.model, s.request, max_tokens, thinking,
+                                                  api_key=self.api_key) for s in streams])
         after = self.spec_counts() if before is not None else None
         return concurrent_round(streams, timed, _spec_json(after - before) if after is not None else None)
 
@@ -401,28 +402,34 @@ class StreamSample(RunSample):
         return max(self.tokens - 1, 0) if self.decode_tokens is None else self.decode_tokens
 
 
-def at_once(server: Server, streams: list[Stream], max_tokens: int,
-            thinking: bool) -> list[tuple[RunSample, StreamTimes]]:
-    """Every stream's request on its own thread, released together by a barrier; a failure of any
-    is raised here once all have ended."""
-    barrier = threading.Barrier(len(streams))
-    out: list = [None] * len(streams)
+def at_once(calls: list[Callable]) -> list:
+    """Each call on its own thread, released together by a barrier (one call: in this thread), the
+    results in the calls' order; a failure of any is raised here once all have ended (a refused key
+    first: the user's to fix). A thread that cannot start breaks the barrier, so the ones started
+    end instead of waiting for it forever."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    barrier = threading.Barrier(len(calls))
+    out: list = [None] * len(calls)
 
     def one(i: int) -> None:
         try:
             barrier.wait()
-            out[i] = stream_timed(server.base_url, server.model, streams[i].request, max_tokens, thinking,
-                                  api_key=server.api_key)
+            out[i] = calls[i]()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
             out[i] = e
 
     threads = [threading.Thread(target=one, args=(i,), name=f"bench-stream-{i + 1}", daemon=True)
-               for i in range(len(streams))]
+               for i in range(len(calls))]
+    started = []
     try:
         for t in threads:
             t.start()
+            started.append(t)
     except BaseException:
         barrier.abort()  # the started ones would wait for the rest forever
+        for t in started:
+            t.join()
         raise
     for t in threads:
         t.join()
@@ -806,12 +813,12 @@ def compare(a: dict, b: dict, interleaved: bool = False) -> dict:
     return out
 
 
-def load_report(path, text: str) -> dict:
-    """A single-server report saved by ``bench --json``/``--out``, checked enough to compare."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not JSON ({e.msg}, line {e.lineno})")
+def load_report(path) -> dict:
+    """A single-server report saved by ``bench --json``/``--out``, checked enough to compare: a
+    regular file, read at most ``JSON_CAP`` and nested at most ``MAX_DEPTH`` (``core/bounded_read``)."""
+    from hybrid_build.core.bounded_read import read_json
+
+    data = read_json(path, str(path))
     if not isinstance(data, dict):
         raise UserError(f"{path}: not a hybrid-build bench result")
     if data.get("kind") == COMPARISON_KIND:

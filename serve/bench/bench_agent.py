@@ -23,16 +23,16 @@ is the round's.
 from __future__ import annotations
 
 import re
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from hybrid_build.core import limits
 from hybrid_build.core.errors import ExternalToolError, UserError
 from hybrid_build.validate.verify.verify_paths import PREFIX_HITS, PREFIX_QUERIES
 
-from .bench import _stats, chat_events, client, first_model, read_metrics
+from .bench import _stats, at_once, chat_events, client, first_model, read_metrics
 
 AGENT_KIND = "hybrid-build bench agent"
 SCHEMA_VERSION = 1
@@ -52,7 +52,12 @@ def parse_contexts(text: str) -> list[int]:
         m = re.fullmatch(r"(\d+)(k?)", item)
         if not m or int(m.group(1)) == 0:
             raise UserError(f"--contexts {text}: give token counts such as 8k,32k,64k (k = 1024) or 8192")
-        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+        digits = m.group(1).lstrip("0")
+        tokens = int(digits) * (1024 if m.group(2) else 1) if len(digits) <= 9 else limits.MAX_TOKENS + 1
+        if tokens > limits.MAX_TOKENS:
+            raise UserError(f"--contexts {text}: {item} is more than {limits.MAX_TOKENS:,} tokens, past any served "
+                            "model's max_model_len")
+        out.append(tokens)
     return out
 
 
@@ -141,32 +146,6 @@ def calibrate(base_url: str, model: str, api_key: str | None) -> tuple[float, fl
 
 def lines_for(tokens: int, per_line: float, rest: float) -> int:
     return max(1, round((tokens - rest) / per_line))
-
-
-def at_once(calls: list[Callable]) -> list:
-    """Each call on its own thread, released together by a barrier (one call: in this thread); a
-    failure of any is raised here once all have ended."""
-    if len(calls) == 1:
-        return [calls[0]()]
-    barrier = threading.Barrier(len(calls))
-    out: list = [None] * len(calls)
-
-    def one(i: int) -> None:
-        try:
-            barrier.wait()
-            out[i] = calls[i]()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
-            out[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    errors = [o for o in out if isinstance(o, BaseException)]
-    if errors:
-        raise next((e for e in errors if isinstance(e, UserError)), errors[0])
-    return out
 
 
 def _round(base_url: str, model: str, sessions: list[Session], turn: int, api_key: str | None) -> list[Turn]:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from hybrid_build.core.api_key import client_key
 from hybrid_build.core.cli_support import (
-    POSITIVE_INT,
     SECONDS,
+    SEED,
+    STREAMS,
+    TOKENS,
     ExampleFormatter,
     add_json_flag,
     describe_os_error,
@@ -19,6 +21,8 @@ from hybrid_build.core.cli_support import (
     progress,
 )
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.limits import MAX_CONVERSATIONS
+from hybrid_build.core.terminal_text import printable
 from hybrid_build.core.user_paths import check_output_path
 
 from .workloads import LOW_ACCEPTANCE_FRACTION, LOW_ACCEPTANCE_MIN_GAP, MAX_CONCURRENCY, MIN_RUNS_FOR_VERDICT, WORKLOADS
@@ -69,16 +73,18 @@ def register(sub, common) -> None:
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), type=Path,
                    help="compare two results saved by --out or --json (no URL then)")
     p.add_argument("--model", help="model name (default: the first of each server's /v1/models)")
-    p.add_argument("--runs", type=POSITIVE_INT, default=5, help="measured runs per workload and server (default 5)")
-    p.add_argument("--max-tokens", type=POSITIVE_INT, default=256, help="completion tokens per request (default 256)")
+    p.add_argument("--runs", type=int_range(1, 1000), default=5,
+                   help="measured runs per workload and server (default 5)")
+    p.add_argument("--max-tokens", type=TOKENS, default=256, help="completion tokens per request (default 256)")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma list from {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--thinking", action="store_true",
                    help="leave the chat template's thinking on (default: off, so that each workload answers with "
                         "its own kind of text)")
-    p.add_argument("--concurrency", type=int_range(1, MAX_CONCURRENCY), default=1, metavar="N",
+    p.add_argument("--concurrency", type=STREAMS, default=1, metavar="N",
                    help=f"streams at once, each its own request (default 1; at most {MAX_CONCURRENCY}: vLLM batches "
-                        f"{MAX_CONCURRENCY} sequences by default, more would queue, not run at once)")
+                        f"at most {MAX_CONCURRENCY} sequences by default (256 on smaller GPUs), more would queue, not "
+                        "run at once)")
     p.add_argument("--api-key", help="sent as a Bearer token on every request (default: $OPENAI_API_KEY, "
                                      "which keeps it out of `ps`); never printed")
     p.add_argument("--agent", action="store_true",
@@ -98,24 +104,34 @@ def register(sub, common) -> None:
     t.add_argument("--feed-back", choices=("recorded", "generated"), default="recorded",
                    help="the history sent before each turn: the recorded one (default: every run and server gets "
                         "the same prompts) or the server's own earlier replies")
-    t.add_argument("--conversations", type=POSITIVE_INT, metavar="K",
-                   help="replay K conversations of the trace (a seeded sample; default all)")
-    t.add_argument("--max-turns", type=POSITIVE_INT, metavar="N", help="regenerate at most N assistant turns of each")
-    t.add_argument("--seed", type=int, default=0, help="the sample of conversations, the synthetic trace and the "
+    t.add_argument("--conversations", type=int_range(1, MAX_CONVERSATIONS), metavar="K",
+                   help=f"replay K conversations of the trace (a seeded sample, taken while the file is read; "
+                        f"default all, up to {MAX_CONVERSATIONS:,})")
+    t.add_argument("--max-turns", type=int_range(1, 100_000), metavar="N",
+                   help="regenerate at most N assistant turns of each")
+    t.add_argument("--seed", type=SEED, default=0, help="the sample of conversations, the synthetic trace and the "
                                                         "request seed (default 0)")
+    t.add_argument("--skip-too-long", action="store_true",
+                   help="leave out the turns whose prompt + --max-tokens the server would refuse (longer than its "
+                        "max_model_len, counted by its /tokenize before the replay; without the flag they are "
+                        "counted, said, and fail with the server's reason)")
     t.add_argument("--no-tools", action="store_true",
                    help="send no tool definitions (a server without a tool-call parser refuses requests with tools; "
                         "tool-call validity then measures nothing)")
     t.add_argument("--slo", metavar="ttft=S,tpot=S", help="goodput: the share of turns within these (s, or ms)")
     t.add_argument("--duration", type=SECONDS, metavar="S",
                    help="soak: loop the trace for S seconds and report per window; exit 1 on any failed request")
-    t.add_argument("--window", type=SECONDS, default=60.0, metavar="S", help="the soak's window (default 60 s)")
+    t.add_argument("--window", type=SECONDS, default=60.0, metavar="S",
+                   help=f"the soak's window (default 60 s; at most {MAX_WINDOWS:,} of them in duration + timeout)")
     t.add_argument("--timeout", type=SECONDS, default=600.0, metavar="S",
                    help="one request's deadline, the whole stream included (default 600 s)")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file (input of --compare); a soak "
                                             "draws its windows beside it as PNG where matplotlib is installed")
     add_json_flag(p)
     p.set_defaults(handler=run)
+
+
+MAX_WINDOWS = 10_000  # a soak's windows (each closes with a /metrics read): bounds --window from below
 
 
 def _url(u: str) -> str:
@@ -139,11 +155,7 @@ def _write(args: argparse.Namespace, result: dict) -> None:
 def _read(path: Path) -> dict:
     from .bench import load_report
 
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(describe_os_error(e))
-    report = load_report(path, text)
+    report = load_report(path)
     report["file"] = path.name
     return report
 
@@ -166,7 +178,7 @@ def _agent(args: argparse.Namespace) -> dict:
 
 def _trace(args: argparse.Namespace) -> int:
     from .bench_trace import ReplayOptions, pair_table, replay, replay_pair
-    from .soak import draw, soak, soak_table
+    from .soak import GRACE_S, draw, soak, soak_table
     from .trace_formats import read_trace
     from .trace_report import parse_slo, table
     from .trace_synthetic import NAME, generate, parse_spec, stated
@@ -177,6 +189,10 @@ def _trace(args: argparse.Namespace) -> int:
         raise UserError("--trace: give one URL to measure, or two (A B) to compare")
     if args.duration and len(args.urls) != 1:
         raise UserError("--duration soaks one server: give one URL")
+    windows = (args.duration + args.timeout + GRACE_S) / args.window if args.duration else 0
+    if windows > MAX_WINDOWS:
+        raise UserError(f"--window {args.window:g}: the soak could close {windows:,.0f} windows in --duration + "
+                        f"--timeout + {GRACE_S:g} s; at most {MAX_WINDOWS:,}: give a longer window")
     urls = [_url(u) for u in args.urls]
     synthetic = None
     if args.trace.split(":")[0] == NAME:
@@ -184,21 +200,27 @@ def _trace(args: argparse.Namespace) -> int:
         trace = generate(params)
         synthetic = stated(trace, params)
     else:
-        trace = read_trace(Path(args.trace).expanduser())
+        trace = read_trace(Path(args.trace).expanduser(), args.conversations, args.seed)
     opts = ReplayOptions(concurrency=args.concurrency, conversations=args.conversations, max_turns=args.max_turns,
                          max_tokens=args.max_tokens, feed_back=args.feed_back, seed=args.seed,
                          thinking=args.thinking, timeout=args.timeout, duration=args.duration, window=args.window,
-                         slo=parse_slo(args.slo) if args.slo else None, tools=not args.no_tools)
+                         slo=parse_slo(args.slo) if args.slo else None, tools=not args.no_tools,
+                         skip_too_long=args.skip_too_long)
     api_key = client_key(args.api_key)
+
+    def on_note(line: str) -> None:  # said before the replay starts: a trace that does not fit the server
+        if not args.quiet:
+            print(f"bench: {printable(line, one_line=True)}", file=sys.stderr, flush=True)
+
     with progress(args.quiet, unit="turn", desc="bench --trace", leave=False) as bar:
         on_turn = lambda *_: bar.update(1)  # noqa: E731
         if args.duration:
-            result = soak(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn)
+            result = soak(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn, on_note=on_note)
         elif len(urls) == 2:
             result = replay_pair(urls[0], urls[1], trace, opts, args.runs, args.model, api_key, synthetic,
-                                 on_turn=on_turn)
+                                 on_turn=on_turn, on_note=on_note)
         else:
-            result = replay(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn)
+            result = replay(urls[0], trace, opts, args.model, api_key, synthetic, on_turn=on_turn, on_note=on_note)
     _write(args, result)
     png = draw(result, args.out.with_suffix(".png")) if args.duration and args.out else None
     if args.json:
@@ -212,7 +234,8 @@ def _trace(args: argparse.Namespace) -> int:
     if len(urls) == 2:
         failed = sum(1 for r in result["reports"].values() for t in r["turns"] if t["error"])
     if failed:
-        print(f"bench: {failed} request(s) failed (see the errors column)", file=sys.stderr)
+        print(f"bench: {failed} request(s) failed (their reasons: the 'failed:' lines; --json: error_reasons)",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -224,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out", folder=False)
     if args.trace:
         return _trace(args)
-    if args.duration or args.slo or args.conversations or args.max_turns:
-        raise UserError("--duration, --slo, --conversations and --max-turns go with --trace")
+    if args.duration or args.slo or args.conversations or args.max_turns or args.skip_too_long:
+        raise UserError("--duration, --slo, --conversations, --max-turns and --skip-too-long go with --trace")
     if args.agent:
         from .bench_agent import agent_table
 

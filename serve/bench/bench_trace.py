@@ -14,6 +14,14 @@ its own ``cache_salt`` (vLLM keys its prefix cache by it; new for every run), so
 pass, a soak's next loop or a later run finds only what the pass itself cached: the hit rate stays
 that of one run of the conversations, not of a resend.
 
+**Before the replay** (``fit_check``): the server's ``max_model_len`` (vLLM lists it per model in
+``/v1/models``) and each turn's prompt in tokens, counted by the server's own ``/tokenize`` (vLLM's,
+with the request's messages, tools and chat template arguments: the count the request will get):
+the turns whose prompt plus ``max_tokens`` the server would refuse are counted and said, with the
+longest; ``skip_too_long`` leaves them out. A conversation's prompts only grow from turn to turn, so
+its last turn is counted first and a binary search finds the first turn that does not fit. A
+server without ``/tokenize`` is said to be unchecked.
+
 **The soak** (``duration``): the conversations are looped until the time is up, ``concurrency`` at
 once; no turn starts after the deadline and each request has its own deadline (``timeout``), so
 the run ends by ``duration + timeout``. The turns are grouped into windows of ``window`` seconds
@@ -22,13 +30,13 @@ and the server's restarts (its ``process_start_time_seconds`` changed, or a coun
 or disappearance (``/metrics`` or a request found nothing answering).
 
 Failures: a refused API key or a redirect stops the run (the user's to fix); any other failed
-request is counted by kind and the run goes on; the caller exits 1 when any failed.
+request is counted by kind, with the server's own words (``trace_report.failure_reason``), and the
+run goes on; the caller exits 1 when any failed.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -38,8 +46,18 @@ from hybrid_build.core.errors import ErrorStatus, ProtocolViolation, ServerUnrea
 from hybrid_build.core.http_client import AsyncHttpClient, metrics_url
 
 from .bench import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS
-from .trace_formats import Conversation, Trace, message_chars
-from .trace_report import Counters, Slo, ToolCheck, TurnResult, by_position, check_tool_calls, summarize
+from .trace_formats import Conversation, Trace, message_chars, take_sample
+from .trace_report import (
+    Counters,
+    Slo,
+    ToolCheck,
+    TurnResult,
+    by_position,
+    check_tool_calls,
+    failure_reason,
+    fit_line,
+    summarize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +66,10 @@ SCHEMA_VERSION = 1
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 RESTART_GAUGE = "process_start_time_seconds"
+# the KV cache's share in use (1 = full): vLLM's V1 name (0.23.0 to 0.34.0), and the V0 one before it
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+GENERATION_TOKENS = "vllm:generation_tokens"
+TOKENIZE_AT_ONCE = 8  # /tokenize requests in flight while the turns are counted
 # counters that only grow while one server process lives; one that goes back means a new process
 MONOTONIC = (PREFIX_QUERIES, "vllm:prompt_tokens", "vllm:generation_tokens")
 
@@ -68,15 +90,16 @@ class ReplayOptions:
     # the passes' cache_salt prefix: new each run, so that a run finds nothing an earlier one cached
     salt: str = field(default_factory=lambda: "hb-" + secrets.token_hex(4))
     tools: bool = True                 # send the conversations' tool definitions
+    skip_too_long: bool = False        # leave out the turns longer than the server takes (``fit_check``)
 
 
 def select(trace: Trace, n: int | None, seed: int) -> list[Conversation]:
-    """``n`` conversations of the trace (all when None): a seeded sample in the trace's order."""
+    """``n`` conversations of the trace (all when None): a seeded sample in the trace's order, the
+    one ``read_trace`` takes while reading a file (which then holds exactly those)."""
     convs = list(trace.conversations)
     if n is None or n >= len(convs):
         return convs
-    keep = sorted(random.Random(seed).sample(range(len(convs)), n))
-    return [convs[i] for i in keep]
+    return take_sample(convs, n, seed, trace.name)
 
 
 def tools_to_send(conv: Conversation) -> list[dict]:
@@ -113,19 +136,29 @@ def error_kind(e: Exception) -> str:
 
 @dataclass
 class Server:
-    """A server under test: its label, OpenAI base URL, model and client."""
+    """A server under test: its label, OpenAI base URL, model, client, the model's ``max_model_len``
+    where ``/v1/models`` states it, and per conversation the turns that fit it (``fit_check``)."""
     label: str
     base_url: str
     model: str
     client: AsyncHttpClient = field(repr=False)
+    max_model_len: int | None = None
+    fits: dict[str, int] = field(default_factory=dict)
 
 
-async def first_model(client: AsyncHttpClient, base_url: str) -> str:
+async def model_info(client: AsyncHttpClient, base_url: str, model: str | None = None) -> tuple[str, int | None]:
+    """The model served (``model``, else the first listed) and its ``max_model_len`` where the list
+    states it (vLLM does; None elsewhere)."""
     data = await client.get_json(base_url.rstrip("/") + "/models", timeout=30.0)
     try:
-        return data["data"][0]["id"]
+        cards = [c for c in data["data"] if isinstance(c, dict)]
+        card = next((c for c in cards if c.get("id") == model), None) if model else cards[0]
+        name = model or card["id"]
     except (KeyError, IndexError, TypeError):
         raise ProtocolViolation(f"{base_url}/models answered no model list (not an OpenAI-compatible server?)")
+    limit = (card or {}).get("max_model_len")
+    return name, limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
 
 
 async def regenerate(server: Server, conv: Conversation, history: list[dict], turn: int, recorded: dict,
@@ -175,6 +208,8 @@ async def regenerate(server: Server, conv: Conversation, history: list[dict], tu
         raise
     except (ServerUnreachable, ProtocolViolation, ErrorStatus) as e:
         res.error, res.end_s = error_kind(e), clock() - t0
+        words = e.message if isinstance(e, ErrorStatus) else " ".join(str(e).split())
+        res.reason = failure_reason(words, history)
         log.debug("%s turn %d: %s", conv.id, turn, res.error)
         return res, None
     end = clock()
@@ -208,6 +243,8 @@ async def play(server: Server, conv: Conversation, opts: ReplayOptions, salt: st
                loop: int, deadline: float | None, out: list[TurnResult], on_turn=None) -> None:
     """One conversation's turns in order; a soak stops before a turn that would start after ``deadline``."""
     idx = conv.assistant_turns[:opts.max_turns] if opts.max_turns else conv.assistant_turns
+    if opts.skip_too_long and conv.id in server.fits:
+        idx = idx[:server.fits[conv.id]]
     generated: dict[int, dict] = {}
     for pos, i in enumerate(idx, 1):
         if deadline is not None and clock() >= deadline:
@@ -224,6 +261,100 @@ async def play(server: Server, conv: Conversation, opts: ReplayOptions, salt: st
             generated[i] = reply
 
 
+class _NoTokenize(Exception):
+    """The server has no ``/tokenize`` (or answers it in another protocol): the turns go uncounted."""
+
+
+async def _count(server: Server, conv: Conversation, history: list[dict], opts: ReplayOptions, url: str) -> int:
+    """The prompt tokens of ``history`` as the server's ``/tokenize`` counts a chat request."""
+    body: dict = {"model": server.model, "messages": history, "add_generation_prompt": True}
+    tools = tools_to_send(conv) if opts.tools else []
+    if tools:
+        body["tools"] = tools
+    if not opts.thinking:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    try:
+        data = await server.client.post_json(url, body, timeout=opts.timeout)
+    except ErrorStatus as e:
+        if e.status in (404, 405):
+            raise _NoTokenize(f"no {url}") from None
+        raise
+    except ProtocolViolation as e:
+        raise _NoTokenize(str(e)) from None
+    count = data.get("count") if isinstance(data, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise _NoTokenize(f"{url} answered no token count")
+    return count
+
+
+async def fit_check(server: Server, convs: list[Conversation], opts: ReplayOptions) -> dict:
+    """The turns whose prompt plus ``max_tokens`` is longer than the server's ``max_model_len`` (vLLM
+    refuses them: ``renderers/params.py``, prompt tokens > max_model_len - max_tokens), counted with
+    the server's ``/tokenize`` before the replay; ``server.fits`` gets the turns that fit per
+    conversation (a conversation's prompts only grow: the last turn first, then a binary search)."""
+    limit = server.max_model_len
+    out: dict = {"max_model_len": limit, "max_tokens": opts.max_tokens, "counted_by": None, "why": None,
+                 "turns": 0, "too_long": 0, "longest": None, "skipped": 0}
+    if not limit:
+        out["why"] = "no max_model_len in /v1/models"
+        return out
+    url = metrics_url(server.base_url)[:-len("/metrics")] + "/tokenize"
+    room = limit - opts.max_tokens
+    gate = asyncio.Semaphore(TOKENIZE_AT_ONCE)
+    last_turn: dict[str, tuple[int, int]] = {}  # conversation -> (its last turn's prompt tokens, that turn)
+
+    async def one(conv: Conversation) -> None:
+        idx = conv.assistant_turns[:opts.max_turns] if opts.max_turns else conv.assistant_turns
+
+        async def count(k: int) -> int:
+            async with gate:
+                return await _count(server, conv, list(conv.messages[:idx[k]]), opts, url)
+
+        last = await count(len(idx) - 1)
+        last_turn[conv.id] = (last, len(idx))
+        fits = len(idx)
+        if last > room:
+            lo, hi = 0, len(idx) - 1  # the first turn that does not fit lies in [lo, hi]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if await count(mid) > room:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            fits = lo
+        server.fits[conv.id] = fits
+        out["turns"] += len(idx)
+        out["too_long"] += len(idx) - fits
+
+    try:
+        await _gather([one(c) for c in convs])
+    except _NoTokenize as e:
+        server.fits.clear()
+        out.update(turns=0, too_long=0, why=f"the server counts no tokens: {e}")
+        return out
+    except (ServerUnreachable, ErrorStatus) as e:
+        server.fits.clear()
+        out.update(turns=0, too_long=0, why=f"/tokenize failed: {' '.join(str(e).split())[:160]}")
+        return out
+    cid = max((c.id for c in convs), key=lambda i: last_turn[i][0])  # the first in the trace's order on a tie
+    tokens, turn = last_turn[cid]
+    out.update(counted_by="/tokenize", longest={"tokens": tokens, "conversation": cid, "turn": turn},
+               skipped=out["too_long"] if opts.skip_too_long else 0)
+    return out
+
+
+async def _fit(server: Server, convs: list[Conversation], opts: ReplayOptions, on_note, prefix: str = "") -> dict:
+    """``fit_check``, said through ``on_note`` before the replay where a turn does not fit the server's
+    stated max_model_len, or none could be counted against it."""
+    fit = await fit_check(server, convs, opts)
+    if on_note and fit["max_model_len"] and (fit["too_long"] or not fit["counted_by"]):
+        on_note(prefix + fit_line(fit))
+    if opts.skip_too_long and fit["counted_by"] and fit["too_long"] == fit["turns"]:
+        raise UserError(f"{prefix}every turn is longer than the server's max_model_len {fit['max_model_len']:,} takes "
+                        f"(prompt + {opts.max_tokens} completion tokens): nothing to replay")
+    return fit
+
+
 async def read_counters(server: Server) -> dict | None:
     """The counters this replay reads (None: no /metrics; ``{"gone": True}``: nothing answers)."""
     try:
@@ -235,7 +366,9 @@ async def read_counters(server: Server) -> dict | None:
     if m is None:
         return None
     start = m.samples(RESTART_GAUGE)
+    usage = next((found for name in KV_USAGE if (found := m.samples(name))), [])
     return {"gone": False, "start": start[0][1] if start else None,
+            "kv_usage": max(v for _, v in usage) if usage else None,
             **{n: m.counter(n) for n in (PREFIX_QUERIES, PREFIX_HITS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED,
                                          *MONOTONIC)}}
 
@@ -293,7 +426,8 @@ async def _gather(coros) -> None:
 
 
 def report(server: Server, trace: Trace, convs: list[Conversation], opts: ReplayOptions,
-           turns: list[TurnResult], wall: float, counters: Counters | None, synthetic: dict | None) -> dict:
+           turns: list[TurnResult], wall: float, counters: Counters | None, synthetic: dict | None,
+           fit: dict | None = None) -> dict:
     overall = summarize(turns, wall, opts.slo, counters or Counters())
     warnings = []
     if counters is None:
@@ -304,11 +438,11 @@ def report(server: Server, trace: Trace, convs: list[Conversation], opts: Replay
                         "sent as tools without parameters")
     return {"kind": REPORT_KIND, "schema_version": SCHEMA_VERSION, "base_url": server.base_url,
             "model": server.model, "trace": {"format": trace.format, "name": trace.name,
-                                             "conversations_in_trace": len(trace.conversations)},
+                                             "conversations_in_trace": trace.total},
             "conversations": len(convs), "concurrency": opts.concurrency, "max_turns": opts.max_turns,
             "max_tokens": opts.max_tokens, "feed_back": opts.feed_back, "seed": opts.seed, "wall_s": wall,
             "overall": overall, "per_position": by_position(turns, wall, opts.slo),
-            "synthetic": synthetic, "warnings": warnings, "turns": [t.to_json() for t in turns]}
+            "synthetic": synthetic, "fit": fit, "warnings": warnings, "turns": [t.to_json() for t in turns]}
 
 
 async def _servers(urls: list[str], model: str | None, api_key: str | None, opts: ReplayOptions,
@@ -317,13 +451,15 @@ async def _servers(urls: list[str], model: str | None, api_key: str | None, opts
     for label, url in zip("AB", urls):
         client = await stack.enter_async_context(AsyncHttpClient(api_key=api_key, timeout=opts.timeout,
                                                                  connections=max(opts.concurrency, 4) + 2))
-        out.append(Server(label, url, model or await first_model(client, url), client))
+        name, limit = await model_info(client, url, model)
+        out.append(Server(label, url, name, client, limit))
     return out
 
 
 def replay(url: str, trace: Trace, opts: ReplayOptions, model: str | None = None, api_key: str | None = None,
-           synthetic: dict | None = None, on_turn=None) -> dict:
-    """One server, one pass over the trace: the report."""
+           synthetic: dict | None = None, on_turn=None, on_note=None) -> dict:
+    """One server, one pass over the trace: the report. ``on_note`` hears what the check before the
+    replay found (``fit_check``), before the first request."""
     from contextlib import AsyncExitStack
 
     convs = select(trace, opts.conversations, opts.seed)
@@ -331,8 +467,9 @@ def replay(url: str, trace: Trace, opts: ReplayOptions, model: str | None = None
     async def main():
         async with AsyncExitStack() as stack:
             (server,) = await _servers([url], model, api_key, opts, stack)
+            fit = await _fit(server, convs, opts, on_note)
             turns, wall, counters = await run_pass(server, convs, opts, f"{opts.salt}-{opts.seed}-1", on_turn=on_turn)
-            return report(server, trace, convs, opts, turns, wall, counters, synthetic)
+            return report(server, trace, convs, opts, turns, wall, counters, synthetic, fit)
 
     return asyncio.run(main())
 
@@ -350,7 +487,7 @@ def _pass_sample(turns: list[TurnResult], wall: float) -> dict:
 
 
 def replay_pair(url_a: str, url_b: str, trace: Trace, opts: ReplayOptions, runs: int, model: str | None = None,
-                api_key: str | None = None, synthetic: dict | None = None, on_turn=None) -> dict:
+                api_key: str | None = None, synthetic: dict | None = None, on_turn=None, on_note=None) -> dict:
     """Two servers, ``runs`` passes each, interleaved A, B, A, B (each pass its own cache salt, the
     same on both sides); per pass the TTFT p50 and the aggregate tok/s; a verdict per figure only
     where the passes' ranges do not overlap (``bench.verdict``)."""
@@ -363,6 +500,7 @@ def replay_pair(url_a: str, url_b: str, trace: Trace, opts: ReplayOptions, runs:
     async def main():
         async with AsyncExitStack() as stack:
             servers = await _servers([url_a, url_b], model, api_key, opts, stack)
+            fits = {s.label: await _fit(s, convs, opts, on_note, f"{s.label}: ") for s in servers}
             turns: dict[str, list] = {"A": [], "B": []}
             passes: dict[str, list] = {"A": [], "B": []}
             counters: dict[str, list] = {"A": [], "B": []}
@@ -380,7 +518,8 @@ def replay_pair(url_a: str, url_b: str, trace: Trace, opts: ReplayOptions, runs:
                 total = None if any(c is None for c in cs) else Counters(
                     *(sum((getattr(c, f) or 0) for c in cs) if any(getattr(c, f) is not None for c in cs) else None
                       for f in ("prefix_queries", "prefix_hits", "drafts", "draft_tokens", "accepted_tokens")))
-                reports[s.label] = report(s, trace, convs, opts, turns[s.label], walls[s.label], total, synthetic)
+                reports[s.label] = report(s, trace, convs, opts, turns[s.label], walls[s.label], total, synthetic,
+                                          fits[s.label])
                 reports[s.label]["passes"] = passes[s.label]
             rows = []
             for key, label, higher, factor in PASS_METRICS:

@@ -16,16 +16,28 @@
 The format is told from the file itself (SQLite's header, a JSON array, JSON lines). Traces are
 the user's data: an error names the file, the conversation id, the line or row and the field,
 never a value of a message.
+
+A trace is **streamed** (``core/bounded_read``): a regular file only (a FIFO or device is refused
+before it is opened), read one conversation at a time (a JSONL line, an item of the JSON array, a
+session of the state.db), each at most ``MAX_CONVERSATION_BYTES`` and nested at most
+``MAX_DEPTH`` deep, every one checked, and the sample taken while reading (``Sample``: a seeded
+reservoir, kept in the trace's order), so that memory holds the sample, not the trace. Without a
+sample size every conversation is replayed, up to ``MAX_HELD`` of them.
 """
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 from urllib.parse import quote
 
+from hybrid_build.core.bounded_read import MAX_DEPTH, json_array_items, lines, open_regular, parse_json
+from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.errors import CannotRun, UserError
+from hybrid_build.core.limits import MAX_CONVERSATIONS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -33,6 +45,15 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 LOCK_WAIT_S = 1.0
 # a conversation id printed in a line is cut to this many characters
 ID_CHARS = 64
+# one conversation (a JSONL line, an item of the array) is read at most this long: a 1M-token agent
+# context is ~4 MB of text
+MAX_CONVERSATION_BYTES = 32 << 20
+# replayed whole (no --conversations) up to this many conversations, and a sample holds at most
+# MAX_HELD_BYTES of them: memory holds what is replayed, never the trace
+MAX_HELD = MAX_CONVERSATIONS
+MAX_HELD_BYTES = 256 << 20
+# a vLLM generator config (one JSON object) is told apart by reading at most this much of it
+CONFIG_BYTES = 1 << 20
 
 
 class TraceError(UserError):
@@ -59,10 +80,60 @@ class Conversation:
 
 @dataclass(frozen=True)
 class Trace:
-    """What a trace file holds: its format, its name (never its folder) and its conversations."""
+    """What was read of a trace file: its format, its name (never its folder), the conversations
+    held (all of them, or the sample asked for) and how many the file holds (``total``)."""
     format: str
     name: str
     conversations: tuple[Conversation, ...]
+    total: int = -1
+
+    def __post_init__(self) -> None:
+        if self.total < 0:
+            object.__setattr__(self, "total", len(self.conversations))
+
+
+class Sample:
+    """``size`` of the items offered (all, when None), chosen uniformly with ``random.Random(seed)``
+    while they are offered (reservoir sampling: each new item replaces a held one with probability
+    size / seen), returned in the order offered: the same trace, size and seed give the same
+    sample. Holds at most ``size`` items (``MAX_HELD`` without a size) and ``max_bytes`` of them;
+    more is refused in one line (``what`` names the trace)."""
+
+    def __init__(self, size: int | None, seed: int, what: str, max_bytes: int = MAX_HELD_BYTES):
+        self.size, self.what, self.max_bytes = size, what, max_bytes
+        self.rng = random.Random(seed)
+        self.held: list[tuple[int, object, int]] = []  # (order offered, item, bytes)
+        self.bytes = self.seen = 0
+
+    def offer(self, item, nbytes: int = 0) -> None:
+        i, self.seen = self.seen, self.seen + 1
+        cap = MAX_HELD if self.size is None else self.size
+        if len(self.held) < cap:
+            self.held.append((i, item, nbytes))
+            self.bytes += nbytes
+        elif self.size is not None:
+            j = self.rng.randrange(i + 1)
+            if j >= cap:
+                return
+            self.bytes += nbytes - self.held[j][2]
+            self.held[j] = (i, item, nbytes)
+        if self.bytes > self.max_bytes:
+            raise TraceError(f"{self.what}: the conversations to replay hold more than {human_bytes(self.max_bytes)}; "
+                             f"replay fewer (--conversations K, a seeded sample)")
+
+    def items(self) -> list:
+        if self.size is None and self.seen > MAX_HELD:
+            raise TraceError(f"{self.what}: {self.seen:,} conversations; more than {MAX_HELD:,} are not replayed "
+                             f"whole: --conversations K replays a seeded sample of K")
+        return [item for _, item, _ in sorted(self.held, key=lambda h: h[0])]
+
+
+def take_sample(items: Iterable, size: int | None, seed: int, what: str = "trace") -> list:
+    """``Sample`` over items already in memory (a synthetic trace): the same choice a file gets."""
+    s = Sample(size, seed, what, max_bytes=1 << 62)
+    for item in items:
+        s.offer(item)
+    return s.items()
 
 
 def message_chars(m: dict) -> int:
@@ -194,41 +265,36 @@ def conversation(where: _Where, cid: str, messages, tools=None) -> Conversation:
 
 # ---- the three formats ---------------------------------------------------------------------------
 
-def read_openai_jsonl(path: Path, data: bytes) -> Trace:
-    out, seen = [], set()
-    for n, raw in enumerate(data.splitlines(), 1):
+def _unique(conversations: list[tuple[Conversation, _Where]]) -> tuple[Conversation, ...]:
+    """The held conversations, refused where two share an id (the report keys turns by it)."""
+    seen = set()
+    for conv, where in conversations:
+        if conv.id in seen:
+            raise where.fail("id", f"appears on an earlier {where.place.split()[0]} too")
+        seen.add(conv.id)
+    return tuple(c for c, _ in conversations)
+
+
+def read_openai_jsonl(path: Path, f, sample: Sample) -> Trace:
+    """One conversation a line, each read, checked and offered to the sample in turn."""
+    for n, raw in lines(f, path.name, MAX_CONVERSATION_BYTES, TraceError):
         if not raw.strip():
             continue
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise TraceError(f"{path.name}: conversation on line {n}: not JSON ({getattr(e, 'msg', 'not UTF-8')})")
+        obj = parse_json(raw, f"{path.name}: conversation on line {n}", MAX_DEPTH, TraceError)
         cid = _cid(obj.get("id")) if isinstance(obj, dict) and isinstance(obj.get("id"), (str, int)) \
             else f"line-{n}"
         where = _Where(path.name, cid, f"line {n}")
         if not isinstance(obj, dict):
             raise where.fail("(line)", f"is {_kind(obj)}, expected an object with messages")
-        if cid in seen:
-            raise where.fail("id", "appears on an earlier line too")
-        seen.add(cid)
-        out.append(conversation(where, cid, obj.get("messages"), obj.get("tools")))
-    if not out:
+        sample.offer((conversation(where, cid, obj.get("messages"), obj.get("tools")), where), len(raw))
+    if not sample.seen:
         raise TraceError(f"{path.name}: no conversation in the file")
-    return Trace("openai-jsonl", path.name, tuple(out))
+    return Trace("openai-jsonl", path.name, _unique(sample.items()), sample.seen)
 
 
-def read_vllm_multiturn(path: Path, data: bytes) -> Trace:
-    try:
-        items = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TraceError(f"{path.name}: not JSON ({getattr(e, 'msg', 'not UTF-8')})")
-    if isinstance(items, dict) and items.get("filetype") == "generate_conversations":
-        raise TraceError(f"{path.name}: vLLM's synthetic-conversation config, not conversations (give a file of "
-                         f"conversations, or --trace agent-synthetic)")
-    if not isinstance(items, list) or not items:
-        raise TraceError(f"{path.name}: expected a JSON array of conversations (vLLM's multi-turn format)")
-    out, seen = [], set()
-    for n, item in enumerate(items):
+def read_vllm_multiturn(path: Path, f, sample: Sample) -> Trace:
+    """One JSON array of conversations, read item by item."""
+    for n, item in json_array_items(f, path.name, MAX_CONVERSATION_BYTES, MAX_DEPTH, error=TraceError):
         where = _Where(path.name, f"#{n}", f"item {n}")
         if not isinstance(item, dict):
             raise where.fail("(item)", f"is {_kind(item)}, expected an object with id and messages")
@@ -236,11 +302,11 @@ def read_vllm_multiturn(path: Path, data: bytes) -> Trace:
             raise where.fail("id", f"is {_kind(item.get('id'))}, expected a string")
         cid = _cid(item["id"])
         where = _Where(path.name, cid, f"item {n}")
-        if cid in seen:
-            raise where.fail("id", "appears in an earlier item too")
-        seen.add(cid)
-        out.append(conversation(where, cid, item.get("messages"), item.get("tools")))
-    return Trace("vllm-multiturn", path.name, tuple(out))
+        sample.offer((conversation(where, cid, item.get("messages"), item.get("tools")), where),
+                     sum(message_chars(m) for m in item.get("messages") or [] if isinstance(m, dict)))
+    if not sample.seen:
+        raise TraceError(f"{path.name}: expected a JSON array of conversations (vLLM's multi-turn format)")
+    return Trace("vllm-multiturn", path.name, _unique(sample.items()), sample.seen)
 
 
 # the columns a Hermes state.db must have for a replay (its schema has many more)
@@ -254,7 +320,7 @@ def _columns(con: sqlite3.Connection, table: str) -> set[str]:
     return {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
 
 
-def read_hermes_state(path: Path) -> Trace:
+def read_hermes_state(path: Path, sample: Sample) -> Trace:
     """The sessions of a Hermes ``state.db``, oldest first, each with its active messages."""
     uri = f"file:{quote(str(path.resolve()))}?mode=ro"
     try:
@@ -262,7 +328,7 @@ def read_hermes_state(path: Path) -> Trace:
     except sqlite3.Error as e:
         raise TraceError(f"{path.name}: cannot open as SQLite ({e})")
     try:
-        return _read_hermes(path, con)
+        return _read_hermes(path, con, sample)
     except sqlite3.OperationalError as e:
         if "locked" in str(e) or "busy" in str(e):
             raise CannotRun(f"{path.name}: locked by another process (a Hermes agent writing to it?); left "
@@ -274,7 +340,15 @@ def read_hermes_state(path: Path) -> Trace:
         con.close()
 
 
-def _read_hermes(path: Path, con: sqlite3.Connection) -> Trace:
+def _json_text(text: str | None):
+    """A JSON column's value (None where it is not JSON, or nested too deep)."""
+    try:
+        return parse_json(text, "", MAX_DEPTH, TraceError) if isinstance(text, str) else None
+    except TraceError:
+        return None
+
+
+def _read_hermes(path: Path, con: sqlite3.Connection, sample: Sample) -> Trace:
     con.execute("BEGIN")  # one read transaction: a consistent snapshot, and a lock is seen here
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     for table, need in HERMES_COLUMNS.items():
@@ -286,76 +360,89 @@ def _read_hermes(path: Path, con: sqlite3.Connection) -> Trace:
                              f"another schema is not read")
     scols, mcols = _columns(con, "sessions"), _columns(con, "messages")
     prompts = "system_prompts" in tables and {"hash", "prompt"} <= _columns(con, "system_prompts")
+    # every text read at most one conversation's length (substr): a row cannot fill memory
+    cut = MAX_CONVERSATION_BYTES + 1
     sel = ["s.id",
-           "s.system_prompt" if "system_prompt" in scols else "NULL",
-           "(SELECT p.prompt FROM system_prompts p WHERE p.hash = s.system_prompt_hash)"
+           f"substr(s.system_prompt, 1, {cut})" if "system_prompt" in scols else "NULL",
+           f"(SELECT substr(p.prompt, 1, {cut}) FROM system_prompts p WHERE p.hash = s.system_prompt_hash)"
            if prompts and "system_prompt_hash" in scols else "NULL",
-           "s.tool_names" if "tool_names" in scols else "NULL"]
-    sessions = con.execute(f"SELECT {', '.join(sel)} FROM sessions s ORDER BY s.started_at, s.id").fetchall()
+           f"substr(s.tool_names, 1, {cut})" if "tool_names" in scols else "NULL"]
+    sessions = con.execute(f"SELECT {', '.join(sel)} FROM sessions s ORDER BY s.started_at, s.id")
     active = " AND active = 1" if "active" in mcols else ""
-    out = []
     for sid, inline_prompt, shared_prompt, tool_names in sessions:
         cid = _cid(sid)
-        rows = con.execute(f"SELECT id, role, content, tool_calls, tool_call_id FROM messages WHERE session_id = ?"
-                           f"{active} ORDER BY timestamp, id", (sid,)).fetchall()
+        rows = con.execute(f"SELECT id, role, substr(content, 1, {cut}), substr(tool_calls, 1, {cut}), tool_call_id "
+                           f"FROM messages WHERE session_id = ?{active} ORDER BY timestamp, id", (sid,))
         messages: list = []
+        size = 0
         prompt = inline_prompt if inline_prompt is not None else shared_prompt
-        if isinstance(prompt, str) and prompt and not any(r[1] == "system" for r in rows):
+        own = con.execute(f"SELECT EXISTS (SELECT 1 FROM messages WHERE session_id = ? AND role = 'system'{active})",
+                          (sid,)).fetchone()[0]
+        if isinstance(prompt, str) and prompt and not own:
             messages.append({"role": "system", "content": prompt})
+            size += len(prompt)
         for row_id, role, content, calls, call_id in rows:
             where = _Where(path.name, cid, f"messages row {row_id}")
             m: dict = {"role": role, "content": content}
+            size += len(content) if isinstance(content, str) else 0
             if calls is not None and calls != "":
-                try:
-                    m["tool_calls"] = json.loads(calls)
-                except (json.JSONDecodeError, TypeError):
+                size += len(calls) if isinstance(calls, str) else 0
+                m["tool_calls"] = _json_text(calls)
+                if m["tool_calls"] is None:
                     raise where.fail("messages.tool_calls", "not JSON")
             if call_id is not None:
                 m["tool_call_id"] = call_id
+            if size > MAX_CONVERSATION_BYTES:
+                raise where.fail("messages", f"the session is longer than {human_bytes(MAX_CONVERSATION_BYTES)}; "
+                                             "not read further")
             messages.append(check_message(where, len(messages), m, label="messages"))
         if not any(m["role"] == "assistant" for m in messages):
             continue  # a session that never answered (just opened, or only a system prompt)
-        names: frozenset[str] = frozenset()
-        if isinstance(tool_names, str) and tool_names:
-            try:
-                parsed = json.loads(tool_names)
-            except json.JSONDecodeError:
-                parsed = None
-            if isinstance(parsed, list) and all(isinstance(x, str) for x in parsed):
-                names = frozenset(parsed)
+        parsed = _json_text(tool_names) if tool_names else None
+        names = frozenset(parsed) if isinstance(parsed, list) and all(isinstance(x, str) for x in parsed) \
+            else frozenset()
         conv = conversation(_Where(path.name, cid), cid, messages)
         if names:
             conv = Conversation(conv.id, conv.messages, (), names, "state.db tool_names")
-        out.append(conv)
-    if not out:
+        sample.offer(conv, size)
+    held = sample.items()
+    if not held:
         raise TraceError(f"{path.name}: no session with an assistant message")
-    return Trace("hermes-state-db", path.name, tuple(out))
+    return Trace("hermes-state-db", path.name, tuple(held), sample.seen)
 
 
-def read_trace(path: Path) -> Trace:
-    """A trace file in any of the three formats, told from its first bytes."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
-    except OSError as e:
-        raise UserError(f"{path.name}: cannot read ({e.strerror or e})")
-    if head == SQLITE_MAGIC:
-        return read_hermes_state(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{path.name}: cannot read ({e.strerror or e})")
-    start = data.lstrip()[:1]
-    if start == b"[":
-        return read_vllm_multiturn(path, data)
-    if start == b"{":
-        if data.count(b"\n", 0, 1 << 20) == 0 or b'"filetype"' in data[:4096]:
-            try:  # one object on one line is JSONL too; a vLLM generation config is refused by name
-                obj = json.loads(data)
-                if isinstance(obj, dict) and "filetype" in obj:
-                    return read_vllm_multiturn(path, data)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                pass
-        return read_openai_jsonl(path, data)
-    raise TraceError(f"{path.name}: not a trace (expected OpenAI chat JSONL, vLLM's multi-turn JSON array "
-                     f"or a Hermes state.db)")
+def _first_byte(f) -> bytes:
+    """The first byte that is not white space (the file's position back at its start)."""
+    while chunk := f.read(1 << 16):
+        if chunk.strip():
+            first = chunk.lstrip()[:1]
+            f.seek(0)
+            return first
+    f.seek(0)
+    return b""
+
+
+def read_trace(path: Path, sample: int | None = None, seed: int = 0) -> Trace:
+    """A trace file in any of the three formats, told from its first bytes, streamed: the ``sample``
+    conversations (all when None; ``Sample``) with ``seed``, every conversation of the file checked."""
+    taken = Sample(sample, seed, path.name)
+    with open_regular(path, path.name, TraceError) as f:
+        head = f.read(len(SQLITE_MAGIC))
+        f.seek(0)
+        if head != SQLITE_MAGIC:
+            start = _first_byte(f)
+            if start == b"[":
+                return read_vllm_multiturn(path, f, taken)
+            if start == b"{":
+                head = f.read(4096)
+                f.seek(0)
+                if b'"filetype"' in head:  # a vLLM generation config (one object), refused by name
+                    obj = _json_text(f.read(CONFIG_BYTES).decode("utf-8", "replace"))
+                    f.seek(0)
+                    if isinstance(obj, dict) and "filetype" in obj:
+                        raise TraceError(f"{path.name}: vLLM's synthetic-conversation config, not conversations "
+                                         f"(give a file of conversations, or --trace agent-synthetic)")
+                return read_openai_jsonl(path, f, taken)
+            raise TraceError(f"{path.name}: not a trace (expected OpenAI chat JSONL, vLLM's multi-turn JSON array "
+                             f"or a Hermes state.db)")
+    return read_hermes_state(path, taken)

@@ -16,16 +16,67 @@ name and arguments assembled from the stream), names a tool the conversation off
 arguments that are a JSON object. **Goodput**: the turns within ``--slo ttft=S,tpot=S`` (both
 where both are given), as a share of all turns and per second of the run.
 
-No message text enters a report: conversation ids, turn positions, lengths and figures only.
+**Why a request failed**: its kind (``http 400``, ``timeout``, ``unreachable``...) and the server's own
+words (``failure_reason``: the message of its JSON error body, without terminal control characters,
+cut before anything that quotes the request, at most ``REASON_CHARS``; withheld whole where it still
+quotes the request's text), grouped by kind and by the words with their numbers as ``N``.
+
+No message text enters a report: conversation ids, turn positions, lengths, figures and the server's
+words about a failure only.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
+
+from hybrid_build.core.terminal_text import printable
 
 # turn positions are grouped: 1, 2, 3, 4, 5-8, 9-16, 17-32, 33+
 POSITION_BUCKETS = ((1, 1), (2, 2), (3, 3), (4, 4), (5, 8), (9, 16), (17, 32), (33, None))
+REASON_CHARS = 240  # of a server's words about one failure
+REASON_GROUPS = 10  # reasons listed, most frequent first
+# where a server's message starts quoting the request (pydantic's ``input_value=``, a validation
+# error's ``'input': ...``): the words before it are kept, the rest never
+_QUOTES_INPUT = re.compile(r"input_value\s*=|['\"]input['\"]\s*:|\binput\s*=", re.I)
+_NUMBER = re.compile(r"\d[\d,._]*")
+WITHHELD = "(the server's words quote the request: not shown)"
+
+
+def _request_text(sent: list[dict]) -> str:
+    parts = []
+    for m in sent:
+        c = m.get("content")
+        parts += [c] if isinstance(c, str) else [p.get("text") or "" for p in c or [] if isinstance(p, dict)]
+        parts += [(t.get("function") or {}).get("arguments") or "" for t in m.get("tool_calls") or []]
+    return "\n".join(parts)
+
+
+def failure_reason(message: str | None, sent: list[dict]) -> str | None:
+    """The server's words about a failed request, fit to print: terminal control characters removed,
+    one line, cut where it starts quoting the request, at most ``REASON_CHARS``; ``WITHHELD`` where
+    three of its words in a row still appear in the request's messages ``sent``."""
+    if not message:
+        return None
+    text = " ".join(printable(message, one_line=True).split())
+    m = _QUOTES_INPUT.search(text)
+    if m:
+        text = text[:m.start()].rstrip(" ,;:([{") + " ..."
+    if len(text) > REASON_CHARS:
+        text = text[:REASON_CHARS].rstrip() + "..."
+    words = text.split()
+    sent_text = _request_text(sent)
+    for i in range(len(words) - 2):
+        phrase = " ".join(words[i:i + 3])
+        if len(phrase) >= 12 and phrase in sent_text:
+            return WITHHELD
+    return text or None
+
+
+def reason_class(reason: str) -> str:
+    """A reason with its numbers as ``N``: the failures it groups differ in lengths and counts only."""
+    return _NUMBER.sub("N", reason)
 
 
 @dataclass
@@ -69,6 +120,7 @@ class TurnResult:
     start_s: float = 0.0        # from the run's start
     end_s: float = 0.0
     error: str | None = None    # the kind of failure ("http 500", "connect", "timeout", ...); None: answered
+    reason: str | None = None   # the server's words about it (``failure_reason``), where it gave any
     messages: int = 0
     prompt_chars: int = 0
     recorded_tool_call: bool = False
@@ -190,7 +242,7 @@ def summarize(turns: list[TurnResult], wall_s: float, slo: Slo | None = None,
         if t.error:
             errors[t.error] = errors.get(t.error, 0) + 1
     out = {
-        "requests": len(turns), "ok": len(ok), "errors": errors,
+        "requests": len(turns), "ok": len(ok), "errors": errors, "error_reasons": error_reasons(turns),
         "ttft_s": {"p50": percentile(ttft, 50), "p95": percentile(ttft, 95)},
         "decode_tok_s": {"p50": percentile(dec, 50), "p95_low": percentile(dec, 5),
                          "aggregate": _ratio(dec_tokens, dec_time)},
@@ -226,6 +278,42 @@ def summarize(turns: list[TurnResult], wall_s: float, slo: Slo | None = None,
         out["goodput"] = {"slo": slo.to_json(), "good": good, "share": _ratio(good, len(turns)),
                           "per_s": good / wall_s if wall_s > 0 else None}
     return out
+
+
+def error_reasons(turns: list[TurnResult]) -> list[dict]:
+    """The failures grouped by kind and by the server's words (numbers as N), most frequent first:
+    ``{"kind", "reason", "count", "example"}`` (``example``: one failure's words as sent)."""
+    groups: dict[tuple[str, str], dict] = {}
+    for t in turns:
+        if t.error:
+            key = (t.error, reason_class(t.reason) if t.reason else "")
+            g = groups.setdefault(key, {"kind": t.error, "reason": key[1] or None, "count": 0, "example": t.reason})
+            g["count"] += 1
+    return sorted(groups.values(), key=lambda g: (-g["count"], g["kind"], g["reason"] or ""))[:REASON_GROUPS]
+
+
+def reason_lines(reasons: list[dict]) -> list[str]:
+    """The failures by reason, one line each, for the text reports."""
+    return [f"failed: {g['count']} x {g['kind']}" + (f": {g['reason']}" if g["reason"] else "") for g in reasons]
+
+
+def fit_line(fit: dict) -> str:
+    """What the check before the replay found: the turns longer than the server takes, the longest."""
+    limit, mt = fit.get("max_model_len"), fit.get("max_tokens")
+    if not limit:
+        return "fit: the server states no max_model_len (/v1/models): the turns were not checked against it"
+    if not fit.get("counted_by"):
+        return (f"fit: not counted before the replay ({fit.get('why')}); a turn longer than max_model_len "
+                f"{limit:,} fails with the server's reason")
+    longest = fit.get("longest") or {}
+    where = f" ({longest['conversation']}, turn {longest['turn']})" if longest.get("conversation") else ""
+    head = (f"fit: {fit['too_long']} of {fit['turns']} turns are longer than the server's max_model_len {limit:,} "
+            f"takes (prompt + {mt} completion tokens, counted by its /tokenize); the longest prompt is "
+            f"{longest.get('tokens', 0):,} tokens{where}")
+    if not fit["too_long"]:
+        return head
+    return head + ("; left out (--skip-too-long)" if fit.get("skipped") else
+                   "; they will fail: --skip-too-long leaves them out")
 
 
 def bucket_of(turn: int) -> str:
@@ -301,6 +389,9 @@ def table(report: dict) -> str:
         g = o["goodput"]
         lines.append(f"goodput: {g['good']} of {o['requests']} turns within ttft<={g['slo']['ttft_s']} s, "
                      f"tpot<={g['slo']['tpot_s']} s ({_f(g['share'], '{:.0%}')}; {_f(g['per_s'], '{:.2f}')} per s)")
+    lines += reason_lines(o.get("error_reasons") or [])
+    if report.get("fit"):
+        lines.append(fit_line(report["fit"]))
     if report.get("synthetic"):
         p = report["synthetic"]
         lines.append(f"synthetic trace: {json.dumps(p['parameters'])}; measured {json.dumps(p['measured'])}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from hybrid_build.core.limits import MAX_STREAMS
+
 _AGENT_SYSTEM = ("You are a coding agent working in a Python repository. Act only through the tools; "
                  "answer every turn with exactly one tool call.")
 _AGENT_TOOLS = (
@@ -106,5 +108,5 @@ MIN_RUNS_FOR_VERDICT = 3
 # concurrent streams: a stream that decoded less than this share of its window while all streams
 # were decoding earns a warning (its tok/s was partly measured with fewer streams running)
 LOW_OVERLAP = 0.5
-# more streams than the sequences vLLM batches by default (max_num_seqs 256) would queue, not overlap
-MAX_CONCURRENCY = 256
+# more streams than the sequences vLLM batches at most would queue, not overlap (core/limits)
+MAX_CONCURRENCY = MAX_STREAMS

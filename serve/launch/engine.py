@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hybrid_build.core import formats
 from hybrid_build.core.artifact import CONFIG, RECIPE, read_provenance, read_recipe_data
+from hybrid_build.core.bounded_read import read_json
 from hybrid_build.core.errors import UserError
 from hybrid_build.recipes.serve_names import DOCKER_IMAGE, SMOKE_EXPECT, SOURCE_PLACEHOLDER
 from hybrid_build.serve.runtime.fixes import ENV_DISABLE, FIXES, UnknownFixError, parse_ids
@@ -109,10 +110,8 @@ class LaunchPlan:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot read ({e})")
+    """A config file: a regular file, capped, nested at most MAX_DEPTH (``core/bounded_read``)."""
+    return read_json(path, str(path), error=UserError)
 
 
 def recipe_for_serving(artifact: str, recipe_arg: str | None, bound=None) -> tuple[Recipe, dict | None]:

@@ -12,11 +12,11 @@ here (serve's untested-version warning covers them).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid_build.core.bounded_read import InputRefused, read_json
 from hybrid_build.core.errors import ExternalToolError, UserError
 from hybrid_build.serve.runtime.fixes import base_version
 
@@ -194,15 +194,15 @@ def read_config(where: str | None, revision: str | None = None) -> tuple[dict | 
     path = Path(where).expanduser()
     if path.is_dir():
         try:
-            return json.loads((path / "config.json").read_text()), None
-        except (OSError, json.JSONDecodeError) as e:
-            return None, f"{path / 'config.json'}: {e}"
+            return read_json(path / "config.json", str(path / "config.json")), None
+        except (OSError, InputRefused) as e:
+            return None, str(e)
     try:
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
         cached = try_to_load_from_cache(where, "config.json", revision=revision)
         found = cached if isinstance(cached, str) else hf_hub_download(where, "config.json", revision=revision)
-        return json.loads(Path(found).read_text()), None
+        return read_json(Path(found), f"{where} config.json"), None
     except Exception as e:  # offline, unknown repo, gated: the check is skipped, vLLM will say more
         return None, f"{where}: config.json not readable ({type(e).__name__})"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid_build.core.bounded_read import InputRefused, read_json
 from hybrid_build.serve.speed import memory_plan as mem
 
 DEFAULT_ENGINE = "0.26.0"
@@ -120,10 +121,8 @@ def drafter_config(name: str | None, revision: str | None) -> tuple[dict, int, s
     if name and Path(name).expanduser().is_dir():
         folder = Path(name).expanduser()
         try:
-            import json
-
-            cfg = json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError):
+            cfg = read_json(folder / "config.json", "config.json")
+        except (OSError, InputRefused):
             cfg = dict(mem.DFLASH_DRAFTER)
         return cfg, sum(f.stat().st_size for f in folder.glob("*.safetensors")), "its folder"
     cfg = None
@@ -132,9 +131,7 @@ def drafter_config(name: str | None, revision: str | None) -> tuple[dict, int, s
 
         cached = try_to_load_from_cache(name, "config.json", revision=revision) if name else None
         if isinstance(cached, str):
-            import json
-
-            cfg = json.loads(Path(cached).read_text())
+            cfg = read_json(Path(cached), "config.json")
     except Exception:  # noqa: BLE001 - an unreadable cache entry: the stated shape below
         cfg = None
     if cfg:

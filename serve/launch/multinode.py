@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hybrid_build.core.bounded_read import read_text
 from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.stop_signals import stop_signals_held
 
@@ -103,10 +104,7 @@ def parse_nodes(nodes: str | None, nodes_file: Path | None) -> list[str]:
     if nodes and nodes_file:
         raise UserError("give --nodes or --nodes-file, not both")
     if nodes_file is not None:
-        try:
-            text = Path(nodes_file).read_text()
-        except OSError as e:
-            raise UserError(f"--nodes-file {nodes_file}: cannot read ({e.strerror or e})")
+        text = read_text(nodes_file, f"--nodes-file {nodes_file}", error=UserError)  # a FIFO: refused, not waited on
         specs = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     else:
         specs = [s.strip() for s in (nodes or "").split(",")]

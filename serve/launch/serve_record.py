@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_build.core.artifact import SERVE_RECORD, WORK_DIR
+from hybrid_build.core.bounded_read import SMALL_JSON, InputRefused, read_json
 
 KEEP = 100  # the last events kept in the record (the log keeps them all)
 
@@ -69,7 +70,7 @@ def read_records(artifact: Path) -> list[dict]:
     out = []
     for p in sorted((artifact / WORK_DIR).glob(Path(SERVE_RECORD).name.format(profile="*"))):
         try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
+            out.append(read_json(p, p.name, SMALL_JSON))
+        except (OSError, InputRefused):
             continue
     return out

@@ -352,6 +352,7 @@ class Drafter:
     sliding_layers: int = 0
     window: int = 0
     shares_lm_head: bool = True
+    block: int = 0  # tokens a step can emit at most: drafted + the bonus (DFlash's block_size); 0: not known
 
     def context_bytes(self, context: int, kv_bytes: int = 2) -> int:
         """Its KV cache read per step for one stream at ``context`` tokens, stored in ``kv_bytes``
@@ -363,7 +364,9 @@ class Drafter:
 
 # z-lab/Qwen3.5-122B-A10B-DFlash: ~0.8B params BF16; 6 layers (5 sliding-4096 + 1 full),
 # 8 KV heads of 128: 2 x 8 x 128 x 2 bytes = 4 KiB per position per layer.
-DFLASH_122B = Drafter("dflash", 1_600_000_000, 6 * 2 * 8 * 128 * 2, full_layers=1, sliding_layers=5, window=4096)
+# dflash_config.block_size 16: 15 drafted tokens and the bonus at most
+DFLASH_122B = Drafter("dflash", 1_600_000_000, 6 * 2 * 8 * 128 * 2, full_layers=1, sliding_layers=5, window=4096,
+                      block=16)
 NO_DRAFTER = Drafter("none", 0, 0, shares_lm_head=False)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.limits import MAX_ACCEPT
 
 from . import bandwidth as bw
 from . import multinode_plan as mnp
@@ -116,8 +117,7 @@ def drafter_of(args: PlanOptions) -> bw.Drafter:
     if args.drafter_gb is not None:
         if args.drafter_gb < 0:
             raise UserError(f"--drafter-gb must be >= 0, got {args.drafter_gb}")
-        d = bw.Drafter(d.name, int(args.drafter_gb * 1e9), d.kv_bytes_per_position, d.full_layers,
-                       d.sliding_layers, d.window, d.shares_lm_head)
+        d = dataclasses.replace(d, weight_bytes=int(args.drafter_gb * 1e9))
     return d
 
 
@@ -144,22 +144,35 @@ def _check_workload(ckpt: Checkpoint, args: PlanOptions) -> tuple[list[int], lis
     return contexts, streams
 
 
+def check_speculation(args: PlanOptions) -> tuple[bw.Drafter, list[float]]:
+    """The drafter and the acceptance lengths, refused in one line where a step cannot emit them: an
+    acceptance length counts the bonus token, so it lies between 1 and the speculative tokens + 1
+    (``--verify-block``, else the drafter's block). Needs no checkpoint: ``plan`` checks it first."""
+    drafter = drafter_of(args)
+    accepts = list(args.accept) if args.accept else list(DEFAULT_ACCEPT)
+    if args.verify_block is not None and not 1 <= args.verify_block <= MAX_ACCEPT:
+        raise UserError(f"--verify-block counts the drafted tokens + 1: between 1 and {MAX_ACCEPT}, "
+                        f"got {args.verify_block}")
+    for a in accepts:
+        if not 1 <= a <= MAX_ACCEPT:  # also what 1e308 or nan would be: the arithmetic below divides by it
+            raise UserError(f"--accept {a:g}: an acceptance length counts the bonus token, so it is between 1 and "
+                            f"{MAX_ACCEPT} (the most speculative tokens a profile takes + 1)")
+        if args.verify_block is not None and a > args.verify_block:
+            raise UserError(f"--accept {a:g} exceeds --verify-block {args.verify_block}")
+        if args.verify_block is None and drafter.block and a > drafter.block:
+            raise UserError(f"--accept {a:g}: the {drafter.name} drafter emits at most {drafter.block} tokens a step "
+                            f"({drafter.block - 1} drafted + the bonus token)")
+    return drafter, accepts
+
+
 def build_plan(ckpt: Checkpoint, args: PlanOptions) -> dict:
     """Everything ``plan`` prints, as the JSON document of docs/plan.md."""
     # here, not at the top: the recipes import the output formats (torch); `plan --help` reads this module
     from hybrid_build.recipes.inventory import build_report, bytes_per_token
 
-    accepts = list(args.accept) if args.accept else list(DEFAULT_ACCEPT)
-    for a in accepts:
-        if not a >= 1:
-            raise UserError(f"--accept {a:g}: an acceptance length counts the bonus token, so it is >= 1")
-        if args.verify_block is not None and a > args.verify_block:
-            raise UserError(f"--accept {a:g} exceeds --verify-block {args.verify_block}")
+    drafter, accepts = check_speculation(args)
     contexts, streams = _check_workload(ckpt, args)
-    if args.verify_block is not None and args.verify_block < 1:
-        raise UserError(f"--verify-block must be >= 1, got {args.verify_block}")
     hw = _hardware(args)
-    drafter = drafter_of(args)
     hybrid = _is_hybrid(ckpt)
     if hybrid:
         plan, recipe_name, recipe_note = None, None, "none (input is already a hybrid)"

@@ -5,6 +5,7 @@ timeouts, sizes) refused by argparse before anything starts, dry runs included, 
 for what validate writes (the report, its picture, the reference) refused before a check runs."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -112,37 +113,74 @@ def test_a_fifo_in_the_source_is_refused_not_read(tiny_copy, tmp_path, name):
 
 
 @pytest.mark.parametrize("flag, value, says", [
-    ("--port", "99999", "argument --port: must be between 1 and 65535, got 99999"),
-    ("--port", "-1", "argument --port: must be between 1 and 65535, got -1"),
-    ("--ready-timeout", "-1", "argument --ready-timeout: must be more than 0, got -1"),
+    ("--port", "99999", "argument --port: must be between 1 and 65,535, got 99999"),
+    ("--port", "-1", "argument --port: must be between 1 and 65,535, got -1"),
+    ("--ready-timeout", "-1", "argument --ready-timeout: must be more than 0 and at most 2,592,000, got -1"),
+    ("--ready-timeout", "1e308", "argument --ready-timeout: must be more than 0 and at most 2,592,000, got 1e308"),
     ("--ready-timeout", "nan", "argument --ready-timeout: not a finite number: 'nan'"),
-    ("--ray-port", "0", "argument --ray-port: must be between 1 and 65535, got 0"),
-    ("--join-timeout", "0", "argument --join-timeout: must be more than 0, got 0"),
-    ("--gpus-per-node", "0", "argument --gpus-per-node: must be at least 1, got 0"),
+    ("--ray-port", "0", "argument --ray-port: must be between 1 and 65,535, got 0"),
+    ("--join-timeout", "0", "argument --join-timeout: must be more than 0 and at most 2,592,000, got 0"),
+    ("--gpus-per-node", "0", "argument --gpus-per-node: must be between 1 and 1,000,000, got 0"),
+    ("--restart", "1000000000", "argument --restart: must be between 0 and 1,000,000, got 1000000000"),
 ])
 def test_serve_dry_run_refuses_values_out_of_range(flag, value, says, tmp_path, capsys):
     code, err = _error(capsys, ["serve", str(tmp_path), "--dry-run", flag, value])
     assert code == 2 and err.startswith(f"error: {says} ")
 
 
+PLAN = ["plan", "synthetic:qwen3.5-122b-a10b"]
+BENCH = ["bench", "http://127.0.0.1:9/v1"]
+
+
 @pytest.mark.parametrize("argv, says", [
-    (["bench", "http://127.0.0.1:9/v1", "--runs", "0"], "argument --runs: must be at least 1, got 0"),
-    (["bench", "http://127.0.0.1:9/v1", "--max-tokens", "-5"], "argument --max-tokens: must be at least 1, got -5"),
-    (["eval", "--limit", "0"], "argument --limit: must be more than 0, got 0"),
-    (["eval", "--num-fewshot", "-1"], "argument --num-fewshot: must be at least 0, got -1"),
-    (["eval", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
-    (["plan", "synthetic:qwen3.5-122b-a10b", "--context", "0"], "argument --context: must be at least 1, got 0"),
-    (["plan", "synthetic:qwen3.5-122b-a10b", "--efficiency", "1.5"],
-     "argument --efficiency: must be more than 0 and at most 1, got 1.5"),
-    (["plan", "synthetic:qwen3.5-122b-a10b", "--accept", "0.5"], "argument --accept: must be at least 1, got 0.5"),
-    (["plan", "synthetic:qwen3.5-122b-a10b", "--stream-overlap", "2"],
-     "argument --stream-overlap: must be between 0 and 1, got 2"),
-    (["plan", "synthetic:qwen3.5-122b-a10b", "--nodes", "1"], "argument --nodes: must be at least 2, got 1"),
-    (["plan", "synthetic:qwen3.5-122b-a10b", "--bandwidth", "inf"], "argument --bandwidth: not a finite number: 'inf'"),
+    (BENCH + ["--runs", "0"], "argument --runs: must be between 1 and 1,000, got 0"),
+    (BENCH + ["--max-tokens", "-5"], "argument --max-tokens: must be between 1 and 16,777,216, got -5"),
+    (BENCH + ["--concurrency", "1000000000"], "argument --concurrency: must be between 1 and 1,024, got 1000000000"),
+    (BENCH + ["--seed", "-1"], "argument --seed: must be between 0 and 4,294,967,295, got -1"),
+    (BENCH + ["--conversations", "20000"], "argument --conversations: must be between 1 and 10,000, got 20000"),
+    (BENCH + ["--duration", "1e308"], "argument --duration: must be more than 0 and at most 2,592,000, got 1e308"),
+    (["eval", "--limit", "0"], "argument --limit: must be more than 0 and at most 1,000,000,000, got 0"),
+    (["eval", "--num-fewshot", "-1"], "argument --num-fewshot: must be between 0 and 1,000,000, got -1"),
+    (["eval", "--batch-size", "0"], "argument --batch-size: must be between 1 and 1,000,000, got 0"),
+    (["eval", "--concurrency", "5000"], "argument --concurrency: must be between 1 and 1,024, got 5000"),
+    (["demo-checkpoint", "-o", "x", "--seed", str(2**64)], "argument --seed: must be between 0 and 4,294,967,295"),
+    (PLAN + ["--context", "0"], "argument --context: must be between 1 and 16,777,216, got 0"),
+    (PLAN + ["--efficiency", "1.5"], "argument --efficiency: must be more than 0 and at most 1, got 1.5"),
+    (PLAN + ["--accept", "0.5"], "argument --accept: must be between 1 and 65, got 0.5"),
+    (PLAN + ["--accept", "1e308"], "argument --accept: must be between 1 and 65, got 1e308"),
+    (PLAN + ["--concurrency", "1000000000"], "argument --concurrency: must be between 1 and 1,024, got 1000000000"),
+    (PLAN + ["--verify-block", "100"], "argument --verify-block: must be between 1 and 65, got 100"),
+    (PLAN + ["--stream-overlap", "2"], "argument --stream-overlap: must be between 0 and 1, got 2"),
+    (PLAN + ["--nodes", "1"], "argument --nodes: must be between 2 and 64, got 1"),
+    (PLAN + ["--bandwidth", "inf"], "argument --bandwidth: not a finite number: 'inf'"),
+    (PLAN + ["--bandwidth", "1e308"], "argument --bandwidth: must be more than 0 and at most 100,000, got 1e308"),
+    (PLAN + ["--floor-ms", "1e300"], "argument --floor-ms: must be between 0 and 10,000, got 1e300"),
 ])
 def test_sizes_and_counts_out_of_range_are_refused_by_argparse(argv, says, capsys):
     code, err = _error(capsys, argv)
-    assert code == 2 and err.startswith(f"error: {says} ")
+    assert code == 2 and err.startswith(f"error: {says}")
+
+
+@pytest.mark.parametrize("argv, says", [
+    # the bound that depends on what is planned: the DFlash drafter's block of 16 (15 drafted + the bonus)
+    (PLAN + ["--accept", "17"], "--accept 17: the dflash drafter emits at most 16 tokens a step"),
+    (PLAN + ["--accept", "8", "--verify-block", "6"], "--accept 8 exceeds --verify-block 6"),
+    (PLAN + ["--context", "10000000"], "--context 10000000 exceeds 262,144 tokens"),
+    (BENCH + ["--agent", "--contexts", "99999999999k"], "is more than 16,777,216 tokens"),
+    (BENCH + ["--trace", "agent-synthetic", "--duration", "60", "--window", "0.001"],
+     "--window 0.001: the soak could close 690,000 windows"),
+])
+def test_bounds_that_depend_on_the_input_are_one_line(argv, says, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err
+
+
+def test_plan_takes_the_bounds_themselves(capsys):
+    assert main(PLAN + ["--accept", "1", "16", "--concurrency", "1024", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["accept"] for r in data["speculative"] if r["profile"] == "dense"] == [1.0, 16.0]
+    assert {r["concurrency"] for r in data["concurrency"]} == {1024}
 
 
 # ------------------------------------------------------------------ what validate writes, on a small disk
@@ -184,3 +222,19 @@ def test_validate_refuses_a_disk_that_cannot_hold_its_report_before_a_check_runs
     code, err = _error(capsys, ["validate", str(art), "--source", str(tiny_checkpoint)])
     assert code == 2 and "free on its filesystem, validate writes about" in err and str(art) in err
     assert _tree(art) == before  # no report, no reference, no partial file
+
+
+# ------------------------------------------------------------------ a signature that never ends
+
+
+@pytest.mark.parametrize("command", [["verify-artifact"], ["status"], ["serve", "--dry-run"]])
+def test_a_signature_nested_without_end_is_one_line_exit_2(artifact, command, capsys):
+    (artifact / "model.sig").write_text("[" * 100_000 + "]" * 100_000)
+    code, err = _error(capsys, [command[0], str(artifact), *command[1:]])
+    assert code == 2 and err == "error: model.sig: JSON nested deeper than 100 levels; not read", err
+
+
+def test_a_signature_that_is_a_fifo_is_refused_unopened(artifact):
+    os.mkfifo(artifact / "model.sig")
+    r = subprocess.run(CLI + ["verify-artifact", str(artifact)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == "error: model.sig: a FIFO, not a regular file\n", r.stderr

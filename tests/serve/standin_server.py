@@ -50,8 +50,14 @@ cached_tokens`` (the prefix cache's hit, keyed by the request's ``cache_salt``).
 ``tools`` is answered with a streamed ``tool_calls`` call (the first tool offered) where the
 prompt's hash falls in the knob ``tool_share``; ``tool_fault`` makes the call name a tool not
 offered or carry arguments that are not JSON; ``fail_every`` N answers every N-th chat request
-500. ``--record PATH`` appends every chat request and what it was answered as a JSON line, for the
-tests of ``bench --trace`` to compare with the report.
+500, with ``fail_message`` as its words where set (``{prompt}``: the request's last message, as a
+careless server quotes it). A chat request whose prompt plus ``max_tokens`` is longer than
+``--max-model-len`` is refused 400 in vLLM's words (``renderers/params.py``), and ``POST /tokenize``
+counts a chat request's prompt tokens as vLLM's does (``{"count", "max_model_len", "tokens"}``; knob
+``tokenize`` off: 404, a server without it). ``/metrics`` has ``vllm:kv_cache_usage_perc``: the
+prefix cache's blocks over a pool of ``--kv-pool-tokens`` (default 65,536). ``--record PATH``
+appends every chat request and what it was answered as a JSON line, for the tests of ``bench
+--trace`` to compare with the report.
 
 With ``VLLM_API_KEY`` in its environment the stand-in wants that key, as vLLM's OpenAI server does
 (``AuthenticationMiddleware``): every request under ``/v1`` without ``Authorization: Bearer KEY``
@@ -114,6 +120,7 @@ class Engine:
         self.prompt_tokens = self.generation_tokens = 0
         self.running = 0  # requests being generated (vllm:num_requests_running)
         self.cache = cache  # a PrefixCache whose counts /metrics shows (vLLM shows them, zero, without one)
+        self.pool_tokens = 65536  # the KV pool vllm:kv_cache_usage_perc is a share of
         self.created = time.time()
 
     def steps(self, n: int) -> list[tuple[int, int | None]]:
@@ -169,6 +176,10 @@ class Engine:
             lines.extend(["# HELP vllm:num_requests_running Number of requests in model execution batches.",
                           "# TYPE vllm:num_requests_running gauge",
                           f"vllm:num_requests_running{{{labels}}} {go_float(self.running)}"])
+            used = len(self.cache.keys) * self.cache.block if self.cache is not None else 0
+            lines.extend(["# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+                          "# TYPE vllm:kv_cache_usage_perc gauge",
+                          f"vllm:kv_cache_usage_perc{{{labels}}} {go_float(min(1.0, used / self.pool_tokens))}"])
             if self.k:
                 counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", [(labels, self.drafts)])
                 counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", [(labels, self.draft_tokens)])
@@ -334,7 +345,7 @@ class Knobs:
 
     FIELDS = ("model", "noise", "fault", "cache_fault", "prefix_caching", "batch_fault", "decode_fault", "trickle",
               "legacy_echo", "prompt_logprobs", "metrics", "tool_share", "tool_fault", "fail_every",
-              "prompt_tokens_details", "hold", "die", "ignore_term")
+              "prompt_tokens_details", "hold", "die", "ignore_term", "fail_message", "tokenize")
 
     def __init__(self, **kw):
         self.model, self.noise, self.fault, self.cache_fault = "qwen", 0.0, None, None
@@ -345,6 +356,7 @@ class Knobs:
         # chat request answers 500; usage.prompt_tokens_details.cached_tokens (vLLM's
         # --enable-prompt-tokens-details)
         self.tool_share, self.tool_fault, self.fail_every, self.prompt_tokens_details = 0.75, None, 0, True
+        self.fail_message, self.tokenize = None, True
         # engine faults: ``hold`` stops every streaming request after its first token (counters
         # frozen, /health 200: a deadlocked engine); ``die`` ends the process at once ("exit0": an
         # EngineDeadError line then status 0, as vLLM's API server does; a signal name: killed by it);
@@ -767,6 +779,7 @@ def main() -> int:
     cache = PrefixCache(a.block_size)
     completions = Completions(TokenModel(a.reference, a.side, a.corrupt), knobs, cache) if a.reference else None
     engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()), cache)
+    engine.pool_tokens = a.kv_pool_tokens or engine.pool_tokens
     api_key = os.environ.get("VLLM_API_KEY") or None
     print("stand-in: loading weights", flush=True)
     if a.kv_pool_tokens is not None:  # vLLM 0.26.0's words (kv_cache_utils.py), before the server answers
@@ -864,6 +877,13 @@ def main() -> int:
                 if knobs.die:
                     die(knobs.die)
                 return
+            if self.path == "/tokenize" and knobs.tokenize:  # vLLM's, at the root: a chat request's prompt tokens
+                if req.get("model") not in (None, knobs.model):
+                    return self._json(404, {"error": {"message": f"The model `{req.get('model')}` does not exist.",
+                                                      "type": "NotFoundError", "code": 404}})
+                ids = chat_token_ids(req)
+                return self._json(200, {"count": len(ids), "max_model_len": a.max_model_len, "tokens": ids,
+                                        "token_strs": None})
             if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 return self._json(404, {"error": "not found"})
             if req.get("model") != knobs.model:
@@ -882,12 +902,23 @@ def main() -> int:
                 serial = chat_count[0]
             if knobs.fail_every and serial % knobs.fail_every == 0:
                 record(req, serial, {"error": 500})
-                return self._json(500, {"error": {"message": "simulated engine error", "code": 500}})
+                last = (req.get("messages") or [{}])[-1].get("content")
+                words = (knobs.fail_message or "simulated engine error").replace("{prompt}", str(last))
+                return self._json(500, {"error": {"message": words, "type": "InternalServerError", "code": 500}})
             ids = chat_token_ids(req)
+            n = min(a.tokens, req.get("max_tokens") or a.tokens)
+            if len(ids) > a.max_model_len - (req.get("max_tokens") or 0):  # vLLM 0.26's words (renderers/params.py)
+                record(req, serial, {"error": 400, "prompt_tokens": len(ids)})
+                mt = req.get("max_tokens") or 0
+                return self._json(400, {"error": {
+                    "message": f"This model's maximum context length is {a.max_model_len} tokens. However, you "
+                               f"requested {mt} output tokens and your prompt contains {len(ids)} input tokens, for "
+                               f"a total of {len(ids) + mt} tokens. Please reduce the length of the input prompt or "
+                               "the number of requested output tokens.",
+                    "type": "BadRequestError", "param": "input_tokens", "code": 400}})
             hit = cache.lookup(ids, req.get("cache_salt"))  # counted as vLLM counts it; time does not depend on it
             cache.store(ids, req.get("cache_salt"))
             call = tool_call(req, ids, serial, knobs)
-            n = min(a.tokens, req.get("max_tokens") or a.tokens)
             record(req, serial, {"prompt_tokens": len(ids), "cached_tokens": hit, "completion_tokens": n,
                                  "tool_call": call})
             continuous = bool((req.get("stream_options") or {}).get("continuous_usage_stats"))

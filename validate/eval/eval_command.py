@@ -13,6 +13,7 @@ from hybrid_build.core.cli_support import (
     COUNT,
     POSITIVE,
     POSITIVE_INT,
+    STREAMS,
     ExampleFormatter,
     add_json_flag,
     emit_json,
@@ -71,7 +72,7 @@ def register(sub, common) -> None:
     s.add_argument("--hybrid-model", metavar="NAME", help="served name of the hybrid (default: the one listed)")
     s.add_argument("--tokenizer", metavar="FOLDER_OR_ID",
                    help="tokenizer for the requests (default: ARTIFACT's, else the server's /tokenize)")
-    s.add_argument("--concurrency", type=POSITIVE_INT, default=4, help="requests in flight per server (default 4)")
+    s.add_argument("--concurrency", type=STREAMS, default=4, help="requests in flight per server (default 4)")
     s.add_argument("--api-key", metavar="KEY",
                    help="sent to both servers as a Bearer token (default: $OPENAI_API_KEY, which keeps the key off "
                         "the command line); lm-eval gets it in its environment")

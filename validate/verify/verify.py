@@ -38,13 +38,13 @@ refuses the API key (none, or another: HTTP 401/403) is ``KeyRefused``, a usage 
 line)."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from hybrid_build.core.api_key import client_key
+from hybrid_build.core.bounded_read import InputRefused, read_json
 from hybrid_build.core.errors import CannotVerify, ErrorStatus, HybridBuildError, UserError
 from hybrid_build.core.http_client import HttpClient, one_line, shared_client
 from hybrid_build.recipes.schema import VerifySpec
@@ -294,8 +294,8 @@ class Served:
 def vocab_size_of(artifact: Path) -> int | None:
     """The artifact's vocabulary size (``config.json``, the text config's where it has one)."""
     try:
-        cfg = json.loads((Path(artifact) / "config.json").read_text())
-    except (OSError, ValueError):
+        cfg = read_json(Path(artifact) / "config.json", "config.json")
+    except (OSError, InputRefused):
         return None
     tc = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     v = tc.get("vocab_size")

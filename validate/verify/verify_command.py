@@ -82,18 +82,16 @@ def register(sub, common) -> None:
     p.set_defaults(handler=_handle)
 
 
-def _number(flag: str, text: str, kind=float, least: float = 0.0, strict: bool = True):
-    """A flag's number, read here rather than by argparse so that a bad one is a one-line usage error
-    and, with --json, a JSON object."""
+def _number(flag: str, text: str, parse):
+    """A flag's number through the command line's bounded type ``parse`` (``core/cli_support``), read
+    here rather than by argparse so that a bad one is a one-line usage error and, with --json, a JSON
+    object of verify's own."""
     from hybrid_build.core.errors import UserError
 
     try:
-        value = kind(text)
-    except ValueError:
-        raise UserError(f"{flag} {text}: not a {'whole ' if kind is int else ''}number") from None
-    if value != value or value in (float("inf"), float("-inf")) or (value <= least if strict else value < least):
-        raise UserError(f"{flag} {text}: must be {'above' if strict else 'at least'} {least:g}")
-    return value
+        return parse(text)
+    except argparse.ArgumentTypeError as e:
+        raise UserError(f"{flag} {text}: {e}") from None
 
 
 def _options(args: argparse.Namespace):
@@ -106,10 +104,14 @@ def _options(args: argparse.Namespace):
     check_url(args.url)
     if not args.artifact.is_dir():
         raise UserError(f"{args.artifact}: no such artifact folder")
-    args.timeout = _number("--timeout", args.timeout)
-    concurrency = _number("--concurrency", args.concurrency, int, 2, strict=False)
-    cache_tokens = _number("--cache-tokens", args.cache_tokens, int, 2, strict=False)
-    tol = _number("--logprob-tol", args.logprob_tol)
+    from hybrid_build.core.cli_support import SECONDS, float_range, int_range
+    from hybrid_build.core.limits import MAX_STREAMS, MAX_TOKENS
+
+    args.timeout = _number("--timeout", args.timeout, SECONDS)
+    concurrency = _number("--concurrency", args.concurrency, int_range(2, MAX_STREAMS))
+    cache_tokens = _number("--cache-tokens", args.cache_tokens, int_range(2, MAX_TOKENS))
+    # a tolerance of many nats would pass any answer: 10 is far past every kernel path's noise
+    tol = _number("--logprob-tol", args.logprob_tol, float_range(0, 10, lo_open=True))
     claim = (args.prefix_caching == "on") if args.prefix_caching else claimed_prefix_caching(
         args.artifact, args.against, args.profile)
     return checker(PathOptions(frozenset(args.skip), concurrency, claim, cache_tokens, tol))

@@ -101,7 +101,8 @@ def test_a_server_without_prefix_caching_says_so(monkeypatch, capsys):
     (["--contexts", "8q"], "--contexts 8q: give token counts"),
     (["--contexts", "0"], "--contexts 0: give token counts"),
     (["--contexts", "4k"], "--contexts 4096: longer than the server's max_model_len 2048"),
-    (["--runs", "0"], "argument --runs: must be at least 1, got 0"),
+    (["--runs", "0"], "argument --runs: must be between 1 and 1,000, got 0"),
+    (["--contexts", "20000k"], "--contexts 20000k: 20000k is more than 16,777,216 tokens"),
     (["--compare", "a.json", "b.json"], "--agent measures one server"),
 ])
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, argv, says):

@@ -306,8 +306,14 @@ def test_compare_refuses_what_it_cannot_compare(monkeypatch, tmp_path, capsys):
     junk = tmp_path / "junk.json"
     junk.write_text("{not json")
     capsys.readouterr()
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # refused before it is opened: reading it would wait for a writer
     for path, words in ((pair, "holds a comparison"), (old, "older hybrid-build bench"), (junk, "not JSON"),
-                        (tmp_path / "missing.json", "No such file")):
+                        (tmp_path / "missing.json", "missing.json: no such file"),
+                        (deep, "deep.json: JSON nested deeper than 100 levels"),
+                        (fifo, "fifo.json: a FIFO, not a regular file")):
         assert main(["bench", "--compare", str(good), str(path)]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1

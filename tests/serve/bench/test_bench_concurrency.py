@@ -439,3 +439,43 @@ def test_a_refused_key_is_one_line_and_exit_2(standin, monkeypatch, capsys, n, k
             assert KEY not in printed and (key is None or key not in printed)
     rc = main(["bench", url, "--runs", "1", "--max-tokens", "8", "--concurrency", str(n), "--api-key", KEY, "-q"])
     assert rc == 0
+
+
+# ---- the one at_once (bench's streams and bench --agent's sessions) -----------------------------------
+
+def test_a_thread_that_cannot_start_ends_the_ones_started(monkeypatch):
+    """The third thread's start fails (as under a thread limit): the two started ones, waiting at the
+    barrier for it, are released by the abort and end; no call runs; the start's error is raised."""
+    made: list[threading.Thread] = []
+
+    class Failing(threading.Thread):
+        def start(self):
+            made.append(self)
+            if len(made) == 3:
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(bench_mod.threading, "Thread", Failing)
+    ran = []
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        bench_mod.at_once([lambda i=i: ran.append(i) for i in range(4)])
+    for t in made[:2]:
+        t.join(timeout=60)  # a safety net only: the abort ends them at once
+    assert len(made) == 3 and not any(t.is_alive() for t in made[:2]) and ran == []
+
+
+def test_at_once_returns_in_order_and_raises_the_refused_key_first():
+    release = threading.Barrier(3)  # every call waits for the others: they run at once or not at all
+
+    def call(i):
+        release.wait(timeout=60)
+        return i * 10
+
+    assert bench_mod.at_once([lambda i=i: call(i) for i in range(3)]) == [0, 10, 20]
+    from hybrid_build.core.errors import KeyRefused
+
+    def fails(e):
+        raise e
+
+    with pytest.raises(KeyRefused):
+        bench_mod.at_once([lambda: fails(RuntimeError("other")), lambda: fails(KeyRefused("key"))])

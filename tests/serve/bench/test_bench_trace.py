@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -206,7 +207,7 @@ MALFORMED = {
     "tools-not-list": (lambda t: _jsonl(t, {"id": "conv-1", "messages": conversation(1), "tools": SECRET}),
                        "field tools: is a string"),
     "vllm-not-array": (lambda t: (t / "v.json").write_text(f'[{{"id": "a", "messages": [{SECRET}') and t / "v.json",
-                       "v.json: not JSON"),
+                       "v.json: item 0: not JSON"),
     "vllm-id-number": (lambda t: (t / "v.json").write_text(json.dumps([{"id": 3, "messages": []}])) and t / "v.json",
                        "v.json: conversation #0 (item 0): field id: is a number"),
     "vllm-generator-config": (lambda t: (t / "v.json").write_text(json.dumps(
@@ -491,8 +492,15 @@ def test_the_soak_loops_and_counts_per_window(tmp_path, traces):
     assert [w["window"] for w in rows] == list(range(len(rows))) and len(rows) == 4
     assert not any(w["restarted"] or w["server_gone"] for w in rows)
     assert all(w["acceptance_length"] == 2.0 for w in rows if w["requests"] > w.get("errors", {}).get("http 500", 0))
-    table = soak_mod.soak_table(r)
-    assert table.count("\n") == len(rows) + 2 and "http 500" in table
+    # per window: the server's generated tokens per second of the window (its counter), the KV cache in use
+    assert all(w["decode_tok_s_from"] == "server" and w["kv_usage"] is not None for w in rows)
+    generated = [w["decode_tok_s"] * min(opts.window, r["wall_s"] - w["start_s"]) for w in rows]
+    assert sum(generated) == pytest.approx(4 * o["ok"])  # 4 tokens a turn that answered, none for a 500
+    assert [w["kv_usage"] for w in rows] == sorted(w["kv_usage"] for w in rows)  # the cache only grows
+    table = soak_mod.soak_table(r).splitlines()
+    assert len(table) == 2 + len(rows) + 3
+    assert table[-2] == f"failed: {r['failed_requests']} x http 500: simulated engine error"
+    assert table[-1].startswith("fit: 0 of 6 turns are longer than the server's max_model_len 2,048 takes")
     png = soak_mod.draw(r, tmp_path / "soak.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -591,3 +599,163 @@ def test_a_replay_against_a_gateway_without_a_model_list_is_one_line(hostile, tr
     rc = main(["bench", url + "/v1", "--trace", str(traces["vllm"])])
     err = capsys.readouterr().err
     assert rc == 3 and err.count("\n") == 1 and "answered no model list" in err
+
+
+# ---- why a request failed, and the turns that cannot fit ---------------------------------------------
+
+def _config(url: str, **knobs) -> None:
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(url[:-3] + "/standin/config", method="POST",
+                                                  data=json.dumps(knobs).encode())).read()
+
+
+def _prompt_tokens(trace_path: Path) -> list[tuple[str, int, int]]:
+    """(conversation, turn, prompt tokens) for every turn, by the stand-in's own tokenizer."""
+    from standin_server import chat_token_ids
+
+    return [(c.id, k, len(chat_token_ids({"messages": list(c.messages[:i])})))
+            for c in read_trace(trace_path).conversations for k, i in enumerate(c.assistant_turns, 1)]
+
+
+def test_turns_longer_than_max_model_len_are_said_before_the_replay_with_the_servers_reason(standin, traces,
+                                                                                        tmp_path, capsys):
+    limit, max_tokens = 28, 4
+    counts = _prompt_tokens(traces["openai"])
+    too_long = [t for t in counts if t[2] > limit - max_tokens]
+    assert 0 < len(too_long) < len(counts)  # the trace straddles the limit: a real check
+    rec = tmp_path / "rec.jsonl"
+    url = standin("--tokens", "4", "--max-model-len", str(limit), "--record", str(rec), "--first-delay", "0",
+                  "--token-delay", "0")
+    out = tmp_path / "r.json"
+    rc = main(["bench", url, "--trace", str(traces["openai"]), "--max-tokens", str(max_tokens), "--out", str(out)])
+    captured = capsys.readouterr()
+    longest = max(counts, key=lambda t: t[2])
+    note = (f"bench: fit: {len(too_long)} of {len(counts)} turns are longer than the server's max_model_len "
+            f"{limit:,} takes (prompt + {max_tokens} completion tokens, counted by its /tokenize); the longest prompt "
+            f"is {longest[2]} tokens ({longest[0]}, turn {longest[1]}); they will fail: --skip-too-long leaves them "
+            f"out")
+    assert rc == 1 and captured.err.splitlines()[0] == note, captured.err
+    report = json.loads(out.read_text())
+    assert report["fit"]["too_long"] == len(too_long) and report["fit"]["longest"]["tokens"] == longest[2]
+    # every refused turn failed with vLLM's own words, grouped: numbers as N, one concrete example
+    (group,) = report["overall"]["error_reasons"]
+    assert group["kind"] == "http 400" and group["count"] == len(too_long)
+    assert group["reason"].startswith("This model's maximum context length is N tokens. However, you requested N "
+                                      "output tokens and your prompt contains N input tokens")
+    assert group["example"].startswith(f"This model's maximum context length is {limit} tokens")
+    assert f"failed: {len(too_long)} x http 400: This model's maximum context length is N tokens" in captured.out
+    assert sum(1 for r in _recorded(rec) if r["answer"].get("error") == 400) == len(too_long)
+    # --skip-too-long: those turns are never sent, the rest are, and nothing fails
+    rec.unlink()
+    rc = main(["bench", url, "--trace", str(traces["openai"]), "--max-tokens", str(max_tokens), "--skip-too-long",
+               "--json", "-q"])
+    report = json.loads(capsys.readouterr().out)
+    sent = _recorded(rec)
+    assert rc == 0 and report["overall"]["errors"] == {} and report["fit"]["skipped"] == len(too_long)
+    assert len(sent) == len(counts) - len(too_long) and all(r["answer"]["prompt_tokens"] <= limit - max_tokens
+                                                            for r in sent)
+
+
+def test_a_server_without_tokenize_is_said_to_be_unchecked(standin, traces, capsys):
+    url = standin("--tokens", "3", "--control", "--first-delay", "0", "--token-delay", "0")
+    _config(url, tokenize=False)
+    assert main(["bench", url, "--trace", str(traces["vllm"]), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("bench: fit: not counted before the replay (the server counts no tokens: no ")
+    assert json.loads(captured.out)["fit"]["counted_by"] is None
+
+
+def test_a_servers_words_are_bounded_sanitized_and_never_quote_the_prompt(standin, traces, tmp_path, capsys):
+    url = standin("--tokens", "3", "--control", "--first-delay", "0", "--token-delay", "0")
+    for words, shown in (("\x1b]0;pwned\x07engine \x1b[31mfailed\x1b[0m\r\x08 on step 12: input_value={prompt}",
+                          "engine failed on step N ..."),
+                         ("echo: {prompt}", "(the server's words quote the request: not shown)")):
+        _config(url, fail_every=2, fail_message=words)
+        out = tmp_path / "r.json"
+        assert main(["bench", url, "--trace", str(traces["openai"]), "--out", str(out)]) == 1
+        captured = capsys.readouterr()
+        saved = out.read_text()
+        for text in (captured.out, captured.err, saved):
+            assert SECRET not in text and "\x1b" not in text and "\x07" not in text and "\x08" not in text
+        (group,) = json.loads(saved)["overall"]["error_reasons"]
+        assert group["kind"] == "http 500" and group["reason"] == shown, group
+        assert f"x http 500: {shown}" in captured.out
+
+
+def test_an_id_with_terminal_escapes_is_printed_without_them(standin, tmp_path, capsys):
+    evil = "conv\x1b[2J\x1b]0;owned\x07\r-1"
+    trace = tmp_path / "evil.jsonl"
+    trace.write_text(json.dumps({"id": evil, "messages": conversation(1) + [{"role": "user", "content": 7}]}) + "\n")
+    assert main(["bench", "http://127.0.0.1:9/v1", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    # the escapes gone, the carriage return a space (it would have let the line overwrite itself)
+    assert err == ("error: evil.jsonl: conversation conv -1 (line 1): field messages[9].content: is a number, "
+                   "expected a string, a list of parts or null\n"), repr(err)
+    # the same id in a line printed before a replay (the longest turn's conversation)
+    trace.write_text(json.dumps({"id": evil, "messages": conversation(1)}) + "\n")
+    url = standin("--tokens", "3", "--max-model-len", "30", "--first-delay", "0", "--token-delay", "0")
+    assert main(["bench", url, "--trace", str(trace), "--max-tokens", "4", "--skip-too-long"]) == 0
+    captured = capsys.readouterr()
+    assert "(conv -1, turn" in captured.err and not any(c in captured.out + captured.err for c in "\x1b\x07\r")
+
+
+# ---- every input ends -------------------------------------------------------------------------------
+
+CLI = [sys.executable, "-c", "import sys; from hybrid_build.pipeline.cli import main; sys.exit(main())"]
+
+
+def _cli(*argv, timeout: float = 120) -> subprocess.CompletedProcess:
+    """In a child with a time limit: a reader that waited on a FIFO would block it, not this test run."""
+    return subprocess.run(CLI + list(argv), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda t: "/dev/zero", "zero: a character device, not a regular file"),
+    (lambda t: (os.mkfifo(t / "pipe.jsonl"), t / "pipe.jsonl")[1], "pipe.jsonl: a FIFO, not a regular file"),
+    (lambda t: _sparse(t / "zeros.jsonl", 40 << 20), "zeros.jsonl: line 1 is longer than 33.55 MB; not read further"),
+    (lambda t: _deep(t / "deep.jsonl", '{"id": "a", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     "deep.jsonl: conversation on line 1: JSON nested deeper than 100 levels; not read"),
+    (lambda t: _deep(t / "deep.json", "[" + "[" * 100_000 + "]" * 100_000 + "]"),
+     "deep.json: item 0: JSON nested too deep to read; not read"),
+])
+def test_a_trace_that_never_ends_or_nests_without_end_is_one_line_exit_2(tmp_path, make, says):
+    path = make(tmp_path)
+    r = _cli("bench", "http://127.0.0.1:9/v1", "--trace", str(path))
+    assert r.returncode == 2 and r.stderr == f"error: {says}\n" and r.stdout == "", r.stderr
+
+
+def _sparse(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.write(b'{"id": "a", "messages": "')
+        f.truncate(size)  # then zeros without a line end, and no disk: a hole
+    return path
+
+
+def _deep(path: Path, text: str) -> Path:
+    path.write_text(text + "\n")
+    return path
+
+
+def test_a_sample_is_taken_while_reading_and_holds_only_itself(tmp_path, monkeypatch):
+    from hybrid_build.serve.bench import trace_formats
+
+    path = write_openai(tmp_path / "many.jsonl", 40)
+    held = []
+    offer = trace_formats.Sample.offer
+
+    def watched(self, item, nbytes=0):
+        offer(self, item, nbytes)
+        held.append(len(self.held))
+
+    monkeypatch.setattr(trace_formats.Sample, "offer", watched)
+    a = read_trace(path, 5, seed=1)
+    assert a.total == 40 and len(a.conversations) == 5 and max(held) == 5 and len(held) == 40
+    ids = [c.id for c in a.conversations]
+    assert ids == sorted(ids, key=lambda i: int(i.split("-")[1]))  # in the trace's order
+    assert [c.id for c in read_trace(path, 5, seed=1).conversations] == ids  # the same seed, the same sample
+    assert {tuple(c.id for c in read_trace(path, 5, seed=s).conversations) for s in range(2, 8)} - {tuple(ids)}
+    # without a sample size every conversation is replayed, up to MAX_HELD: more is one line
+    monkeypatch.setattr(trace_formats, "MAX_HELD", 30)
+    with pytest.raises(trace_formats.TraceError, match="40 conversations; more than 30 are not replayed whole"):
+        read_trace(path)

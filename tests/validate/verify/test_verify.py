@@ -368,11 +368,14 @@ def test_a_trickling_server_is_dropped_at_the_deadline(controlled, referenced_ar
     (["http://[::1"], "not a valid URL"),
     (["http://127.0.0.1:99999/v1"], "not a valid URL"),
     (["ftp://127.0.0.1:8000"], "not an http(s) URL"),
-    (["http://127.0.0.1:8000", "--timeout", "-5"], "--timeout -5: must be above 0"),
+    (["http://127.0.0.1:8000", "--timeout", "-5"], "--timeout -5: must be more than 0 and at most 2,592,000"),
     (["http://127.0.0.1:8000", "--timeout", "abc"], "--timeout abc: not a number"),
-    (["http://127.0.0.1:8000", "--timeout", "nan"], "--timeout nan: must be above 0"),
-    (["http://127.0.0.1:8000", "--concurrency", "1"], "--concurrency 1: must be at least 2"),
-    (["http://127.0.0.1:8000", "--logprob-tol", "0"], "--logprob-tol 0: must be above 0"),
+    (["http://127.0.0.1:8000", "--timeout", "nan"], "--timeout nan: not a finite number"),
+    (["http://127.0.0.1:8000", "--concurrency", "1"], "--concurrency 1: must be between 2 and 1,024"),
+    (["http://127.0.0.1:8000", "--concurrency", "1000000000"], "--concurrency 1000000000: must be between 2 and 1,024"),
+    (["http://127.0.0.1:8000", "--cache-tokens", "1e9"], "--cache-tokens 1e9: not a whole number"),
+    (["http://127.0.0.1:8000", "--logprob-tol", "0"], "--logprob-tol 0: must be more than 0 and at most 10"),
+    (["http://127.0.0.1:8000", "--logprob-tol", "1e308"], "--logprob-tol 1e308: must be more than 0 and at most 10"),
 ])
 def test_bad_input_is_one_line_and_exit_2_and_json_says_so(tmp_path, capsys, argv, says):
     from hybrid_build.pipeline.cli import main
