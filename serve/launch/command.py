@@ -69,6 +69,9 @@ def register(sub, common) -> None:
                    help="read the API key from FILE (one line; a file of yours, mode 0600)")
     p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
     p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
+    p.add_argument("--drafter-revision", metavar="REV",
+                   help="the Hub drafter's revision (commit, tag or branch) in place of the one the profile pins; "
+                        "serve names the revision it serves at start")
     p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
                                     "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder "
                                     "beside it")
@@ -78,7 +81,9 @@ def register(sub, common) -> None:
                         "serve prints before it starts, and it says when this profile's levers are predicted to "
                         "gain little there")
     p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
-    p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
+    p.add_argument("--log", type=Path, help="server log file (default: logs/serve-PROFILE-PORT.log in the user's state "
+                                            "folder, $XDG_STATE_HOME/hybrid-build, default ~/.local/state/...; "
+                                            "$HYBRID_BUILD_STATE_DIR names another; the path is printed at start)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
     p.add_argument("--no-verify", action="store_true",
                    help="do not check the server against the artifact's reference before calling it ready "
@@ -188,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
                        host=args.host,
                        hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
+                       drafter_rev=args.drafter_revision,
                        api_key=None if several else _api_key(args, args.host),  # several: for the head's address
                        vllm_version=version, bound=bound)
     if several:
@@ -210,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {plan.api_key.announce()}")
         return 0
     check_prerequisites(plan)
-    check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
+    log_path = _log_path(args, plan.profile, plan.port)
+    check_output_path(log_path, "--log", folder=False)
     version = _check_engine(args, plan, version)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
     memory = _memory(args, plan, version)
@@ -220,8 +227,17 @@ def run(args: argparse.Namespace) -> int:
     need = _check_memory(args, plan, version)  # an engine that does not fit: one line (exit 3), nothing started
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
-    log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
+    if not args.quiet:
+        print(f"log: {log_path}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return _serve_watched(args, plan, log_path, need, memory)
+
+
+def _log_path(args: argparse.Namespace, profile: str, port: int) -> Path:
+    """``--log``, else serve-PROFILE-PORT.log in the user's state folder (never the current folder:
+    a repository or a home would collect logs); one file per port, as one server holds a port."""
+    from hybrid_build.core.state_dir import state_dir
+
+    return args.log or state_dir() / "logs" / f"serve-{profile}-{port}.log"
 
 
 def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, memory) -> int:
@@ -480,7 +496,8 @@ def _check_engine(args: argparse.Namespace, plan, version: str | None = None) ->
 
     version = version or served_vllm_version(plan)
     notes = [n for n in plan.notes  # the profile's own
-             if n.startswith(("prefix caching (", "prefix cache: --prefix-match-unit", f"{plan.profile!r} profile: "))]
+             if n.startswith(("prefix caching (", "prefix cache: --prefix-match-unit", f"{plan.profile!r} profile: ",
+                              "drafter: "))]
     if plan.drafter is not None:
         drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
         target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
@@ -593,7 +610,10 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
     key = mplan.serve.api_key
     if key is not None and not (args.quiet or args.json):
         print(key.announce(), flush=True)
-    log_path = args.log or Path(f"hybrid-build-serve-{mplan.serve.profile}.log")
+    log_path = _log_path(args, mplan.serve.profile, mplan.serve.port)
+    check_output_path(log_path, "--log", folder=False)
+    if not (args.quiet or args.json):
+        print(f"log: {log_path}", flush=True)
     say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))
     try:
         cluster, info = bring_up(mplan, log_path.parent, log_path, join_timeout=args.join_timeout,
