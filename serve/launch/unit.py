@@ -9,8 +9,8 @@ The unit holds only what was meant: a newline or any other control character in 
 working folder or PATH is refused (a newline would end the line, and what follows it would be a
 directive of its own); everything else is written by systemd's own rules (systemd.syntax(7),
 systemd.service(7) "Command lines", systemd.unit(7) "Specifiers"): each ExecStart word in double
-quotes with ``\`` and ``"`` escaped, ``%`` doubled everywhere (specifiers), ``$`` doubled in ExecStart
-(variable expansion; Environment= expands none)."""
+quotes with backslashes and ``"`` escaped, ``%`` doubled everywhere (specifiers), ``$`` doubled in
+ExecStart (variable expansion; Environment= expands none)."""
 from __future__ import annotations
 
 import os
