@@ -281,7 +281,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, me
             except EngineEnded as e:
                 if restarts >= args.restart and not args.restart:
                     raise  # no restart asked for: the error line with the engine's last lines
-                ended = (f"the engine {exit_cause(e.code, log_path, start=server.log_from)} before READY"
+                ended = (f"the engine {exit_cause(e.code, log_path, start=server.log_from, when=' before READY')}"
                          if e.code is not None else f"the engine was not ready after {args.ready_timeout:g} s "
                                                     "(stopped it)")
                 fault = WatchEvent("exit", time.time(), ended)

@@ -137,15 +137,17 @@ def scrape(client, metrics_url: str) -> Progress | None:
 
 # ----------------------------------------------------------------------------- the engine
 
-def exit_cause(returncode: int, log_path: Path | None, lines: int = 200, start: int = 0) -> str:
-    """Why the engine ended: its status or signal, and the last error line it wrote to its log from
-    byte ``start`` on (this start's own lines; serve's event lines, which share the file, never)."""
+def exit_cause(returncode: int, log_path: Path | None, lines: int = 200, start: int = 0, when: str = "") -> str:
+    """Why the engine ended (``when``: words after its status, e.g. " before READY"): its status or
+    signal, and the last error line it wrote to its log from byte ``start`` on (this start's own
+    lines; serve's event lines, which share the file, never)."""
     from .serve_record import engine_lines
 
     killed = returncode < 0 and -returncode in signal.valid_signals()
     how = f"was killed by {signal.Signals(-returncode).name}" if killed else f"exited with status {returncode}"
     if returncode == -signal.SIGKILL:
         how += " (what the kernel's OOM killer sends)"
+    how += when
     last = None
     if log_path is not None:
         text = engine_lines(log_path, start)[-lines:]

@@ -644,15 +644,31 @@ class FakeNetwork:
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
 
+def fork_announced(what: str, new_session: bool = False) -> bool:
+    """Fork; the child (``True``) prints ``stand-in: WHAT pid N`` to the log before the parent goes
+    on, so that whoever reads the log after the parent's next step finds the line."""
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        if new_session:
+            os.setsid()
+        print(f"stand-in: {what} pid {os.getpid()}", flush=True)
+        os.write(w, b"1")
+        os.close(w)
+        return True
+    os.close(w)
+    os.read(r, 1)
+    os.close(r)
+    return False
+
+
 def die(how: str, server=None) -> None:
     """End the process as an engine dies: "exit0" prints vLLM's EngineDeadError line and exits 0
     (what vLLM's API server does after the engine core died, vLLM 48966); a signal name kills it;
     "heir" first forks a child in a session of its own that keeps the listening socket ``server``
     (as a forked worker inherits it) and goes on answering there, then exits 0."""
     if how == "heir":
-        if os.fork() == 0:
-            os.setsid()
-            print(f"stand-in: heir pid {os.getpid()} keeps the port", flush=True)
+        if fork_announced("heir", new_session=True):
             server.serve_forever()  # the only thread left after fork: the heir serves from here on
             os._exit(0)
         how = "exit0"
@@ -785,18 +801,16 @@ def main() -> int:
     completions = Completions(TokenModel(a.reference, a.side, a.corrupt), knobs, cache) if a.reference else None
     engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()), cache)
     api_key = os.environ.get("VLLM_API_KEY") or None
-    if a.worker and os.fork() == 0:
+    if a.worker and fork_announced("worker"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print(f"stand-in: worker pid {os.getpid()}", flush=True)
         while True:
             signal.pause()
     if a.squat:
         child = os.fork()
         if child == 0:
             os.setsid()
-            if os.fork():
+            if not fork_announced("squatter"):
                 os._exit(0)  # the daemon's parent ends: init adopts it, outside this engine's tree
-            print(f"stand-in: squatter pid {os.getpid()} serves the port", flush=True)
         else:
             os.waitpid(child, 0)
             print("stand-in: loading weights (never serves)", flush=True)
