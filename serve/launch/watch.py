@@ -4,12 +4,15 @@ Three faults end the watch, each reported in one line with its time:
 
 - **exit**: the engine's process ended, whatever its status. vLLM's API server exits 0 after an
   ``EngineDeadError`` (vLLM 48966), so a clean exit is a failure too; the cause is the last error
-  line of vLLM's log (``EngineDeadError``, a CUDA error, out of memory) or the signal that killed it
+  line this engine wrote to its log since it started (``EngineDeadError``, a CUDA error, out of
+  memory; serve's own event lines, which share the file, never count) or the signal that killed it
   (SIGKILL is what the kernel's OOM killer sends).
 - **stall**: requests are running (``vllm:num_requests_running`` on ``/metrics``) and neither the
   generated nor the prompt tokens counter has moved for ``stall_timeout_s``. ``/health`` checks
   process flags, not progress: a deadlocked engine keeps answering it (vLLM 39863, 37729). A
-  ``/metrics`` that stops answering counts as no progress too.
+  ``/metrics`` that stops answering counts as no progress too. Where ``/metrics`` did not answer at
+  READY (``blind_warning``: one line says so), a 1-token generation probe stands in for the
+  counters (``Prober``): none answered for ``stall_timeout_s`` is a stall.
 - **memory**: the host's ``MemAvailable`` (``/proc/meminfo``: on unified memory, a GB10, the figure
   the GPU draws from too) fell below the reserve. A GB10 out of memory freezes instead of raising an
   error (vLLM 46307), so the engine is stopped before that, naming the ``gpu_memory_utilization``
