@@ -547,6 +547,8 @@ def _serve_section(inp: CardInputs) -> list[str]:
     if spec.get("method") == "dflash" and spec.get("model") and not local:
         cfg = {"method": "dflash", "model": spec["model"],
                "num_speculative_tokens": spec.get("num_speculative_tokens", 12)}
+        if spec.get("revision"):  # the drafter commit the recipe's figures rest on
+            cfg["revision"] = spec["revision"]
         if spec.get("attention_backend"):
             cfg["attention_backend"] = spec["attention_backend"]
         args += ["--speculative-config", json.dumps(cfg, separators=(",", ":"))]

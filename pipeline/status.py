@@ -137,18 +137,16 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
 
 def _serving(out: Path) -> list[dict]:
     """The serve records, each with ``alive``: whether the serve that wrote it still runs (a record
-    left "ready" by a serve that was killed says so)."""
-    import os
-
-    from hybrid_build.serve.launch.serve_record import read_records
+    left "ready" by a serve that was killed says so), and ``orphan_engine``: the pid of an engine that
+    outlived its serve (the pid and its start time recorded, so another process that got the pid later
+    is not taken for it)."""
+    from hybrid_build.serve.launch.serve_record import alive, read_records
 
     records = read_records(out)
     for r in records:
-        try:
-            os.kill(int(r.get("serve_pid") or 0), 0)
-            r["alive"] = bool(r.get("serve_pid")) and r.get("state") != "stopped"
-        except (OSError, ValueError):
-            r["alive"] = False
+        r["alive"] = r.get("state") != "stopped" and alive(r.get("serve_pid"), r.get("serve_start"))
+        engine = r.get("engine_pid")
+        r["orphan_engine"] = engine if not r["alive"] and alive(engine, r.get("engine_start")) else None
     return records
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hybrid_build.core.limits import MAX_SPECULATIVE_TOKENS, MAX_STREAMS, MAX_TOKENS
 
@@ -18,6 +18,9 @@ from .serve_names import (  # noqa: F401  (the names' home; imported from here t
     SOURCE_PLACEHOLDER,
 )
 
+# a Hub revision as vLLM's SpeculativeConfig.revision takes it: a commit (or its prefix), a tag or a branch
+REVISION = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$"
+
 
 class DrafterSpec(BaseModel):
     """The speculative-decoding drafter: DFlash (a separate model) or the model's own MTP head."""
@@ -27,7 +30,11 @@ class DrafterSpec(BaseModel):
     method: Literal["dflash", "mtp"]
     model: str | None = Field(None, description="drafter Hub id or folder (dflash only); `{source}` stands for "
                                                 "the local source checkpoint's folder, e.g. `{source}-dflash`")
-    revision: str | None = None
+    # a Hub repository's main moves (the 122B drafter was retrained in June, with another acceptance):
+    # a Hub drafter names the commit its profile's figures rest on, or says `revision: null` outright
+    revision: str | None = Field(None, pattern=REVISION, description=(
+        "the drafter's Hub revision (a commit, tag or branch) the profile's figures rest on: required for a Hub "
+        "drafter; `null` serves the Hub's main, which moves (serve says so)"))
     num_speculative_tokens: int = Field(12, ge=1, le=MAX_SPECULATIVE_TOKENS)
     attention_backend: str | None = Field(
         "FLASH_ATTN", description="the DFlash drafter is non-causal: its backend must support that")
@@ -38,6 +45,22 @@ class DrafterSpec(BaseModel):
         if v and ("{" in v.replace(SOURCE_PLACEHOLDER, "") or "}" in v.replace(SOURCE_PLACEHOLDER, "")):
             raise ValueError(f"{v!r}: the only placeholder a drafter model may hold is {SOURCE_PLACEHOLDER}")
         return v
+
+    @model_validator(mode="after")
+    def _hub_drafter_pinned(self) -> DrafterSpec:
+        if self.method == "dflash" and is_hub_drafter(self.model) and "revision" not in self.model_fields_set:
+            raise ValueError(f"the DFlash drafter {self.model} names no revision: pin the commit the profile's "
+                             "figures rest on (revision: COMMIT), or write revision: null to serve the Hub's main, "
+                             "which moves")
+        return self
+
+
+def is_hub_drafter(model: str | None) -> bool:
+    """A drafter named by a Hub id (owner/name), not a folder (``{source}-dflash``, a path)."""
+    from hybrid_build.core.checkpoint import HUB_ID
+
+    return bool(model) and SOURCE_PLACEHOLDER not in model and not model.startswith((".", "/", "~")) \
+        and bool(HUB_ID.match(model))
 
 
 class ServeProfile(BaseModel):

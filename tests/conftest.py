@@ -37,6 +37,14 @@ def _isolated_hub(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _isolated_state(tmp_path_factory, monkeypatch):
+    """The user's state folder (``core.state_dir``: serve's logs, a generated key) under the test's
+    temp folder, never this user's own; a test that sets XDG_STATE_HOME itself still wins."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.getbasetemp() / "xdg_state"))
+    monkeypatch.delenv("HYBRID_BUILD_STATE_DIR", raising=False)
+
+
 def _builder_key() -> str:
     from hybrid_build.pipeline.generators import demo
 

@@ -55,6 +55,9 @@ def _render(data: dict) -> str:
         lines.append(f"  {r['report']:<14} {r['state']:<8} {r['reason']}" + (f"  [{files}]" if files else ""))
     for r in data.get("serving", []):
         state = r["state"] if r["alive"] or r["state"] == "stopped" else f"{r['state']}, but serve is gone"
+        if r.get("orphan_engine"):
+            state = (f"{r['state']}, but serve is gone and its engine (pid {r['orphan_engine']}) still runs, holding "
+                     f"the port and the memory (stop it: kill -TERM -{r['orphan_engine']})")
         line = (f"serve    {r['profile']}: {state}; {r['restarts']} restart(s) of {r['restart_limit']}"
                 f" (log {r['log']})")
         fault = r.get("last_fault")

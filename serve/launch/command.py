@@ -69,6 +69,9 @@ def register(sub, common) -> None:
                    help="read the API key from FILE (one line; a file of yours, mode 0600)")
     p.add_argument("--recipe", help="recipe name or YAML (default: the artifact's own)")
     p.add_argument("--drafter", help="DFlash drafter Hub id or folder (overrides the profile's)")
+    p.add_argument("--drafter-revision", metavar="REV",
+                   help="the Hub drafter's revision (commit, tag or branch) in place of the one the profile pins; "
+                        "serve names the revision it serves at start")
     p.add_argument("--source", help="source checkpoint (default: the one the artifact records): the dflash/base/mtp "
                                     "profiles serve it, and a recipe's `{source}-dflash` drafter is the folder "
                                     "beside it")
@@ -78,7 +81,9 @@ def register(sub, common) -> None:
                         "serve prints before it starts, and it says when this profile's levers are predicted to "
                         "gain little there")
     p.add_argument("--ready-timeout", type=SECONDS, default=1800, help="seconds to wait for READY (default 1800)")
-    p.add_argument("--log", type=Path, help="server log file (default: ./hybrid-build-serve-PROFILE.log)")
+    p.add_argument("--log", type=Path, help="server log file (default: logs/serve-PROFILE-PORT.log in the user's state "
+                                            "folder, $XDG_STATE_HOME/hybrid-build, default ~/.local/state/...; "
+                                            "$HYBRID_BUILD_STATE_DIR names another; the path is printed at start)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
     p.add_argument("--no-verify", action="store_true",
                    help="do not check the server against the artifact's reference before calling it ready "
@@ -188,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
                        host=args.host,
                        hardware=args.hardware, disable_fixes=args.disable_fix,
                        recipe=args.recipe, drafter=args.drafter, source=args.source, image=args.image,
+                       drafter_rev=args.drafter_revision,
                        api_key=None if several else _api_key(args, args.host),  # several: for the head's address
                        vllm_version=version, bound=bound)
     if several:
@@ -210,7 +216,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"# {plan.api_key.announce()}")
         return 0
     check_prerequisites(plan)
-    check_output_path(args.log or Path(f"hybrid-build-serve-{plan.profile}.log"), "--log", folder=False)
+    _check_port_free(plan)  # another server on the port: one line naming it (exit 3), nothing started
+    log_path = _log_path(args, plan.profile, plan.port)
+    check_output_path(log_path, "--log", folder=False)
     version = _check_engine(args, plan, version)  # a drafter this vLLM cannot run: one line, nothing started
     warn_if_untested(plan, version)  # an untested vLLM still runs: verify checks what it serves
     memory = _memory(args, plan, version)
@@ -220,20 +228,29 @@ def run(args: argparse.Namespace) -> int:
     need = _check_memory(args, plan, version)  # an engine that does not fit: one line (exit 3), nothing started
     if plan.api_key is not None and not (args.quiet or args.json):
         print(plan.api_key.announce(), flush=True)
-    log_path = args.log or Path(f"hybrid-build-serve-{plan.profile}.log")
+    if not args.quiet:
+        print(f"log: {log_path}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return _serve_watched(args, plan, log_path, need, memory)
+
+
+def _log_path(args: argparse.Namespace, profile: str, port: int) -> Path:
+    """``--log``, else serve-PROFILE-PORT.log in the user's state folder (never the current folder:
+    a repository or a home would collect logs); one file per port, as one server holds a port."""
+    from hybrid_build.core.state_dir import state_dir
+
+    return args.log or state_dir() / "logs" / f"serve-{profile}-{port}.log"
 
 
 def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, memory) -> int:
     """Start, prove (verify, smoke test), say READY, then watch (``watch``) until a fault; with
-    ``--restart N`` stop the engine, back off, wait for memory and start again, up to N times.
-    Every event is one line with its time, on stdout and in the serve log, and in the artifact's
-    serve record (``status``). A stop signal tears everything down, during a restart too."""
-    from hybrid_build.core.http_client import metrics_url
-
-    from .launcher import plan_key, smoke_test, start, wait_ready
+    ``--restart N`` stop the engine, back off, wait for memory and start again, up to N times: an
+    engine that dies (or is not ready in time) before READY spends a restart too. Every event is one
+    line with its time, on stdout and in the serve log, and in the artifact's serve record
+    (``status``). No restart is started while the port is still held after the engine ended. A stop
+    signal tears everything down, during a restart too."""
+    from .launcher import EngineEnded, start
     from .serve_record import ServeRecord
-    from .watch import WatchEvent, WatchLimits, stop_engine, wait_for_memory, watch
+    from .watch import WatchEvent, WatchLimits, exit_cause, wait_for_memory
 
     say = (lambda _m: None) if args.json else (lambda m: print(m, flush=True))
     limits = WatchLimits(poll_s=args.watch_interval, stall_timeout_s=args.stall_timeout,
@@ -243,6 +260,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, me
     server = None
     restarts = 0
     t_fault = time.monotonic()
+    warned: set[str] = set()  # the warnings said once, not at every restart
 
     def event(kind: str, detail: str) -> None:
         e = WatchEvent(kind, time.time(), detail)
@@ -252,56 +270,42 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, me
     try:
         while True:
             # a stop signal while vLLM starts waits until ``server`` names it, so ``finally`` stops it
-            log_from = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to
             with stop_signals_held():
-                server = start(plan, log_path)
+                server = start(plan, log_path, keeper_grace=limits.stop_grace_s)
+            record.engine(server.process.pid)
             if restarts:
                 event("restart", f"engine started again (pid {server.process.pid}), restart {restarts} of "
                                  f"{args.restart}")
-            bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s",
-                           bar_format="{desc}: {elapsed}")
-            ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t, bar=bar: bar.update(0),
-                                 poll=min(args.watch_interval, 1.0))
-            bar.close()
-            memory_json = _check_logged_pool(args, memory, log_path, log_from)
-            if restarts:
-                event("restart", f"engine up after {ready_s:.1f} s; verifying it again")
-            verified = _verify(args, plan, plan.base_url)
-            if restarts:
-                event("restart", f"verify {verified.get('outcome', '?')}")
-            answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
-                                                           api_key=plan_key(plan))
-            info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
-                    "smoke_answer": answer, "verify": verified, "memory": memory_json, "pid": server.process.pid,
-                    "log": str(log_path),
-                    "api_key": plan.api_key.to_json() if plan.api_key else None, "restarts": restarts}
-            record.ready(server.process.pid)  # before the line: whoever reads READY finds the record so
-            if args.json:
-                emit_json(info)
-            elif restarts:
-                event("ready", f"READY again after restart {restarts} of {args.restart} "
-                               f"({time.monotonic() - t_fault:.1f} s after the fault)")
-            else:
-                print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
-                if answer:
-                    print(f"smoke test: {answer[:80]!r}")
-                print("Ctrl-C stops the server.")
-            sys.stdout.flush()
-            fault = watch(server.process, metrics_url(plan.base_url), limits, log_path)
+            try:
+                fault = _until_fault(args, plan, server, record, memory, limits, restarts, t_fault, event, warned)
+            except EngineEnded as e:
+                if restarts >= args.restart and not args.restart:
+                    raise  # no restart asked for: the error line with the engine's last lines
+                ended = (f"the engine {exit_cause(e.code, log_path, start=server.log_from, when=' before READY')}"
+                         if e.code is not None else f"the engine was not ready after {args.ready_timeout:g} s "
+                                                    "(stopped it)")
+                fault = WatchEvent("exit", time.time(), ended)
             t_fault = time.monotonic()
-            how = stop_engine(server.process, limits.stop_grace_s)
-            detail = fault.detail if fault.kind == "exit" else f"{fault.detail}; engine {how}"
-            say(WatchEvent(fault.kind, fault.at, detail).line())
-            record.add(WatchEvent(fault.kind, fault.at, detail), log_path)
+            how = server.stop(limits.stop_grace_s)
             server = None
+            done = WatchEvent(fault.kind, fault.at, fault.detail if fault.kind == "exit" else
+                              f"{fault.detail}; engine {how}")
+            say(done.line())
+            record.add(done, log_path)
+            held = _port_held_after(plan, limits.stop_grace_s)
+            if held:
+                event("gave-up", f"port {plan.port} is still held by {held} after the engine ended: no restart "
+                                 "against it (stop that process, or choose another --port); serve exits 1")
+                return 1
             if restarts >= args.restart:
                 if args.restart:
-                    event("gave-up", f"{restarts} restarts used (--restart {args.restart}); serve exits 1")
+                    event("gave-up", f"{restarts} restarts used (--restart {args.restart}), 0 left; serve exits 1")
                 return 1
             restarts += 1
             backoff = min(args.restart_backoff * 2 ** (restarts - 1), 300.0)
-            event("restart", f"restart {restarts} of {args.restart} in {backoff:g} s; then waiting for "
-                             f"MemAvailable >= {_gb(need)} (at most {args.memory_wait:g} s)")
+            event("restart", f"restart {restarts} of {args.restart} ({args.restart - restarts} left after it) in "
+                             f"{backoff:g} s; then waiting for MemAvailable >= {_gb(need)} "
+                             f"(at most {args.memory_wait:g} s)")
             time.sleep(backoff)
             ok, seen = wait_for_memory(need, args.memory_wait, poll=min(args.watch_interval, 1.0))
             if not ok:
@@ -315,6 +319,114 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, me
         if server is not None:
             server.stop(limits.stop_grace_s)
         record.close()
+
+
+def _until_fault(args: argparse.Namespace, plan, server, record, memory, limits, restarts: int, t_fault: float,
+                 event, warned: set[str]):
+    """One engine from start to fault: READY (``/v1/models`` answers), bound to this engine (the
+    port's listening socket is held by its tree: ``listener``), verified, smoke-tested, bound again,
+    announced, then watched. Returns the fault (``WatchEvent``); raises ``launcher.EngineEnded`` for
+    an engine that ended or was not ready in time before READY, and any other error for what a
+    restart does not mend (another process answering on the port, numerics, a refused key)."""
+    from hybrid_build.core.http_client import metrics_url
+
+    from .launcher import plan_key, probe_generation, smoke_test, wait_ready
+    from .watch import blind_warning, watch
+
+    bar = progress(args.quiet, desc=f"starting vLLM ({plan.profile})", unit="s", bar_format="{desc}: {elapsed}")
+    try:
+        ready_s = wait_ready(server, args.ready_timeout, on_tick=lambda _t: bar.update(0),
+                             poll=min(args.watch_interval, 1.0))
+    finally:
+        bar.close()
+    _bind_to_engine(args, plan, server, warned)
+    memory_json = _check_logged_pool(args, memory, server.log_path, server.log_from)
+    if restarts:
+        event("restart", f"engine up after {ready_s:.1f} s; verifying it again")
+    verified = _verify(args, plan, plan.base_url)
+    if restarts:
+        event("restart", f"verify {verified.get('outcome', '?')}")
+    answer = None if args.no_smoke else smoke_test(plan.base_url, plan.model_name, expect=plan.smoke_expect,
+                                                   api_key=plan_key(plan))
+    _bind_to_engine(args, plan, server, warned)  # what was verified and is announced is still the engine's
+    blind = blind_warning(metrics_url(plan.base_url), limits)
+    if blind and "blind" not in warned:
+        warned.add("blind")
+        print(blind, file=sys.stderr, flush=True)
+    info = {"base_url": plan.base_url, "model": plan.model_name, "ready_s": round(ready_s, 1),
+            "smoke_answer": answer, "verify": verified, "memory": memory_json, "pid": server.process.pid,
+            "log": str(server.log_path), "stall_watch": "generation probe" if blind else "metrics",
+            "api_key": plan.api_key.to_json() if plan.api_key else None, "restarts": restarts}
+    record.ready(server.process.pid)  # before the line: whoever reads READY finds the record so
+    if args.json:
+        emit_json(info)
+    elif restarts:
+        event("ready", f"READY again after restart {restarts} of {args.restart} "
+                       f"({time.monotonic() - t_fault:.1f} s after the fault)")
+    else:
+        print(f"READY in {ready_s:.0f} s   base URL: {plan.base_url}   model: {plan.model_name}")
+        if answer:
+            print(f"smoke test: {answer[:80]!r}")
+        print("Ctrl-C stops the server.")
+    sys.stdout.flush()
+    probe = None
+    if blind:
+        key, stall = plan_key(plan), limits.stall_timeout_s
+
+        def probe() -> None:
+            probe_generation(plan.base_url, plan.model_name, key, timeout=stall + 5.0)
+    return watch(server.process, metrics_url(plan.base_url), limits, server.log_path, log_from=server.log_from,
+                 probe=probe)
+
+
+def _check_port_free(plan) -> None:
+    """Refuse, before the engine starts, a port another process listens on (``listener.taken_by``:
+    named where the system shows it). Exit 3: the command line is sound, this machine's state is
+    not (a service manager's later restart may find the port free)."""
+    from hybrid_build.core.errors import CannotRun
+
+    from .listener import taken_by
+
+    held = taken_by(plan.host, plan.port)
+    if held:
+        raise CannotRun(f"port {plan.port} is taken by {held}: the engine was not started (stop that process, or "
+                        "choose another --port)")
+
+
+def _bind_to_engine(args: argparse.Namespace, plan, server, warned: set[str]) -> None:
+    """The server answering on the port is the engine serve started: its tree holds every listening
+    socket a client of the port reaches (``listener.owner``). Another holder stops the engine and
+    raises (exit 3) before anything is verified or announced. Where the system cannot tell (no
+    ``/proc``; the docker engine, whose port docker's proxy holds), one warning, once."""
+    from hybrid_build.core.errors import CannotRun
+
+    from .listener import owner
+
+    got = owner(plan.port, plan.host, server.process.pid)
+    if got.ours is False and plan.engine == "docker" and ("docker-proxy" in got.holder or "cannot see" in got.holder):
+        got = type(got)(None, why=f"docker publishes the port ({got.holder})")
+    if got.ours is False:
+        server.stop(args.stop_grace)
+        raise CannotRun(f"port {plan.port} answers, but {got.holder} holds it, not the engine serve started (pid "
+                        f"{server.process.pid}, stopped): nothing was verified or announced (stop that process, or "
+                        "choose another --port)")
+    if got.ours is None and "owner" not in warned:
+        warned.add("owner")
+        print(f"warning: who answers on port {plan.port} cannot be told here ({got.why}); it was free when the "
+              "engine started", file=sys.stderr, flush=True)
+
+
+def _port_held_after(plan, wait: float, poll: float = 0.1) -> str | None:
+    """Who still holds the port once the engine ended (None: free), after up to ``wait`` seconds for
+    the last of its processes to close their sockets."""
+    from .listener import taken_by
+
+    deadline = time.monotonic() + wait
+    while True:
+        held = taken_by(plan.host, plan.port)
+        if held is None or time.monotonic() >= deadline:
+            return held
+        time.sleep(poll)
 
 
 def _print_unit(args: argparse.Namespace) -> int:
@@ -480,7 +592,8 @@ def _check_engine(args: argparse.Namespace, plan, version: str | None = None) ->
 
     version = version or served_vllm_version(plan)
     notes = [n for n in plan.notes  # the profile's own
-             if n.startswith(("prefix caching (", "prefix cache: --prefix-match-unit", f"{plan.profile!r} profile: "))]
+             if n.startswith(("prefix caching (", "prefix cache: --prefix-match-unit", f"{plan.profile!r} profile: ",
+                              "drafter: "))]
     if plan.drafter is not None:
         drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)
         target, _ = engine_check.read_config(plan.model) if Path(plan.model).is_dir() else (None, None)
@@ -593,7 +706,10 @@ def _run_nodes(args: argparse.Namespace, plan) -> int:
     key = mplan.serve.api_key
     if key is not None and not (args.quiet or args.json):
         print(key.announce(), flush=True)
-    log_path = args.log or Path(f"hybrid-build-serve-{mplan.serve.profile}.log")
+    log_path = _log_path(args, mplan.serve.profile, mplan.serve.port)
+    check_output_path(log_path, "--log", folder=False)
+    if not (args.quiet or args.json):
+        print(f"log: {log_path}", flush=True)
     say = (lambda _m: None) if args.quiet or args.json else (lambda m: print(m, flush=True))
     try:
         cluster, info = bring_up(mplan, log_path.parent, log_path, join_timeout=args.join_timeout,

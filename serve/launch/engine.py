@@ -49,15 +49,17 @@ class VllmServe:
     drafter: str | None = None   # --drafter or the resolved ``{source}`` folder; None: the profile's own
     revision: str | None = None  # the Hub commit a recorded Hub source is pinned to
     extra: tuple[str, ...] = ()  # after the profile's arguments (several nodes: their parallel flags)
+    drafter_revision: str | None = None  # the Hub drafter's revision (``drafter_revision``)
 
     def argv(self) -> list[str]:
         pin = ["--revision", self.revision] if self.revision else []
-        return vllm_args(self.profile, self.model, self.port, self.host, self.drafter) + pin + list(self.extra)
+        return (vllm_args(self.profile, self.model, self.port, self.host, self.drafter, self.drafter_revision)
+                + pin + list(self.extra))
 
     @property
     def drafter_model(self) -> str | None:
         """The DFlash drafter the argv loads (a folder or a Hub id), if any."""
-        spec = _speculative(self.profile, self.drafter)
+        spec = _speculative(self.profile, self.drafter, self.drafter_revision)
         return spec.get("model") if spec else None
 
 
@@ -138,8 +140,9 @@ def recipe_for_serving(artifact: str, recipe_arg: str | None, bound=None) -> tup
     return select_recipe(text, config.get("model_type", "")), config
 
 
-def _speculative(profile: ServeProfile, drafter: str | None) -> dict | None:
-    """The ``--speculative-config``; ``drafter`` replaces the profile's DFlash model (and its revision)."""
+def _speculative(profile: ServeProfile, drafter: str | None, revision: str | None = None) -> dict | None:
+    """The ``--speculative-config``; ``drafter`` replaces the profile's DFlash model, ``revision`` (vLLM's
+    ``SpeculativeConfig.revision``, in every tested version) is the one ``drafter_revision`` chose."""
     spec = profile.speculative
     if spec is None:
         return None
@@ -149,8 +152,8 @@ def _speculative(profile: ServeProfile, drafter: str | None) -> dict | None:
         if not model:
             raise UserError("this profile uses a DFlash drafter but names none: pass --drafter HUB_ID_OR_FOLDER")
         out["model"] = model
-        if spec.revision and not drafter:
-            out["revision"] = spec.revision
+        if revision:
+            out["revision"] = revision
     if spec.attention_backend:
         out["attention_backend"] = spec.attention_backend
     return out
@@ -215,7 +218,41 @@ def resolve_drafter(name: str, profile: ServeProfile, drafter: str | None, artif
     return str(path)
 
 
-def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: str | None) -> list[str]:
+def drafter_revision(name: str, profile: ServeProfile, drafter: str | None,
+                     given: str | None) -> tuple[str | None, str | None]:
+    """The DFlash drafter's Hub revision to serve and the line that names it: ``--drafter-revision``
+    (``given``), else the profile's pin for its own Hub drafter; a Hub drafter without one is served
+    at the Hub's main, which moves, and the line says so. A folder has no revision: ``given`` for one
+    (or for a profile without a DFlash drafter) is a UserError."""
+    import re
+
+    from hybrid_build.recipes.profiles import REVISION, is_hub_drafter
+
+    spec = profile.speculative
+    if spec is None or spec.method != "dflash":
+        if given:
+            raise UserError(f"--drafter-revision: the {name!r} profile has no DFlash drafter")
+        return None, None
+    model = drafter or spec.model or ""
+    hub = is_hub_drafter(model) and not Path(model).expanduser().exists()
+    if given:
+        if not hub:
+            raise UserError(f"--drafter-revision {given}: the drafter {model} is a folder; a revision names a commit "
+                            "of a Hub drafter")
+        if not re.fullmatch(REVISION, given):
+            raise UserError(f"--drafter-revision {given!r}: not a Hub revision (a commit, tag or branch name)")
+        return given, f"drafter: {model} at revision {given} (--drafter-revision)"
+    if not hub:
+        return None, None
+    if drafter is None and spec.revision:
+        return spec.revision, f"drafter: {model} at revision {spec.revision}, the {name!r} profile's pin"
+    whose = "--drafter names no revision" if drafter else f"the {name!r} profile pins none"
+    return None, (f"drafter: {model} at the Hub's main, which moves ({whose}): acceptance can differ from the "
+                  "profile's figures; --drafter-revision pins a commit")
+
+
+def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: str | None,
+              drafter_rev: str | None = None) -> list[str]:
     args = ["serve", model, "--served-model-name", profile.served_model_name, "--host", host, "--port", str(port),
             "--gpu-memory-utilization", f"{profile.gpu_memory_utilization:g}",
             "--max-model-len", str(profile.max_model_len), "--max-num-seqs", str(profile.max_num_seqs),
@@ -230,7 +267,7 @@ def vllm_args(profile: ServeProfile, model: str, port: int, host: str, drafter: 
         args += ["--enable-auto-tool-choice", "--tool-call-parser", profile.tool_call_parser]
     if profile.reasoning_parser:
         args += ["--reasoning-parser", profile.reasoning_parser]
-    spec = _speculative(profile, drafter)
+    spec = _speculative(profile, drafter, drafter_rev)
     if spec:
         args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     return args + list(profile.extra_args)
@@ -353,6 +390,7 @@ def _lever_note(artifact: Path, hardware: str | None) -> str | None:
 def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", port: int = 8000,
                 host: str = "127.0.0.1", recipe: str | None = None, drafter: str | None = None,
                 source: str | None = None, image: str = DOCKER_IMAGE, hardware: str | None = None,
+                drafter_rev: str | None = None,
                 disable_fixes: tuple[str, ...] | list[str] = (), api_key: ApiKey | None = None,
                 vllm_version: str | None = None, bound=None) -> LaunchPlan:
     """``hardware`` (a ``plan`` preset; default: the GPU ``nvidia-smi`` names, if it is one) is
@@ -363,7 +401,8 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     names the variable (``-e VLLM_API_KEY``) without its value. ``vllm_version``: the vLLM to be
     served, where known (the profile's ``prefix_match_unit`` is passed only where it was measured).
     ``bound``: the artifact serve opened and checked (``core.bound``), asked for its config and
-    provenance instead of reading them again."""
+    provenance instead of reading them again. ``drafter_rev``: ``--drafter-revision``, the Hub
+    drafter's revision in place of the profile's pin (``drafter_revision``)."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r} (choose from: {', '.join(ENGINES)})")
     off = fixes_off(disable_fixes)
@@ -375,7 +414,8 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     profile = profiles[name]
     model, revision = _served_model(artifact, config, profile, source, bound)
     drafter = resolve_drafter(name, profile, drafter, artifact, config, source, bound)
-    unit, unit_note = match_unit(profile, engine, vllm_version, drafter, off)
+    drafter_rev, drafter_note = drafter_revision(name, profile, drafter, drafter_rev)
+    unit, unit_note = match_unit(profile, engine, vllm_version, drafter, off, drafter_rev)
     asked_off = off  # what the user switched off (the note below); the unit's layout adds prefix_align
     if unit is not None:  # the stock layout: prefix_align's padding is what the unit makes unneeded
         off = off | {"prefix_align"}
@@ -396,7 +436,9 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         gain = _lever_note(Path(artifact), hardware or detect_hardware())
         if gain:
             notes.append(gain)
-    checked = _drafter_fields(profile, drafter)
+    checked = _drafter_fields(profile, drafter, drafter_rev)
+    if drafter_note:
+        notes.append(drafter_note)
     if profile.prefix_caching_note:
         notes.append(f"prefix caching ({name!r} profile): {profile.prefix_caching_note}")
     if profile.note:
@@ -405,7 +447,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
         notes.append(unit_note)
     local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
     vllm = VllmServe(profile, local_model, port, host, drafter, revision,
-                     extra=("--prefix-match-unit", str(unit)) if unit else ())
+                     extra=("--prefix-match-unit", str(unit)) if unit else (), drafter_revision=drafter_rev)
     if engine == "local":
         env.update(PLUGIN_ENV)
         return LaunchPlan(["vllm"] + vllm.argv(), env, profile.served_model_name, port, host, name, engine,
@@ -430,7 +472,7 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
 
 
 def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter: str | None,
-               off: frozenset[str]) -> tuple[int | None, str | None]:
+               off: frozenset[str], drafter_rev: str | None = None) -> tuple[int | None, str | None]:
     """The ``--prefix-match-unit`` to pass (None: prefix_align's layout stays), and a note saying why."""
     from hybrid_build.serve.runtime.fixes import base_version
 
@@ -451,7 +493,7 @@ def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter:
         return None, f"prefix cache: {keep}: the unit needs runtime fix dflash_keep_last_block, which is off"
     from .memory import drafter_config
 
-    cfg, _, basis = drafter_config(drafter or spec.model, spec.revision if not drafter else None)
+    cfg, _, basis = drafter_config(drafter or spec.model, drafter_rev)
     if not uses_match_unit(profile, v, cfg, off):
         why = ("SlidingWindowManager asserts on a partial (fine-grained) cache hit" if v == "0.26.0" else
                "KV-cache planning turns partial (fine-grained) hits off for it")
@@ -462,13 +504,13 @@ def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter:
                   "dflash_keep_last_block on)")
 
 
-def _drafter_fields(profile: ServeProfile, drafter: str | None) -> dict:
+def _drafter_fields(profile: ServeProfile, drafter: str | None, revision: str | None) -> dict:
     """The plan's drafter (``--drafter`` or the resolved ``{source}`` folder, else the profile's own
     Hub id) and whether its profile caches prefixes."""
     spec = profile.speculative
     if spec is None or spec.method != "dflash":
         return {"prefix_caching": profile.enable_prefix_caching}
-    return {"drafter": drafter or spec.model, "drafter_revision": None if drafter else spec.revision,
+    return {"drafter": drafter or spec.model, "drafter_revision": revision,
             "prefix_caching": profile.enable_prefix_caching}
 
 

@@ -103,11 +103,20 @@ def warn_if_untested(plan: LaunchPlan, version: str | None = None) -> str | None
     return line
 
 
-def tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+def tail(path: Path, lines: int = 30, start: int = 0) -> str:
+    """The last ``lines`` lines the engine wrote to its log from byte ``start`` on (this start's own),
+    without serve's event lines (``serve_record.SERVE_MARK``)."""
+    from .serve_record import engine_lines
+
+    return "\n".join(engine_lines(path, start)[-lines:])
+
+
+class EngineEnded(ExternalToolError):
+    """The engine ended (``code``; None: stopped after the ready timeout) before it was ready."""
+
+    def __init__(self, message: str, code: int | None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -115,23 +124,45 @@ class Server:
     process: subprocess.Popen
     plan: LaunchPlan
     log_path: Path
+    log_from: int = 0  # where this engine's lines begin in the log (it is appended to)
+    keeper: subprocess.Popen | None = None  # ends the engine's group if serve dies (``keeper``)
+    keeper_pipe: int | None = None
 
     def stop(self, grace: float = 10.0) -> str:
-        """SIGTERM to the server's process group, SIGKILL after ``grace`` seconds; says how it ended."""
+        """SIGTERM to the server's process group, SIGKILL after ``grace`` seconds (the group's last
+        members too, after its leader ended); says how it ended. Its keeper then leaves."""
+        from .keeper import stand_down
         from .watch import stop_engine
 
-        return stop_engine(self.process, grace)
+        how = stop_engine(self.process, grace, group=self.process.pid)
+        if self.keeper is not None and self.keeper_pipe is not None:
+            stand_down(self.keeper, self.keeper_pipe)
+            self.keeper = self.keeper_pipe = None
+        return how
 
 
-def start(plan: LaunchPlan, log_path: Path) -> Server:
+def start(plan: LaunchPlan, log_path: Path, keeper_grace: float = 10.0) -> Server:
+    """Start the plan's server in a session of its own (a stop reaches vLLM's engine core and workers
+    too: ``watch.stop_engine``), bound to this process: it gets SIGTERM when this process dies, and
+    a keeper (``keeper``) ends its whole group then, SIGKILL included, after ``keeper_grace``."""
+    from .keeper import die_with_parent
+    from .keeper import start as start_keeper
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_from = log_path.stat().st_size if log_path.exists() else 0
     out = open(log_path, "ab")
     env = {**os.environ, **plan.env, **plan.secret_env}  # the key last: it wins over an inherited one
-    # a session of its own: a stop reaches vLLM's engine core and workers too (``watch.stop_engine``)
-    proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent())
     out.close()
+    try:
+        keeper, pipe = start_keeper(proc.pid, keeper_grace)
+    except OSError as e:  # the engine still has its parent-death signal
+        log.warning("no keeper for the engine's process group (%s): if serve is killed, only vLLM's API server is "
+                    "told", e)
+        keeper, pipe = None, None
     log.info("started %s (pid %d), log %s", plan.argv[0], proc.pid, log_path)
-    return Server(proc, plan, log_path)
+    return Server(proc, plan, log_path, log_from, keeper, pipe)
 
 
 def wait_ready(server: Server, timeout: float, poll: float = 1.0,
@@ -143,8 +174,9 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
     while True:
         code = server.process.poll()
         if code is not None:
-            raise ExternalToolError(f"the server exited with code {code} before it was ready; last log lines:\n"
-                                    + tail(server.log_path))
+            server.stop()  # the rest of its group, and its keeper
+            raise EngineEnded(f"the server exited with code {code} before it was ready; last log lines:\n"
+                              + tail(server.log_path, start=server.log_from), code)
         try:
             http_json(url, timeout=min(5.0, poll * 5), api_key=key)
             return time.monotonic() - t0
@@ -158,9 +190,19 @@ def wait_ready(server: Server, timeout: float, poll: float = 1.0,
             on_tick(elapsed)
         if elapsed > timeout:
             server.stop()
-            raise ExternalToolError(f"the server was not ready after {timeout:.0f} s (stopped it); last log lines:\n"
-                                    + tail(server.log_path))
+            raise EngineEnded(f"the server was not ready after {timeout:.0f} s (stopped it); last log lines:\n"
+                              + tail(server.log_path, start=server.log_from), None)
         time.sleep(poll)
+
+
+def probe_generation(base_url: str, model: str, api_key: str | None, timeout: float) -> None:
+    """One token of a tiny chat completion, the stall watch's probe where ``/metrics`` is not served
+    (``watch.Prober``); raises unless the engine answered with a completion."""
+    r = http_json(base_url + "/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 1, "temperature": 0},
+        timeout=timeout, api_key=api_key)
+    if not isinstance(r, dict) or not isinstance(r.get("choices"), list) or not r["choices"]:
+        raise ExternalToolError(f"the probe got no completion: {json.dumps(r)[:200]}")
 
 
 def smoke_test(base_url: str, model: str, timeout: float = 120.0, expect: str | None = SMOKE_EXPECT,

@@ -14,6 +14,8 @@ from hybrid_build.core.artifact import SERVE_RECORD, WORK_DIR
 from hybrid_build.core.bounded_read import SMALL_JSON, InputRefused, read_json
 
 KEEP = 100  # the last events kept in the record (the log keeps them all)
+SERVE_MARK = "hybrid-build serve: "  # the start of serve's own lines in the serve log
+TAIL_BYTES = 1 << 20  # what is read of a log's end to find the engine's last lines
 
 
 @dataclass
@@ -25,7 +27,10 @@ class ServeRecord:
     def open(cls, artifact: str, profile: str, log_path: Path, restart_limit: int) -> ServeRecord:
         folder = Path(artifact).expanduser()
         path = folder / SERVE_RECORD.format(profile=profile) if (folder / WORK_DIR).is_dir() else None
-        rec = cls(path, {"profile": profile, "serve_pid": os.getpid(), "started_at": time.time(),
+        from .listener import start_ticks
+
+        rec = cls(path, {"profile": profile, "serve_pid": os.getpid(), "serve_start": start_ticks(os.getpid()),
+                         "started_at": time.time(),
                          "log": str(log_path), "restart_limit": restart_limit, "restarts": 0, "state": "starting",
                          "engine_pid": None, "events": []})
         rec._write()
@@ -42,9 +47,17 @@ class ServeRecord:
         if log_path is not None:
             try:
                 with open(log_path, "a") as f:
-                    f.write(f"hybrid-build serve: {event.line()}\n")
+                    f.write(f"{SERVE_MARK}{event.line()}\n")
             except OSError:
                 pass
+
+    def engine(self, pid: int) -> None:
+        """The engine serve just started: its pid and start time, so that ``status`` can tell an engine
+        that outlived its serve from another process that got the pid later."""
+        from .listener import start_ticks
+
+        self.data.update(engine_pid=pid, engine_start=start_ticks(pid))
+        self._write()
 
     def ready(self, engine_pid: int) -> None:
         self.data.update(state="ready", engine_pid=engine_pid, ready_at=time.time())
@@ -63,6 +76,37 @@ class ServeRecord:
             os.replace(tmp, self.path)
         except OSError:
             pass  # the record is for status; serving goes on without it
+
+
+def engine_lines(log_path: Path | None, start: int = 0) -> list[str]:
+    """The engine's own lines in the serve log from byte ``start`` on (its last ``TAIL_BYTES``): serve's
+    event lines, which share the file, left out."""
+    if log_path is None:
+        return []
+    try:
+        with open(log_path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(start, size - TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [ln for ln in text.splitlines() if not ln.startswith(SERVE_MARK)]
+
+
+def alive(pid: int | None, start: int | None) -> bool:
+    """Whether the process ``pid`` that started at ``start`` (clock ticks; None: not recorded) runs."""
+    from .listener import start_ticks
+
+    if not pid:
+        return False
+    if Path("/proc/self/stat").exists():
+        now = start_ticks(int(pid))
+        return now is not None and (start is None or now == start)
+    try:
+        os.kill(int(pid), 0)  # no /proc here: the pid alone
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def read_records(artifact: Path) -> list[dict]:

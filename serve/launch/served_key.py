@@ -12,7 +12,8 @@ reads it from a file of its own (0600, written from ssh's stdin, removed at tear
 A server that listens beyond loopback (``--host`` not a loopback address; the docker engine
 publishes the port where vLLM listens) needs a key: ``--api-key``, ``--api-key-file`` or
 ``$VLLM_API_KEY``, else one is generated (``secrets``) into a file only its owner can read, under
-the user's state folder (``$XDG_STATE_HOME/hybrid-build``, default ``~/.local/state/hybrid-build``),
+the user's state folder (``core.state_dir``: ``$XDG_STATE_HOME/hybrid-build``, default
+``~/.local/state/hybrid-build``),
 never in the artifact that ``publish`` uploads. It is kept and reused, so clients set up once
 keep working. On loopback without a key given, nothing changes: no key.
 """
@@ -28,9 +29,10 @@ from pathlib import Path
 from hybrid_build.core.api_key import CLIENT_ENV
 from hybrid_build.core.errors import UserError
 from hybrid_build.core.private_file import is_one_word, read_private, write_private
+from hybrid_build.core.state_dir import FOLDER as STATE_FOLDER  # noqa: F401  (named in serve's --help)
+from hybrid_build.core.state_dir import state_dir
 
 SERVER_ENV = "VLLM_API_KEY"  # what vLLM's OpenAI server reads
-STATE_FOLDER = "hybrid-build"  # under $XDG_STATE_HOME (default ~/.local/state)
 KEY_FILE = "serve-api-key"  # the generated key, in STATE_FOLDER
 
 
@@ -43,14 +45,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def state_dir() -> Path:
-    """``$XDG_STATE_HOME/hybrid-build`` (an absolute one only, as the XDG spec says), else
-    ``~/.local/state/hybrid-build``."""
-    xdg = os.environ.get("XDG_STATE_HOME", "")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
-    return base / STATE_FOLDER
 
 
 @dataclass(frozen=True)

@@ -204,17 +204,17 @@ def test_card_does_not_tell_readers_to_pip_install_hybrid_build(artifact):
     assert "not on PyPI" in body
 
 
-def _publish_drafter(artifact, drafter: str) -> None:
-    """The recipe copy's dense drafter set to ``drafter``, in the recipe file and the provenance alike
-    (as a build with that recipe would have recorded it)."""
+def _publish_drafter(artifact, drafter: str, revision: str | None = None) -> None:
+    """The recipe copy's dense drafter set to ``drafter`` (at ``revision``), in the recipe file and the
+    provenance alike (as a build with that recipe would have recorded it)."""
     recipe_path = artifact / "hybrid_build" / "recipe.yaml"
     recipe = yaml.safe_load(recipe_path.read_text())
-    recipe["serve"]["profiles"]["dense"]["speculative"]["model"] = drafter
+    recipe["serve"]["profiles"]["dense"]["speculative"].update(model=drafter, revision=revision)
     text = yaml.safe_dump(recipe, sort_keys=False)
     recipe_path.write_text(text)
 
     def change(prov):
-        prov["recipe"]["serve"]["profiles"]["dense"]["speculative"]["model"] = drafter
+        prov["recipe"]["serve"]["profiles"]["dense"]["speculative"].update(model=drafter, revision=revision)
         prov["files"]["hybrid_build/recipe.yaml"] = {"bytes": len(text.encode()),
                                                      "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
@@ -231,7 +231,7 @@ def test_the_cards_commands_run_as_printed_in_a_copy_of_the_repository(artifact,
 
     _, body = split_card(plan_publish(artifact, REPO).card_text)
     assert not [ln for ln in body.splitlines() if ln.startswith("hybrid-build serve")]
-    _publish_drafter(artifact, "z-lab/some-drafter")
+    _publish_drafter(artifact, "z-lab/some-drafter", revision="abc1234")
     _, body = split_card(plan_publish(artifact, REPO).card_text)
     line = next(ln for ln in body.splitlines() if ln.startswith("hybrid-build serve"))
     assert line == "hybrid-build serve . --profile dense"
@@ -247,6 +247,8 @@ def test_the_cards_commands_run_as_printed_in_a_copy_of_the_repository(artifact,
     served = plan["argv"][plan["argv"].index("--served-model-name") + 1]
     assert shlex.split(vllm_line)[:5] == ["vllm", "serve", ".", "--served-model-name", served]
     assert '"model":"z-lab/some-drafter"' in vllm_line
+    # the drafter commit the recipe pins, in serve's command and the card's plain one alike
+    assert '"revision":"abc1234"' in " ".join(plan["argv"]) and '"revision":"abc1234"' in vllm_line
 
 
 def test_a_local_drafter_is_not_put_into_the_plain_vllm_command(artifact):

@@ -39,10 +39,14 @@ bodies one byte every S seconds), ``--model NAME``. With ``--control`` the same 
 run time by ``POST /standin/config`` (a JSON object of ``Knobs.FIELDS``), so that one process serves
 many tests. Engine faults, at run time only: ``hold`` (streaming requests stop after their first
 token: ``vllm:num_requests_running`` counts them, the token counters freeze, ``/health`` stays 200),
-``die`` (``exit0``: vLLM's EngineDeadError line, then status 0; or a signal name), ``ignore_term``
-(SIGTERM does nothing). Streams are chunked, as vLLM's are: a stand-in that dies mid-answer leaves
-its client an incomplete body. Whether a request has company is known without timing (``StandinHTTPServer``). Reading
-the reference needs torch and safetensors (the project's venv); the rest is stdlib.
+``die`` (``exit0``: vLLM's EngineDeadError line, then status 0; ``heir``: the same, leaving a forked
+child in its own session that keeps the listening socket and answers; or a signal name),
+``ignore_term`` (SIGTERM does nothing); held requests, streaming or not, get no token. At start,
+``--squat`` plays a server serve did not start (a daemon serves the port, the engine never does) and
+``--worker`` forks a process-group member that ignores SIGTERM. Streams are chunked, as vLLM's are:
+a stand-in that dies mid-answer leaves its client an incomplete body. Whether a request has company
+is known without timing (``StandinHTTPServer``). Reading the reference needs torch and safetensors
+(the project's venv); the rest is stdlib.
 
 Chat completions stream as vLLM's do: the running ``usage`` in every chunk where the request asks
 for ``continuous_usage_stats``, a finish chunk, then ``usage`` with ``prompt_tokens_details.
@@ -375,8 +379,8 @@ class Knobs:
             raise ValueError(f"fault {self.fault!r}: one of {FAULTS}")
         if self.cache_fault is not None and self.cache_fault not in CACHE_FAULTS:
             raise ValueError(f"cache_fault {self.cache_fault!r}: one of {CACHE_FAULTS}")
-        if self.die is not None and self.die != "exit0" and not self.die.startswith("SIG"):
-            raise ValueError(f"die {self.die!r}: exit0 or a signal name")
+        if self.die is not None and self.die not in ("exit0", "heir") and not self.die.startswith("SIG"):
+            raise ValueError(f"die {self.die!r}: exit0, heir or a signal name")
         if self.hold:
             self.held.clear()
         else:
@@ -652,9 +656,34 @@ class FakeNetwork:
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
 
-def die(how: str) -> None:
+def fork_announced(what: str, new_session: bool = False) -> bool:
+    """Fork; the child (``True``) prints ``stand-in: WHAT pid N`` to the log before the parent goes
+    on, so that whoever reads the log after the parent's next step finds the line."""
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        if new_session:
+            os.setsid()
+        print(f"stand-in: {what} pid {os.getpid()}", flush=True)
+        os.write(w, b"1")
+        os.close(w)
+        return True
+    os.close(w)
+    os.read(r, 1)
+    os.close(r)
+    return False
+
+
+def die(how: str, server=None) -> None:
     """End the process as an engine dies: "exit0" prints vLLM's EngineDeadError line and exits 0
-    (what vLLM's API server does after the engine core died, vLLM 48966); a signal name kills it."""
+    (what vLLM's API server does after the engine core died, vLLM 48966); a signal name kills it;
+    "heir" first forks a child in a session of its own that keeps the listening socket ``server``
+    (as a forked worker inherits it) and goes on answering there, then exits 0."""
+    if how == "heir":
+        if fork_announced("heir", new_session=True):
+            server.serve_forever()  # the only thread left after fork: the heir serves from here on
+            os._exit(0)
+        how = "exit0"
     if how == "exit0":
         print("ERROR [async_llm.py] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
               "See stack trace (above) for the root cause.", flush=True)
@@ -770,6 +799,10 @@ def main() -> int:
                     "every S seconds")
     ap.add_argument("--control", action="store_true", help="POST /standin/config sets the knobs at run time")
     ap.add_argument("--record", metavar="PATH", help="append every chat request and its answer to PATH (JSON lines)")
+    ap.add_argument("--squat", action="store_true", help="a server serve did not start: fork a daemon (its own "
+                    "session, its parent gone) that serves the port, then wait without serving")
+    ap.add_argument("--worker", action="store_true", help="fork a worker in this process group that ignores "
+                    "SIGTERM and lives until killed (an engine core stuck in a CUDA call)")
     ap.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
                     help="log the KV pool as vLLM's engine core does at start (\"GPU KV cache size: N tokens\")")
     a = ap.parse_args()
@@ -781,6 +814,21 @@ def main() -> int:
     engine = Engine(a.model, a.spec_tokens, tuple(int(x) for x in a.accepted.split(",") if x.strip()), cache)
     engine.pool_tokens = a.kv_pool_tokens or engine.pool_tokens
     api_key = os.environ.get("VLLM_API_KEY") or None
+    if a.worker and fork_announced("worker"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            signal.pause()
+    if a.squat:
+        child = os.fork()
+        if child == 0:
+            os.setsid()
+            if not fork_announced("squatter"):
+                os._exit(0)  # the daemon's parent ends: init adopts it, outside this engine's tree
+        else:
+            os.waitpid(child, 0)
+            print("stand-in: loading weights (never serves)", flush=True)
+            while True:
+                signal.pause()
     print("stand-in: loading weights", flush=True)
     if a.kv_pool_tokens is not None:  # vLLM 0.26.0's words (kv_cache_utils.py), before the server answers
         print(f"(EngineCore pid={os.getpid()}) INFO {time.strftime('%m-%d %H:%M:%S')} [kv_cache_utils.py:2177] "
@@ -875,7 +923,7 @@ def main() -> int:
                 self._json(200, {k: v for k, v in knobs.to_json().items()})
                 self.wfile.flush()
                 if knobs.die:
-                    die(knobs.die)
+                    die(knobs.die, self.server)
                 return
             if self.path == "/tokenize" and knobs.tokenize:  # vLLM's, at the root: a chat request's prompt tokens
                 if req.get("model") not in (None, knobs.model):
@@ -894,6 +942,7 @@ def main() -> int:
                 code, body = completions.answer(req, self.server.has_company())
                 return self._json(code, body, knobs.trickle)
             if not req.get("stream"):
+                knobs.held.wait()  # a held engine answers nothing, however small the request
                 message = {"role": "assistant", "content": a.answer}
                 return self._json(200, {"choices": [{"index": 0, "message": message}],
                                         "usage": {"completion_tokens": 2}})

@@ -47,8 +47,8 @@ def test_a_signal_while_vllm_starts_still_stops_it(tiny_artifact, serve_env, mon
     started = []
     real_start = launcher.start
 
-    def start_then_signal(plan, log_path):
-        server = real_start(plan, log_path)
+    def start_then_signal(plan, log_path, **kw):
+        server = real_start(plan, log_path, **kw)
         started.append(server)
         os.kill(os.getpid(), sig)  # delivered to Python's handler at the next bytecode
         return server
