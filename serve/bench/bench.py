@@ -54,7 +54,6 @@ exit 3.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import operator
