@@ -142,11 +142,15 @@ def gpu_recipe(out: Path, caching: bool, max_model_len: int, kv_bytes: int) -> P
     return path
 
 
+# the config-only target each profile serves (floor_configs.py): the hybrid for dense, the source for dflash
+TARGETS = {"dense": "L48-dense", "dflash": "L48-base"}
+
+
 def serve_command(case: Case, floor: Path, recipe: Path, port: int, ready_timeout: float, log: Path) -> list[str]:
-    artifact = floor / ("L48-dense" if case.profile == "dense" else "L48-base")
+    artifact = floor / TARGETS[case.profile]
     return ["hybrid-build", "serve", str(artifact), "--profile", case.profile, "--recipe", str(recipe),
             "--drafter", str(floor / f"drafter-{case.shape}"), "--port", str(port), "--no-smoke", "--no-verify",
-            "--ready-timeout", str(int(ready_timeout)), "--log", str(log), "--json", "--force"]
+            "--ready-timeout", str(int(ready_timeout)), "--log", str(log), "--json"]
 
 
 EXCEPTION_LINE = re.compile(r"\b([A-Za-z_][A-Za-z0-9_.]*(?:Error|Exception))\b:?(.*)$")
@@ -307,7 +311,10 @@ def cut_experts(src: Path, out: Path, experts: int) -> list[Path]:
     for name in ("L48-dense", "L48-base", "drafter-mixed", "drafter-full6"):
         if not (src / name).is_dir():
             continue
-        shutil.copytree(src / name, out / name, dirs_exist_ok=True)
+        # a floor made before config-only targets stopped holding a `hybrid_build/` folder: left out
+        # (serve refuses a folder holding one without a provenance, as a build that did not finish)
+        shutil.rmtree(out / name, ignore_errors=True)
+        shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("hybrid_build"))
         if name.startswith("L48-"):
             cfg = json.loads((out / name / "config.json").read_text())
             cfg.get("text_config", cfg)["num_experts"] = experts
