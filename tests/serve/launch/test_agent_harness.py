@@ -231,3 +231,15 @@ def test_first_error_is_the_exception_line():
 def test_prefixes_never_share_a_block_by_chance():
     a, b = agent_steps.token_ids(65536, 1), agent_steps.token_ids(65536, 2)
     assert all(150 <= t < 3950 for t in a) and a[:16] != b[:16]
+
+
+def test_cache_fault_finds_the_cache_block_in_each_kv_layout():
+    """The cache-hit fault (``cache_fault.py``) overwrites whole cache blocks: in vLLM's K/V view the
+    block dimension counts kernel blocks, ``r`` to a cache block, followed by their tokens (FlashAttention:
+    2, blocks, tokens, heads, dim) or by the K/V pair first (blocks, 2, tokens, heads, dim)."""
+    import cache_fault
+
+    assert cache_fault.block_dim((2, 100, 48, 2, 64), 100, 48) == (1, 1)
+    assert cache_fault.block_dim((2, 300, 16, 2, 64), 100, 48) == (1, 3)   # 48-token blocks in 16-token kernel blocks
+    assert cache_fault.block_dim((300, 2, 16, 2, 64), 100, 48) == (0, 3)
+    assert cache_fault.block_dim((2, 100, 32, 2, 64), 100, 48) is None     # no dimension makes a 48-token block
