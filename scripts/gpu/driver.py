@@ -590,10 +590,12 @@ def gpu_recipe(artifact: Path, work: Path) -> Path:
 
 def serve_command(hb: Path, src: Path, recipe: Path, profile: str, port: int, ready_timeout: float, log: Path,
                   drafter: Path | None = None) -> list[str]:
-    """``hybrid-build serve`` of the tiny artifact with one profile (no smoke test: random weights)."""
+    """``hybrid-build serve`` of the tiny artifact with one profile (no smoke test: random weights).
+    ``--force``: the artifact was built here and carried, so there it is a download nobody validated,
+    which serve refuses otherwise; verify still runs before READY."""
     cmd = ["hybrid-build", "serve", str(hb / "inc"), "--profile", profile, "--recipe", str(recipe),
            "--port", str(port), "--source", str(src), "--no-smoke", "--ready-timeout", str(int(ready_timeout)),
-           "--log", str(log), "--json"]
+           "--log", str(log), "--json", "--force"]
     return cmd + (["--drafter", str(drafter)] if drafter else [])
 
 

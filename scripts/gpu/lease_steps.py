@@ -320,13 +320,14 @@ def down(work: Path, out: Path, record) -> None:
 
 def cache_fault(out: Path, hb: Path, src: Path, recipe: Path, record, left, serve_command, serve_verified) -> None:
     """The tiny artifact's base profile (prefix caching on; verify's cache path hits there), served
-    twice with verify before READY: as it is (must pass) and with every cached block a hit resumes
-    from overwritten by noise (``cache_fault.py``: must fail, before READY)."""
+    twice with verify before READY: with every cached block a hit resumes from overwritten by noise
+    (``cache_fault.py``: must fail, before READY), then as it is (must pass). The faulty one first:
+    it is the proof, and a lease may have time for one start only."""
     import cache_fault as cf
 
     where = cf.install()
     try:
-        for i, (key, fault) in enumerate((("cachefault_control", False), ("cachefault_broken", True))):
+        for i, (key, fault) in enumerate((("cachefault_broken", True), ("cachefault_control", False))):
             if left() < 90:
                 record(out, key, {"skipped": f"no time left ({left():.0f} s)"})
                 continue
