@@ -116,10 +116,11 @@ def write_drafters(out: Path) -> list[Path]:
     return written
 
 
-def gpu_recipe(out: Path, caching: bool, max_model_len: int, kv_bytes: int) -> Path:
+def gpu_recipe(out: Path, caching: bool, max_model_len: int, kv_bytes: int, eager: bool = True) -> Path:
     """The shipped 122B recipe with its profiles set for config-only checkpoints: dummy weights,
-    eager, no image inputs, a fixed KV-cache size, the context the TTFT step needs, prefix
-    caching as the case says, and no smoke answer to expect."""
+    eager (or, ``eager=False``, the profiles' own compile and CUDA-graph mode), no image inputs, a
+    fixed KV-cache size, the context the TTFT step needs, prefix caching as the case says, and no
+    smoke answer to expect."""
     import yaml
 
     from hybrid_build.recipes.schema import load_recipe
@@ -128,8 +129,8 @@ def gpu_recipe(out: Path, caching: bool, max_model_len: int, kv_bytes: int) -> P
     for prof in rec["serve"]["profiles"].values():
         # kv_bytes 0: the profile's own gpu_memory_utilization sizes the pool (what `plan` predicts)
         prof.update(load_format="dummy", max_model_len=max_model_len, enable_prefix_caching=caching)
-        prof["extra_args"] = list(prof.get("extra_args") or []) + [
-            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0}),
+        prof["extra_args"] = list(prof.get("extra_args") or []) + (["--enforce-eager"] if eager else []) + [
+            "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0}),
             # the GPU image has no flashinfer, which vLLM 0.26.0 picks for the GDN prefill on sm90
             # (the engine failed its warm-up with ModuleNotFoundError there)
             "--gdn-prefill-backend", "triton"]
@@ -137,16 +138,20 @@ def gpu_recipe(out: Path, caching: bool, max_model_len: int, kv_bytes: int) -> P
             prof["gpu_memory_utilization"] = 0.9
             prof["extra_args"] += ["--kv-cache-memory-bytes", str(kv_bytes)]
     rec["serve"]["smoke_expect"] = None
-    path = out / f"agent-recipe-{'on' if caching else 'off'}.yaml"
+    path = out / f"agent-recipe-{'on' if caching else 'off'}{'' if eager else '-graphs'}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     return path
 
 
+# the config-only target each profile serves (floor_configs.py): the hybrid for dense, the source for dflash
+TARGETS = {"dense": "L48-dense", "dflash": "L48-base"}
+
+
 def serve_command(case: Case, floor: Path, recipe: Path, port: int, ready_timeout: float, log: Path) -> list[str]:
-    artifact = floor / ("L48-dense" if case.profile == "dense" else "L48-base")
+    artifact = floor / TARGETS[case.profile]
     return ["hybrid-build", "serve", str(artifact), "--profile", case.profile, "--recipe", str(recipe),
             "--drafter", str(floor / f"drafter-{case.shape}"), "--port", str(port), "--no-smoke", "--no-verify",
-            "--ready-timeout", str(int(ready_timeout)), "--log", str(log), "--json", "--force"]
+            "--ready-timeout", str(int(ready_timeout)), "--log", str(log), "--json"]
 
 
 EXCEPTION_LINE = re.compile(r"\b([A-Za-z_][A-Za-z0-9_.]*(?:Error|Exception))\b:?(.*)$")
@@ -179,14 +184,38 @@ def cache_counters(port: int) -> dict[str, float]:
     return out
 
 
-def timed_prompt(port: int, ids: list[int]) -> tuple[float, float]:
-    """Seconds to the one generated token, and the prefix-cache hit tokens of that request."""
-    before = cache_counters(port)
+# vLLM's per-request histograms (v1/metrics/loggers.py): their _sum moves by one request's seconds
+# when requests run one at a time, which splits a TTFT into the server's phases
+PHASES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+          "ttft_server": "vllm:time_to_first_token_seconds", "e2e_server": "vllm:e2e_request_latency_seconds"}
+
+
+def metric_sums(port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """The named counters (``_total``) and histogram sums (``_sum``), summed over their labels."""
+    out = dict.fromkeys(names, 0.0)
+    for line in str(http(f"http://127.0.0.1:{port}/metrics", timeout=30)).splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for n in names:
+            if name in (n, f"{n}_total", f"{n}_sum"):
+                out[n] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def timed_prompt(port: int, ids: list[int], phases: dict | None = None) -> tuple[float, float]:
+    """Seconds to the one generated token, and the prefix-cache hit tokens of that request; with
+    ``phases`` (a dict), the server's queue / prefill / TTFT / end-to-end seconds of it are put there."""
+    names = tuple(PHASES.values()) if phases is not None else ()
+    before = cache_counters(port), metric_sums(port, names) if names else {}
     t = time.perf_counter()
     http(f"http://127.0.0.1:{port}/v1/completions",
          {"model": "qwen", "prompt": ids, "max_tokens": 1, "temperature": 0})
     dt = time.perf_counter() - t
-    return dt, cache_counters(port)["hits"] - before["hits"]
+    if names:
+        after = metric_sums(port, names)
+        phases.update({k: round(after[n] - before[1][n], 4) for k, n in PHASES.items()})
+    return dt, cache_counters(port)["hits"] - before[0]["hits"]
 
 
 def token_ids(n: int, seed: int) -> list[int]:
@@ -194,18 +223,27 @@ def token_ids(n: int, seed: int) -> list[int]:
     return [(seed * 7919 + 37 * i + (i * i) % 101) % 3800 + 150 for i in range(n)]
 
 
-def ttft(port: int, contexts: list[int], runs: int, seed0: int = 1) -> dict:
+def ttft(port: int, contexts: list[int], runs: int, seed0: int = 1, phases: bool = False) -> dict:
+    """Cold / warm TTFT per context (module docstring); ``phases``: each request's server-side phases
+    too, and first a short cold prompt (``SUFFIX`` tokens), the time any request takes here."""
     out: dict = {}
     seed = seed0
+    if phases:
+        floor: dict = {}
+        t, _ = timed_prompt(port, token_ids(SUFFIX, 99_000 + seed0), floor)
+        out["floor"] = {"prompt_tokens": SUFFIX, "s": round(t, 4), "phases": floor}
     for ctx in contexts:
         rows = []
         for _ in range(runs):
             prefix = token_ids(ctx, seed)
             seed += 1
-            cold, cold_hit = timed_prompt(port, prefix + token_ids(SUFFIX, 10_000 + seed))
-            warm, warm_hit = timed_prompt(port, prefix + token_ids(SUFFIX, 20_000 + seed))
+            cold_ph: dict | None = {} if phases else None
+            warm_ph: dict | None = {} if phases else None
+            cold, cold_hit = timed_prompt(port, prefix + token_ids(SUFFIX, 10_000 + seed), cold_ph)
+            warm, warm_hit = timed_prompt(port, prefix + token_ids(SUFFIX, 20_000 + seed), warm_ph)
             rows.append({"cold_s": round(cold, 4), "warm_s": round(warm, 4), "cold_hit_tokens": cold_hit,
-                         "warm_hit_tokens": warm_hit})
+                         "warm_hit_tokens": warm_hit} | ({"cold_phases": cold_ph, "warm_phases": warm_ph}
+                                                        if phases else {}))
         cold_m = statistics.median(r["cold_s"] for r in rows)
         warm_m = statistics.median(r["warm_s"] for r in rows)
         out[str(ctx)] = {"prompt_tokens": ctx + SUFFIX, "runs": rows, "cold_s": round(cold_m, 4),
@@ -307,7 +345,10 @@ def cut_experts(src: Path, out: Path, experts: int) -> list[Path]:
     for name in ("L48-dense", "L48-base", "drafter-mixed", "drafter-full6"):
         if not (src / name).is_dir():
             continue
-        shutil.copytree(src / name, out / name, dirs_exist_ok=True)
+        # a floor made before config-only targets stopped holding a `hybrid_build/` folder: left out
+        # (serve refuses a folder holding one without a provenance, as a build that did not finish)
+        shutil.rmtree(out / name, ignore_errors=True)
+        shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("hybrid_build"))
         if name.startswith("L48-"):
             cfg = json.loads((out / name / "config.json").read_text())
             cfg.get("text_config", cfg)["num_experts"] = experts

@@ -590,10 +590,12 @@ def gpu_recipe(artifact: Path, work: Path) -> Path:
 
 def serve_command(hb: Path, src: Path, recipe: Path, profile: str, port: int, ready_timeout: float, log: Path,
                   drafter: Path | None = None) -> list[str]:
-    """``hybrid-build serve`` of the tiny artifact with one profile (no smoke test: random weights)."""
+    """``hybrid-build serve`` of the tiny artifact with one profile (no smoke test: random weights).
+    ``--force``: the artifact was built here and carried, so there it is a download nobody validated,
+    which serve refuses otherwise; verify still runs before READY."""
     cmd = ["hybrid-build", "serve", str(hb / "inc"), "--profile", profile, "--recipe", str(recipe),
            "--port", str(port), "--source", str(src), "--no-smoke", "--ready-timeout", str(int(ready_timeout)),
-           "--log", str(log), "--json"]
+           "--log", str(log), "--json", "--force"]
     return cmd + (["--drafter", str(drafter)] if drafter else [])
 
 
@@ -1041,6 +1043,48 @@ def ab_stop(out: Path, work: Path) -> None:
 # ------------------------------------------------------------------------------ main
 
 
+LEASE_STEPS = ("up", "wait", "warm_ttft", "accept", "agent_trace", "kill", "rewait", "down", "cachefault")
+
+
+def lease(a, steps: list[str], left, recipe: Path) -> None:
+    """The lease's steps in the order given (lease_steps.py); those that need the server skip
+    (recorded) while it is not READY."""
+    import agent_steps
+    import lease_steps as ls
+
+    def ready() -> bool:
+        st = ls._state(a.work)
+        return bool(st and st.get("base_url") and "killed_at" not in st)
+
+    for s in steps:
+        needs = s in ("warm_ttft", "accept", "agent_trace", "kill")
+        if needs and not ready():
+            record(a.out, s, {"skipped": "no READY server"})
+            continue
+        try:
+            if s == "up":
+                ls.up(a.agent_cases[0], a.floor, a.work, a.out, record, a.graphs, a.agent_kv_bytes, a.contexts,
+                      left(30))
+            elif s == "wait":
+                ls.wait(a.work, a.out, record, left(30))
+            elif s == "warm_ttft":
+                record(a.out, "ttft", agent_steps.ttft(ls.PORT, a.contexts, a.ttft_runs, phases=True))
+            elif s == "accept":
+                record(a.out, "accept", ls.accept(ls.PORT))
+            elif s == "agent_trace":
+                ls.trace(ls._state(a.work)["base_url"], a.out, record, left)
+            elif s == "kill":
+                ls.kill(a.work, a.out, record, left(20))
+            elif s == "rewait":
+                ls.rewait(a.work, a.out, record, left(20))
+            elif s == "down":
+                ls.down(a.work, a.out, record)
+            elif s == "cachefault":
+                ls.cache_fault(a.out, a.hb, a.src, recipe, record, left, serve_command, serve_verified)
+        except Exception as e:  # one step's failure leaves the rest of the call running
+            record(a.out, f"{s}_error", f"{type(e).__name__}: {e}")
+
+
 def build_parser():
     import argparse
 
@@ -1075,6 +1119,8 @@ def build_parser():
     ap.add_argument("--contexts", type=agent_steps.parse_contexts, default="8192,32768,65536",
                     help="ttft: prefix lengths in tokens")
     ap.add_argument("--ttft-runs", type=int, default=3, help="ttft: cold/warm pairs per context (median)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="up: the profiles' own mode (torch.compile and CUDA graphs), not --enforce-eager")
     ap.add_argument("--agent-kv-bytes", type=int, default=32 << 30,
                     help="starts: the KV cache's bytes (--kv-cache-memory-bytes); 0: the profile's "
                          "gpu_memory_utilization sizes it, the pool `plan` predicts")
@@ -1224,6 +1270,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not (a.out / seq.name).exists():
                     shutil.copy(seq, a.out / seq.name)
 
+    if any(s in LEASE_STEPS for s in steps):  # one server kept up across calls (lease_steps.py)
+        lease(a, steps, left, recipe)
+        RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        save(a.out)
+        return 0
     agent = [s for s in steps if s in ("starts", "ttft", "tools")]
     if agent:  # each case served by hybrid-build serve at full depth (agent_steps.py)
         agent_steps.run(agent, record, a.out, a.floor, a.work, a.agent_cases, a.contexts, a.ttft_runs, left,

@@ -11,9 +11,10 @@ vision depth 1, ``layer_types`` chosen):
 
 - ``OUT/<name>-base/``: the source's config.json + quantization_config.json, taken from a sparse
   synthetic source written under WORK (headers over holes, ``write_synthetic_checkpoint``);
-- ``OUT/<name>-dense/`` (``DENSE`` compositions): the hybrid's config.json, quantization_config.json
-  and recipe, made by the assemble stage's own functions (``quantization_config``,
-  ``hybrid_block``) on ``build.prepare`` of that source with the 122B recipe;
+- ``OUT/<name>-dense/`` (``DENSE`` compositions): the hybrid's config.json and
+  quantization_config.json, made by the assemble stage's own functions (``quantization_config``,
+  ``hybrid_block``) on ``build.prepare`` of that source with the 122B recipe; no ``hybrid_build/``
+  records (a config-only target is no build: ``serve`` takes it as a plain checkpoint);
 - ``OUT/floor_plan.json``: layer counts and ``plan``'s bytes per token (base and dense, floor 0,
   the context of the timing) per composition, for the least-squares fit of the floor.
 
@@ -79,8 +80,8 @@ def write_source(work: Path, name: str, types: list[str]) -> Path:
     return src
 
 
-def derived_hybrid_config(src: Path, out: Path) -> tuple[dict, dict, str]:
-    """config.json, quantization_config.json and recipe.yaml as the assemble stage writes them."""
+def derived_hybrid_config(src: Path, out: Path) -> tuple[dict, dict]:
+    """config.json and quantization_config.json as the assemble stage writes them."""
     from hybrid_build.pipeline.build import prepare
     from hybrid_build.pipeline.stages import assemble
 
@@ -89,7 +90,21 @@ def derived_hybrid_config(src: Path, out: Path) -> tuple[dict, dict, str]:
     qc = assemble.quantization_config(ctx)
     config["quantization_config"] = qc
     config["hybrid_build"] = assemble.hybrid_block(ctx)
-    return config, qc, ctx.recipe.to_yaml()
+    return config, qc
+
+
+def write_dense(src: Path, dst: Path, work: Path, tokenizer_from: Path) -> dict:
+    """The hybrid's config-only target: config.json, quantization_config.json and the tokenizer, and
+    nothing of a build's own records (no ``hybrid_build/`` folder: a folder holding one but no
+    provenance is a build that did not finish, which ``serve`` refuses). ``serve`` takes it as a
+    plain checkpoint; the harness names the recipe (``--recipe``). Returns the config written."""
+    config, qc = derived_hybrid_config(src, work)
+    copy_config(src, dst, tokenizer_from)
+    for name, data in (("config.json", config), ("quantization_config.json", qc)):
+        tmp = dst / f"{name}.tmp"
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(dst / name)
+    return config
 
 
 def plan_bytes(folder: Path) -> dict:
@@ -148,13 +163,7 @@ def main() -> int:
                  "full": types.count("full_attention"), "layer_types": types, "bytes": plan_bytes(src)}
         copy_config(src, a.out / f"{name}-base", a.tokenizer_from)
         if name in DENSE:
-            config, qc, recipe_yaml = derived_hybrid_config(src, a.work / f"{name}-hybrid-unwritten")
-            dst = a.out / f"{name}-dense"
-            copy_config(src, dst, a.tokenizer_from)
-            (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            (dst / "quantization_config.json").write_text(json.dumps(qc, indent=2) + "\n")
-            (dst / "hybrid_build").mkdir(exist_ok=True)
-            (dst / "hybrid_build" / "recipe.yaml").write_text(recipe_yaml)
+            config = write_dense(src, a.out / f"{name}-dense", a.work / f"{name}-hybrid-unwritten", a.tokenizer_from)
             if a.check and name == "L4":
                 entry["derived_config_vs_hybrid_build_run"] = check_against_run(a.work, src, config)
         plan["compositions"][name] = entry

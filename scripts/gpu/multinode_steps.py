@@ -213,7 +213,7 @@ def run(steps: list[str], record, http, out: Path, hb: Path, src: Path, recipe: 
         nccl_lo(record, out, min(120, left(30)))
     nospec = recipe_without_speculation(recipe, work)
     base = ["hybrid-build", "serve", str(hb / "inc"), "--profile", "dense", "--source", str(src), "--json",
-            "--ready-timeout", "400"]
+            "--ready-timeout", "400", "--force"]  # carried there: not validated there (verify still runs)
     two = ["--nodes", NODES, "--ifname", "lo", "--node-env", "1:CUDA_VISIBLE_DEVICES=0",
            "--node-env", "2:CUDA_VISIBLE_DEVICES=1", "--node-env", "NCCL_P2P_DISABLE=1",
            "--node-env", "NCCL_SHM_DISABLE=1", "--node-env", "NCCL_IB_DISABLE=1",

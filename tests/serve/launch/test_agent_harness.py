@@ -116,7 +116,106 @@ def test_case_recipe_and_command(tmp_path):
     cmd = agent_steps.serve_command(case, Path("/f"), on, 8200, 540, Path("/o/x.log"))
     assert cmd[:5] == ["hybrid-build", "serve", "/f/L48-base", "--profile", "dflash"]
     assert cmd[cmd.index("--drafter") + 1] == "/f/drafter-mixed" and "--no-verify" in cmd and "--json" in cmd
-    assert cmd[-1] == "--force"  # a config-only checkpoint has no provenance: serve takes it only so
+    assert "--force" not in cmd  # a config-only target is a plain checkpoint: nothing for --force to wave through
+
+
+@pytest.fixture(scope="module")
+def floor_targets(tmp_path_factory, tiny_checkpoint) -> Path:
+    """The harness's config-only targets as ``floor_configs.py`` writes them (its own functions), at 4
+    layers (3 GDN + 1 full attention, the model's mix) instead of 48: the 48-layer sources take minutes to
+    write and hash on two cores, and nothing serve checks depends on the depth. Named as the harness
+    names the full-depth ones (``agent_steps.TARGETS``), with the drafters of the real shape."""
+    import floor_configs
+
+    root = tmp_path_factory.mktemp("floor")
+    work, floor = root / "work", root / "floor"
+    src = floor_configs.write_source(work, "L4", floor_configs.types_of(4))
+    floor_configs.copy_config(src, floor / agent_steps.TARGETS["dflash"], tiny_checkpoint)
+    floor_configs.write_dense(src, floor / agent_steps.TARGETS["dense"], work / "unwritten", tiny_checkpoint)
+    agent_steps.write_drafters(floor)
+    return floor
+
+
+def _installed_vllm(root: Path, version: str) -> Path:
+    """A PYTHONPATH folder holding the real vLLM wheel's package metadata alone: what ``serve --dry-run``
+    reads to know the local engine's version (no import)."""
+    import zipfile
+
+    wheel = vllm_sources.wheel_path(version)
+    if wheel is None:
+        pytest.skip(f"vLLM {version} wheel not downloaded (run .ci/vllm_sources.sh)")
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(f"vllm-{version}.dist-info/METADATA", root)
+    return root
+
+
+def _dry_run(cmd: list[str], pythonpath: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pythonpath)] + sys.path))
+    return subprocess.run(cmd + ["--dry-run", "--hardware", "h100"], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_every_agent_case_is_served_by_serve_itself(floor_targets, tmp_path):
+    """``hybrid-build serve --dry-run`` takes every case of the harness (dense|dflash x mixed|full6 x
+    on|off) on the targets floor_configs.py writes, with vLLM 0.26.0 installed: no refusal, the argv the
+    GPU machine runs. The config-only targets hold no half-made build records, so serve needs no --force."""
+    from hybrid_build.core.bound import open_artifact
+
+    for name in agent_steps.TARGETS.values():
+        assert not (floor_targets / name / "hybrid_build").exists()
+        assert open_artifact(floor_targets / name, missing_ok=True) is None  # a plain checkpoint to serve
+    meta = _installed_vllm(tmp_path / "meta", "0.26.0")
+    cases = agent_steps.parse_cases("all")
+    assert len(cases) == 8
+    for case in cases:
+        recipe = agent_steps.gpu_recipe(tmp_path, case.caching, 67712, 0)
+        cmd = agent_steps.serve_command(case, floor_targets, recipe, 8200, 540, tmp_path / f"{case.key}.log")
+        r = _dry_run(cmd, meta)
+        assert r.returncode == 0, f"{case.key}: {r.stderr[-1500:]}"
+        plan = json.loads(r.stdout)
+        argv = plan["argv"]
+        assert argv[:3] == ["vllm", "serve", str(floor_targets / agent_steps.TARGETS[case.profile])], case.key
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert spec["method"] == "dflash" and spec["model"] == str(floor_targets / f"drafter-{case.shape}")
+        assert ("--enable-prefix-caching" in argv) is case.caching, case.key
+        assert argv[argv.index("--load-format") + 1] == "dummy" and plan["profile"] == case.profile
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_half_made_build_folder_in_a_target_is_refused(floor_targets, tmp_path):
+    """What the harness once wrote (a ``hybrid_build/`` folder and no provenance) is refused, --force or
+    not: the check above would catch floor_configs.py writing it again."""
+    import shutil
+
+    target = tmp_path / "L48-dense"
+    shutil.copytree(floor_targets / "L48-dense", target)
+    (target / "hybrid_build").mkdir()
+    (target / "hybrid_build" / "recipe.yaml").write_text("name: x\n")
+    recipe = agent_steps.gpu_recipe(tmp_path, True, 67712, 0)
+    cmd = agent_steps.serve_command(agent_steps.Case("dense", "mixed", True), floor_targets, recipe, 8200, 540,
+                                    tmp_path / "x.log")
+    cmd[2] = str(target)
+    for extra in ([], ["--force"]):
+        r = _dry_run(cmd + extra, _installed_vllm(tmp_path / "meta", "0.26.0"))
+        assert r.returncode != 0 and "did not finish" in r.stderr, r.stderr[-800:]
+
+
+def test_cut_experts_leaves_build_records_behind(tmp_path):
+    """A floor made before the config-only targets lost their ``hybrid_build/`` folder comes out of
+    cut-experts servable: the folder is not copied, the expert count is cut, the rest is kept."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    (src / "L48-dense" / "hybrid_build").mkdir(parents=True)
+    (src / "L48-dense" / "hybrid_build" / "recipe.yaml").write_text("name: x\n")
+    (src / "L48-dense" / "config.json").write_text(json.dumps({"text_config": {"num_experts": 256, "x": 1}}))
+    (src / "L48-dense" / "tokenizer.json").write_text("{}")
+    agent_steps.write_drafters(src)
+    made = agent_steps.cut_experts(src, out, 64)
+    assert [p.name for p in made] == ["L48-dense", "drafter-mixed", "drafter-full6"]
+    assert sorted(p.name for p in (out / "L48-dense").iterdir()) == ["config.json", "tokenizer.json"]
+    assert json.loads((out / "L48-dense" / "config.json").read_text())["text_config"] == {"num_experts": 64, "x": 1}
 
 
 def test_first_error_is_the_exception_line():
@@ -132,3 +231,15 @@ def test_first_error_is_the_exception_line():
 def test_prefixes_never_share_a_block_by_chance():
     a, b = agent_steps.token_ids(65536, 1), agent_steps.token_ids(65536, 2)
     assert all(150 <= t < 3950 for t in a) and a[:16] != b[:16]
+
+
+def test_cache_fault_finds_the_cache_block_in_each_kv_layout():
+    """The cache-hit fault (``cache_fault.py``) overwrites whole cache blocks: in vLLM's K/V view the
+    block dimension counts kernel blocks, ``r`` to a cache block, followed by their tokens (FlashAttention:
+    2, blocks, tokens, heads, dim) or by the K/V pair first (blocks, 2, tokens, heads, dim)."""
+    import cache_fault
+
+    assert cache_fault.block_dim((2, 100, 48, 2, 64), 100, 48) == (1, 1)
+    assert cache_fault.block_dim((2, 300, 16, 2, 64), 100, 48) == (1, 3)   # 48-token blocks in 16-token kernel blocks
+    assert cache_fault.block_dim((300, 2, 16, 2, 64), 100, 48) == (0, 3)
+    assert cache_fault.block_dim((2, 100, 32, 2, 64), 100, 48) is None     # no dimension makes a 48-token block
