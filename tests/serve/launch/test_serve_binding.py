@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_cli import CliRun
-from test_watch import GRACE, LOOK, SLACK, STALL, _cleanup, _end, _event, _knobs, _serve
+from serve_cli import GRACE, LOOK, SLACK, STALL, CliRun, _cleanup, _end, _event, _knobs, _serve
 
 from hybrid_build.core.artifact import SERVE_RECORD
 
