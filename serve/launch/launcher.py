@@ -152,6 +152,7 @@ def start(plan: LaunchPlan, log_path: Path, keeper_grace: float = 10.0) -> Serve
     log_from = log_path.stat().st_size if log_path.exists() else 0
     out = open(log_path, "ab")
     env = {**os.environ, **plan.env, **plan.secret_env}  # the key last: it wins over an inherited one
+    # the kernel's parent-death signal follows the thread that forks: serve starts engines from its main thread
     proc = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=die_with_parent())
     out.close()

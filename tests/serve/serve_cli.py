@@ -1,15 +1,19 @@
-"""Helpers the serve tests share: a free port, a `hybrid-build serve` child read line by line, the
-processes that mention a mark."""
+"""Helpers the serve tests share: a free port, a `hybrid-build serve` child read line by line (with
+the watch's small bounds, its event lines, the stand-in's run-time knobs), the processes that
+mention a mark."""
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import threading
+from datetime import datetime
 from pathlib import Path
 
+import httpx
 import pytest
 
 
@@ -73,3 +77,48 @@ class CliRun:
             self.seen.append(line)
             if line.startswith(prefix):
                 return line
+
+
+LOOK = 0.05  # --watch-interval
+STALL = 1.0  # --stall-timeout
+GRACE = 1.0  # --stop-grace
+SLACK = 3.0  # a loaded 2-core machine: a process start, a scheduler tick, the line's trip through a pipe
+
+
+def _serve(art: Path, c: dict, *extra: str, flags: str = "--control", env: dict | None = None) -> CliRun:
+    argv = ["serve", str(art), "--profile", "dense", "--port", str(c["port"]), "--ready-timeout", "120",
+            "--log", str(c["cwd"] / "serve.log"), "--watch-interval", str(LOOK), "--stall-timeout", str(STALL),
+            "--stop-grace", str(GRACE), *extra]
+    return CliRun(argv, dict(c["env"], HB_STANDIN_FLAGS=flags, **(env or {})), c["cwd"])
+
+
+def _knobs(c: dict, **kw) -> None:
+    try:
+        httpx.post(f"http://127.0.0.1:{c['port']}/standin/config", json=kw, timeout=10)
+    except httpx.HTTPError:
+        if "die" not in kw:  # a dying stand-in may close before its answer
+            raise
+
+
+def _event(run: CliRun, kind: str, timeout: float = 60) -> tuple[str, float]:
+    """serve's next line of this kind, and the time it carries."""
+    while True:
+        line = run.wait_for("20", timeout)
+        if f" {kind}: " in line:
+            return line, datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def _end(run: CliRun) -> int:
+    """serve's exit status (it must end on its own within a minute)."""
+    return run.proc.wait(timeout=60)
+
+
+def _cleanup(run: CliRun) -> None:
+    """After a failed assertion: serve stopped as a user would, so that it stops the stand-in."""
+    if run.proc.poll() is None:
+        run.proc.send_signal(signal.SIGINT)
+        try:
+            run.proc.wait(timeout=30)
+        except Exception:
+            run.proc.kill()
+            run.proc.wait()

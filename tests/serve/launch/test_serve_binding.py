@@ -16,11 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from serve_cli import CliRun
-from test_watch import GRACE, LOOK, SLACK, STALL, _cleanup, _end, _event, _knobs, _serve
+from serve_cli import GRACE, LOOK, SLACK, STALL, CliRun, _cleanup, _end, _event, _knobs, _serve
 
 from hybrid_build.core.artifact import SERVE_RECORD
 
@@ -145,10 +145,14 @@ def test_kill_9_of_serve_ends_the_engine_and_its_whole_group(tiny_artifact, serv
         engine, worker = _engine_pid(tiny_artifact), _log_pid(c["cwd"] / "serve.log", "worker")
         assert _alive(engine) and _alive(worker)
         assert os.getpgid(worker) == engine, "the worker is in the engine's group"
+        t0 = time.monotonic()
         run.proc.send_signal(signal.SIGKILL)
         assert run.proc.wait(30) == -signal.SIGKILL
         assert _ends(engine, SLACK), "the engine outlived serve"
+        t_engine = time.monotonic() - t0
         assert _ends(worker, GRACE + SLACK), "a worker of the engine's group outlived serve"
+        print(f"\nkill -9 of serve: engine (pid {engine}) ended after {t_engine:.2f} s, its SIGTERM-proof worker "
+              f"(pid {worker}) after {time.monotonic() - t0:.2f} s (grace {GRACE:g} s)")
         from hybrid_build.serve.launch.listener import taken_by
 
         assert taken_by("127.0.0.1", c["port"]) is None, "the port is free again"

@@ -16,64 +16,19 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
-from pathlib import Path
 
 import httpx
 import pytest
 from meminfo_file import write_meminfo
-from serve_cli import CliRun
+from serve_cli import GRACE, LOOK, SLACK, STALL, CliRun, _cleanup, _end, _event, _knobs, _serve
 
-LOOK = 0.05  # --watch-interval
-STALL = 1.0  # --stall-timeout
-GRACE = 1.0  # --stop-grace
-SLACK = 3.0  # a loaded 2-core machine: a process start, a scheduler tick, the line's trip through a pipe
 UNIFIED_SMI = "#!/bin/sh\necho 'NVIDIA GB10, [N/A], [N/A]'\n"  # what nvidia-smi says on a DGX Spark
-
-
-def _serve(art: Path, c: dict, *extra: str, flags: str = "--control", env: dict | None = None) -> CliRun:
-    argv = ["serve", str(art), "--profile", "dense", "--port", str(c["port"]), "--ready-timeout", "120",
-            "--log", str(c["cwd"] / "serve.log"), "--watch-interval", str(LOOK), "--stall-timeout", str(STALL),
-            "--stop-grace", str(GRACE), *extra]
-    return CliRun(argv, dict(c["env"], HB_STANDIN_FLAGS=flags, **(env or {})), c["cwd"])
 
 
 def _unified(c: dict) -> None:
     smi = c["bin"] / "nvidia-smi"
     smi.write_text(UNIFIED_SMI)
     smi.chmod(0o755)
-
-
-def _knobs(c: dict, **kw) -> None:
-    try:
-        httpx.post(f"http://127.0.0.1:{c['port']}/standin/config", json=kw, timeout=10)
-    except httpx.HTTPError:
-        if "die" not in kw:  # a dying stand-in may close before its answer
-            raise
-
-
-def _event(run: CliRun, kind: str, timeout: float = 60) -> tuple[str, float]:
-    """serve's next line of this kind, and the time it carries."""
-    while True:
-        line = run.wait_for("20", timeout)
-        if f" {kind}: " in line:
-            return line, datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
-
-def _end(run: CliRun) -> int:
-    """serve's exit status (it must end on its own within a minute)."""
-    return run.proc.wait(timeout=60)
-
-
-def _cleanup(run: CliRun) -> None:
-    """After a failed assertion: serve stopped as a user would, so that it stops the stand-in."""
-    if run.proc.poll() is None:
-        run.proc.send_signal(signal.SIGINT)
-        try:
-            run.proc.wait(timeout=30)
-        except Exception:
-            run.proc.kill()
-            run.proc.wait()
 
 
 class InFlight:
