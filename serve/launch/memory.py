@@ -171,7 +171,8 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
         drafter_cfg, drafter_bytes, _ = drafter_config(launch.drafter, launch.drafter_revision)
     engine, basis = engine_for(version)
     try:
-        plan = mem.plan_on(hardware, ckpt.text_config, profile, engine, weights, drafter_cfg, drafter_bytes, disabled)
+        plan = mem.plan_on(hardware, ckpt.text_config, profile, engine, weights, drafter_cfg, drafter_bytes, disabled,
+                           unit=bool(launch.prefix_match_unit))
     except mem.MemoryPlanError as e:
         return LaunchMemory(None, str(e), hardware, basis)
     except (KeyError, TypeError, ValueError) as e:
