@@ -139,10 +139,10 @@ TESTED_VERSIONS: tuple[TestedVersion, ...] = (
     TestedVersion("0.26.0", "local", "the full-depth 122B with the real drafter's shape started on the H200 (prefix "
                   "caching on); the plugin checked against its source on CPU",
                   ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "prefix_align", "mamba_state_seed",
-                   "align_accept_snapshot", "dflash_keep_last_block")),
+                   "align_accept_snapshot", "dflash_keep_last_block", "sliding_window_partial_hits")),
     TestedVersion("0.33.0", "local", "the plugin checked against its source on CPU (layer dispatch, Marlin "
                   "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale",
-                                                             "align_accept_snapshot")),
+                                                             "align_accept_snapshot", "sliding_window_partial_hits")),
 )
 
 

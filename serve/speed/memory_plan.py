@@ -440,11 +440,6 @@ def plan_memory(i: MemoryInputs) -> MemoryPlan:
         if i.engine < "0.26" and {s.padded for s in specs if s.kind == "mamba"} != before:
             notes.append(f"vLLM {i.engine} needs the runtime fix kv_unify for this drafter (GDN pages padded)")
     groups, size = _groups(specs)
-    unit = i.prefix_match_unit
-    if i.layout == "fine_grained" and i.prefix_caching and any(g.block_size % unit for g in groups):
-        # resolve_kv_cache_block_sizes: "all KV cache group block sizes must be divisible by prefix_match_unit"
-        raise MemoryPlanError(f"prefix_match_unit {unit} does not divide every KV-cache group's block "
-                              f"({', '.join(str(b) for b in sorted({g.block_size for g in groups}))}): vLLM refuses it")
     page = groups[0].page_bytes
     avail = available_kv_bytes(i)
     num_blocks = max(avail // (page * size), 0)
