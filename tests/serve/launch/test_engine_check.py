@@ -197,9 +197,9 @@ def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypat
             assert "note: prefix cache: --block-size 64 --prefix-match-unit 64 on vLLM's own KV pages" in out
             assert ("sliding_window_partial_hits on" in out) is (shape == "mixed"), out
             assert "coarse" not in out and "no warm-prefix TTFT" not in out
-    off_window = ("--disable-fix", "sliding_window_partial_hits")
+    off_window, off_keep = ("--disable-fix", "sliding_window_partial_hits"), ("--disable-fix", "dflash_keep_last_block")
     for version, shape, extra in (("0.26.0", "mixed", off_window), ("0.33.0", "mixed", off_window),
-                                  ("0.25.1", "full6", ()), ("0.26.0", "full6", ("--disable-fix", "dflash_keep_last_block"))):
+                                  ("0.25.1", "full6", ()), ("0.26.0", "full6", off_keep)):
         monkeypatch.setenv("STANDIN_VERSION", version)
         assert _serve(tmp, shape, *extra) == 1, (version, shape)
         said = mark.read_text()

@@ -189,7 +189,7 @@ def test_the_real_drafter_hits_the_whole_prefix_at_the_stock_pool(version, tmp_p
         assert off["partial_hits"] is False and fixed["partial_hits"] is True and "error" not in off
         assert _hits(off) == _hits(stock)
     full6 = runs[("full6", "fine_grained", DENSE_TOKENS)]  # no sliding layer: the fix changes nothing there
-    assert _hits(full6) == _hits(fixed) and _hits(runs[("full6", "fine_grained, fix off", DENSE_TOKENS)]) == _hits(full6)
+    assert _hits(full6) == _hits(fixed) == _hits(runs[("full6", "fine_grained, fix off", DENSE_TOKENS)])
     out = os.environ.get("HYBRID_BUILD_LAYOUT_TABLE")
     if out:  # the lab table: HYBRID_BUILD_LAYOUT_TABLE=FILE pytest -m vllm this file (every version)
         prev = json.loads(Path(out).read_text()) if Path(out).exists() else {}
