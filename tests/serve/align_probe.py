@@ -106,9 +106,10 @@ def vllm_config(model, work: Path, method: str, tokens: int, unit: int | None = 
     drafter = {"model": str(work / "drafter")} if method == "dflash" else {}
     spec = SpeculativeConfig(method=method, num_speculative_tokens=tokens, target_model_config=model,
                              target_parallel_config=ParallelConfig(), **drafter)
+    fine = {"prefix_match_unit": unit} if unit else {}  # 0.25.1's CacheConfig has no such field
     return VllmConfig(model_config=model, speculative_config=spec, device_config=DeviceConfig(device="cpu"),
                       cache_config=CacheConfig(block_size=unit or 16, enable_prefix_caching=True,
-                                               mamba_cache_mode="align", prefix_match_unit=unit),
+                                               mamba_cache_mode="align", **fine),
                       scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET,
                                                        max_model_len=MAX_LEN, is_encoder_decoder=False))
 
