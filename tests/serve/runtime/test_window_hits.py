@@ -254,3 +254,26 @@ def test_scheduler_keeps_the_invariants_with_partial_window_hits(version, tmp_pa
         assert off["partial_hits"] is False and off["crash"] is None and off["violation"] is None
         assert all(r["hit"] % 4352 == 0 for r in off["requests"])
         assert sum(r["hit"] for r in off["requests"]) < sum(r["hit"] for r in resumed)
+
+
+@pytest.mark.vllm
+def test_the_switch_through_the_plugins_register():
+    """The plugin's register() on vLLM 0.26.0's real modules installs the fix by default and leaves vLLM's
+    own sliding manager with HYBRID_BUILD_DISABLE_FIXES=sliding_window_partial_hits (one log line says so)."""
+    pp = vllm_sources.cpu_pythonpath("0.26.0")
+    if pp is None:
+        pytest.skip("vLLM 0.26.0 sources not prepared (run .ci/vllm_sources.sh)")
+    code = ("import json, logging; logging.basicConfig(level=logging.WARNING)\n"
+            "from hybrid_build.serve.runtime import plugin; plugin.register()\n"
+            "from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager as S\n"
+            "f = S.__dict__['find_longest_cache_hit'].__func__\n"
+            "print(json.dumps([S.supports_fine_grained_hash_lookup, getattr(f, 'hybrid_build_fix', False)]))")
+    got = {}
+    for off in ("", FIX_ID):
+        env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR", HYBRID_BUILD_DISABLE_FIXES=off)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[off] = (json.loads(r.stdout.strip().splitlines()[-1]), r.stderr)
+    assert got[""][0] == [True, True] and "take partial prefix-cache hits" in got[""][1]
+    assert got[FIX_ID][0] == [False, False]
+    assert f"runtime fix {FIX_ID} is off (HYBRID_BUILD_DISABLE_FIXES)" in got[FIX_ID][1]
