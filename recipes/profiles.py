@@ -64,7 +64,7 @@ class ServeProfile(BaseModel):
                     "--block-size (every KV group's block then a multiple of it) where the served vLLM is one it was "
                     "measured on (0.26.0, 0.33.0, local engine): the fine_grained layout, vLLM's own KV pages "
                     "(runtime fix prefix_align off; dflash_keep_last_block on, and for a drafter with sliding-window "
-                    "layers sliding_window_partial_hits, without which 0.26.0 asserts on a partial hit and 0.33.0 "
+                    "layers sliding_window_partial_hits, without which 0.26.0 asserts at its first lookup and 0.33.0 "
                     "turns them off); elsewhere prefix_align stays (lab/results/prefix_layouts_real_drafter_cpu.json)")
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's --kv-cache-dtype: 'fp8' halves the bytes each decode step reads per token of "

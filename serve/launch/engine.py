@@ -458,7 +458,7 @@ def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter:
     cfg, _, basis = drafter_config(drafter or spec.model, spec.revision if not drafter else None)
     sliding = "sliding_attention" in (cfg.get("layer_types") or [])
     if not uses_match_unit(profile, v, cfg, off):
-        why = ("SlidingWindowManager asserts on a partial (fine-grained) cache hit" if v == "0.26.0" else
+        why = ("SlidingWindowManager asserts at its first lookup with the unit" if v == "0.26.0" else
                "KV-cache planning turns partial (fine-grained) hits off for it")
         return None, (f"prefix cache: {keep}: the DFlash drafter ({basis}) has sliding-window layers, runtime fix "
                       f"{WINDOW_FIX} is off, and without it vLLM {v}'s {why}")

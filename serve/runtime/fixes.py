@@ -91,9 +91,10 @@ FIXES: tuple[Fix, ...] = (
         "block is provisional: the fix keeps it, as vLLM 0.33 does (needs_eagle_block_drop)", "",
         ("0.25.1", "0.26.0"), hook="kv_cache_fixes:install"),
     Fix("sliding_window_partial_hits", "prefix caching with --prefix-match-unit and a drafter with sliding-window "
-        "layers (the 122B's real DFlash drafter): vLLM 0.26.0's SlidingWindowManager asserts on the first partial "
-        "(fine-grained) hit and 0.33.0 / 0.34.0 turn partial hits off for the whole model, so a warm prefix hits "
-        "only on the coarse block grid unless every page is padded (prefix_align); the fix gives the sliding "
+        "layers (the 122B's real DFlash drafter): vLLM 0.26.0's SlidingWindowManager asserts at its first lookup "
+        "with a unit finer than its block (the engine dies at the first request) and 0.33.0 / 0.34.0 turn partial "
+        "hits off for the whole model, so a warm prefix hits only on the coarse block grid unless every page is "
+        "padded (prefix_align); the fix gives the sliding "
         "manager partial hits: the blocks its window reaches, the last one copied on write as vLLM does for full "
         "attention", "", ("0.26.0", "0.33.0", "0.34.0"), hook="window_hits:install"),
     Fix("fla_smem_sm121", "FLA chunk kernels on GB10 (sm121, 99 KiB shared memory per block) pick the small "

@@ -5,12 +5,13 @@ vLLM 0.26.0+ hashes prompts every ``--prefix-match-unit`` tokens and lets a hit 
 physical block: the shared tail block is copied on write (``SingleTypeKVCacheManager``'s
 ``_partial_hit_reqs`` / ``_apply_cow``, the worker's ``copy_kv_cache_blocks_inplace``), the GDN
 state is checkpointed at the prompt's last unit boundary. Full attention and GDN "align" take part;
-``SlidingWindowManager`` does not: 0.26.0 asserts on the first partial hit ("SlidingWindowManager
-does not support fine-grained (partial) cache hits") and 0.33.0 / 0.34.0 turn partial hits off for
-the whole model (``partial_hash_hits_enabled``: "Disabling fine-grained prefix-cache hits ...").
+``SlidingWindowManager`` does not: 0.26.0 asserts at its first lookup with a unit finer than its
+block, the engine's first request ("SlidingWindowManager does not support fine-grained (partial)
+cache hits"), and 0.33.0 / 0.34.0 turn partial hits off for the whole model
+(``partial_hash_hits_enabled``: "Disabling fine-grained prefix-cache hits ...").
 The real DFlash drafter of Qwen3.5-122B-A10B has five sliding-window layers (window 4096), so with it
 a warm prefix hits only on the coarse block grid unless every attention page is padded
-(``prefix_align``, a quarter of the pool at 6 speculative tokens).
+(``prefix_align``: 38% of the pool at 6 speculative tokens on a GB10).
 
 A sliding-window layer needs only the blocks its window reaches: a hit at ``L`` tokens needs the
 blocks holding ``[L - window + 1, L)``, of which only the last may be partial. The fix gives

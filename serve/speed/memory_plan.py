@@ -503,7 +503,7 @@ def uses_match_unit(profile, engine: str, drafter_config: dict | None, disabled:
     profile caching prefixes, on a version where the unit was measured, with the drafter's config
     known, the last block kept (0.26.0: dflash_keep_last_block; 0.33.0 keeps it itself) and, for a
     drafter with sliding-window layers, the runtime fix that gives them partial hits (without it
-    vLLM 0.26.0 asserts on the first partial hit and 0.33.0 turns partial hits off)."""
+    vLLM 0.26.0 asserts at its first prefix-cache lookup and 0.33.0 turns partial hits off)."""
     spec = getattr(profile, "speculative", None)
     sliding = drafter_config is not None and "sliding_attention" in (drafter_config.get("layer_types") or [])
     return bool(getattr(profile, "prefix_match_unit", None) and spec is not None and spec.method == "dflash"

@@ -165,7 +165,7 @@ def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding(version, t
     block kept and the stock layout, a warm prefix hits within one unit of the prompt at 8k / 32k /
     64k (the whole shared prefix) and the pool is the stock layout's (prefix_align's padding costs 27%
     on 0.26.0); without the unit the hit falls back. With the mixed (sliding) drafter and no more than these
-    fixes, vLLM 0.26.0 asserts on the first partial hit and 0.33.0 turns partial hits off: there the unit
+    fixes, vLLM 0.26.0 asserts at its first lookup and 0.33.0 turns partial hits off: there the unit
     needs sliding_window_partial_hits too (test_window_hits.py)."""
     from hybrid_build.recipes.schema import load_recipe
     from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES

@@ -50,7 +50,7 @@ def test_anchors_against_each_versions_source(version, expected):
 
 @pytest.mark.vllm
 def test_the_texts_the_fix_rests_on():
-    """What the module's docstring quotes: 0.26.0's sliding manager asserts on a partial hit; 0.33.0 /
+    """What the module's docstring quotes: 0.26.0's sliding manager asserts on a lookup finer than its block; 0.33.0 /
     0.34.0 turn partial hits off for a model with a manager that does not support them; the sliding
     manager overrides none of the base class's CoW path in any of them."""
     import ast
@@ -239,7 +239,7 @@ def test_scheduler_keeps_the_invariants_with_partial_window_hits(version, tmp_pa
     """The real drafter's layout with --block-size 64 --prefix-match-unit 64, 2 conversations x 4 turns and a
     fork, random accepted counts: with the fix, 8 of 10 requests resume from a partial hit of every group
     (the sliding-window, full-attention and GDN tails copied on write) and no step breaks an invariant;
-    without it 0.26.0's engine dies at the first partial hit (vLLM's own assertion) and 0.33.0 / 0.34.0
+    without it 0.26.0's engine dies at the first request's lookup (vLLM's own assertion) and 0.33.0 / 0.34.0
     resume on the coarse block grid only."""
     off, on = _align(version, tmp_path)
     assert on["install"][FIX_ID] == "applied" and on["partial_hits"] is True
