@@ -11,7 +11,7 @@ cache hits"), and 0.33.0 / 0.34.0 turn partial hits off for the whole model
 (``partial_hash_hits_enabled``: "Disabling fine-grained prefix-cache hits ...").
 The real DFlash drafter of Qwen3.5-122B-A10B has five sliding-window layers (window 4096), so with it
 a warm prefix hits only on the coarse block grid unless every attention page is padded
-(``prefix_align``: 38% of the pool at 6 speculative tokens on a GB10).
+(``prefix_align``, which costs 38% of the pool at 6 speculative tokens on a GB10).
 
 A sliding-window layer needs only the blocks its window reaches: a hit at ``L`` tokens needs the
 blocks holding ``[L - window + 1, L)``, of which only the last may be partial. The fix gives
