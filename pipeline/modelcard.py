@@ -198,7 +198,8 @@ def memory_figures(artifact: Path, provenance: Provenance) -> dict | None:
         rows.append({"hardware": hw, "label": bw.HARDWARE[hw].label, "pool_tokens": p.pool_tokens,
                      "max_context_tokens": p.max_context_tokens, "reserve_basis": p.inputs.reserve_basis,
                      "fit": {c: (f.whole, f.next_tokens) for c, f in fits.items()},
-                     "layout": p.inputs.layout, "num_speculative_tokens": p.inputs.num_speculative_tokens,
+                     "layout": p.inputs.layout, "prefix_match_unit": p.inputs.prefix_match_unit,
+                     "num_speculative_tokens": p.inputs.num_speculative_tokens,
                      "kv_cache_dtype": p.inputs.kv_cache_dtype})
     if not rows:
         return None
@@ -212,11 +213,15 @@ def _memory_section(inp: CardInputs) -> list[str]:
         return []
     first = m["rows"][0]
     kv = {"auto": "bf16"}.get(first["kv_cache_dtype"], first["kv_cache_dtype"])
+    unit = first.get("prefix_match_unit")
+    hits = (f" (vLLM's own pages with `--block-size {unit} --prefix-match-unit {unit}`: a resent prompt hits to within "
+            f"{unit} tokens of its end)" if unit else "")
     contexts = sorted({c for r in m["rows"] for c in r["fit"]}, reverse=True)
     lines = ["### Memory: the KV pool and the streams that fit", "",
              f"The `dense` profile's KV cache as vLLM {m['engine']} plans it (`gpu_memory_utilization` "
              f"{m['gpu_memory_utilization']:g}, `max_model_len` {m['max_model_len']:,}, {first['layout']} prefix-cache "
-             f"layout, {kv} KV, {first['num_speculative_tokens']} speculative tokens"
+             "layout" + hits
+             + f", {kv} KV, {first['num_speculative_tokens']} speculative tokens"
              + (f"; {m['without']}" if m["without"] else "") + "), from this repository's configs and "
              "safetensors headers by the memory model `hybrid-build plan` and `hybrid-build serve` print, which "
              "matches vLLM's own planning functions run on CPU. The pool is the figure vLLM logs as \"GPU KV cache "

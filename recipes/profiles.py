@@ -85,11 +85,12 @@ class ServeProfile(BaseModel):
     prefix_match_unit: int | None = Field(
         None, ge=16, multiple_of=16,
         description="vLLM's --prefix-match-unit (0.26.0 and later): prefix-cache hits land on this many tokens, "
-                    "finer than the physical block (copy-on-write partial hits). serve passes it where the served "
-                    "vLLM has it and the DFlash drafter has no sliding-window layers (0.26.0 asserts on a partial hit "
-                    "there, 0.33.0 turns them off), and then serves the stock KV layout (runtime fix prefix_align and "
-                    "its padded pages off; dflash_keep_last_block on); elsewhere prefix_align stays "
-                    "(lab/results/prefix_layout_hits_and_pool_cpu.json)")
+                    "finer than the physical block (copy-on-write partial hits). serve passes it with the same "
+                    "--block-size (every KV group's block then a multiple of it) where the served vLLM is one it was "
+                    "measured on (0.26.0, 0.33.0, local engine): the fine_grained layout, vLLM's own KV pages "
+                    "(runtime fix prefix_align off; dflash_keep_last_block on, and for a drafter with sliding-window "
+                    "layers sliding_window_partial_hits, without which 0.26.0 asserts at its first lookup and 0.33.0 "
+                    "turns them off); elsewhere prefix_align stays (lab/results/prefix_layouts_real_drafter_cpu.json)")
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="vLLM's --kv-cache-dtype: 'fp8' halves the bytes each decode step reads per token of "
                             "context in the full-attention layers (plan --kv-dtype fp8 shows the effect); check "

@@ -592,7 +592,7 @@ def _check_engine(args: argparse.Namespace, plan, version: str | None = None) ->
 
     version = version or served_vllm_version(plan)
     notes = [n for n in plan.notes  # the profile's own
-             if n.startswith(("prefix caching (", "prefix cache: --prefix-match-unit", f"{plan.profile!r} profile: ",
+             if n.startswith(("prefix caching (", "prefix cache: --block-size", f"{plan.profile!r} profile: ",
                               "drafter: "))]
     if plan.drafter is not None:
         drafter, why = engine_check.read_config(plan.drafter, plan.drafter_revision)

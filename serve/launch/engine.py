@@ -446,8 +446,11 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
     if unit_note:
         notes.append(unit_note)
     local_model = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
+    # the fine_grained layout: the block size is the hybrid alignment's kernel grid, so every group's block
+    # is a multiple of the unit (vLLM refuses a unit that does not divide one)
     vllm = VllmServe(profile, local_model, port, host, drafter, revision,
-                     extra=("--prefix-match-unit", str(unit)) if unit else (), drafter_revision=drafter_rev)
+                     extra=("--block-size", str(unit), "--prefix-match-unit", str(unit)) if unit else (),
+                     drafter_revision=drafter_rev)
     if engine == "local":
         env.update(PLUGIN_ENV)
         return LaunchPlan(["vllm"] + vllm.argv(), env, profile.served_model_name, port, host, name, engine,
@@ -473,14 +476,15 @@ def plan_launch(artifact: str, profile_name: str | None, engine: str = "local", 
 
 def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter: str | None,
                off: frozenset[str], drafter_rev: str | None = None) -> tuple[int | None, str | None]:
-    """The ``--prefix-match-unit`` to pass (None: prefix_align's layout stays), and a note saying why."""
+    """The unit of the ``fine_grained`` layout (``--block-size U --prefix-match-unit U``; None:
+    prefix_align's layout stays), and a note saying why."""
     from hybrid_build.serve.runtime.fixes import base_version
 
     unit, spec = profile.prefix_match_unit, profile.speculative
     if not unit or not profile.enable_prefix_caching or spec is None or spec.method != "dflash":
         return None, None
     v = base_version(version) if version else None
-    from hybrid_build.serve.speed.memory_plan import PREFIX_ALIGN_ENGINES
+    from hybrid_build.serve.speed.memory_plan import PREFIX_ALIGN_ENGINES, WINDOW_FIX
 
     keep = (f"runtime fix prefix_align's padded layout is kept, not the profile's prefix_match_unit {unit}"
             if v is None or v in PREFIX_ALIGN_ENGINES else
@@ -494,14 +498,16 @@ def match_unit(profile: ServeProfile, engine: str, version: str | None, drafter:
     from .memory import drafter_config
 
     cfg, _, basis = drafter_config(drafter or spec.model, drafter_rev)
+    sliding = "sliding_attention" in (cfg.get("layer_types") or [])
     if not uses_match_unit(profile, v, cfg, off):
-        why = ("SlidingWindowManager asserts on a partial (fine-grained) cache hit" if v == "0.26.0" else
+        why = ("SlidingWindowManager asserts at its first lookup with the unit" if v == "0.26.0" else
                "KV-cache planning turns partial (fine-grained) hits off for it")
-        return None, (f"prefix cache: {keep}: the DFlash drafter ({basis}) has sliding-window layers, and vLLM "
-                      f"{v}'s {why}")
-    return unit, (f"prefix cache: --prefix-match-unit {unit} on the stock KV layout: a warm prefix hits within "
-                  f"{unit:,} tokens of its end, without prefix_align's padded pages (runtime fix prefix_align off, "
-                  "dflash_keep_last_block on)")
+        return None, (f"prefix cache: {keep}: the DFlash drafter ({basis}) has sliding-window layers, runtime fix "
+                      f"{WINDOW_FIX} is off, and without it vLLM {v}'s {why}")
+    window = f", {WINDOW_FIX}" if sliding else ""
+    return unit, (f"prefix cache: --block-size {unit} --prefix-match-unit {unit} on vLLM's own KV pages (the "
+                  f"fine_grained layout): a warm prefix hits within {unit:,} tokens of its end, without prefix_align's "
+                  f"padded pages (runtime fix prefix_align off; dflash_keep_last_block{window} on)")
 
 
 def _drafter_fields(profile: ServeProfile, drafter: str | None, revision: str | None) -> dict:

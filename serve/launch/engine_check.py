@@ -121,7 +121,7 @@ def check(version: str | None, engine: str, spec: Shapes, off: frozenset[str], e
     """The verdict for a DFlash drafter of ``spec`` on vLLM ``version`` (``engine``: local or docker)
     with the fixes in ``off`` switched off; raises EngineCannotRun / UserError for a combination that
     will not start. ``env``: the server's environment (a profile's extra_env over this process's).
-    ``prefix_match_unit``: the unit the launch passes (the stock layout with it, prefix_align off)."""
+    ``prefix_match_unit``: the unit the launch passes (the fine_grained layout, prefix_align off)."""
     v = base_version(version) if version else None
     out = Verdict(caching="effective" if prefix_caching else "off")
     if v not in CHECKED:
@@ -166,10 +166,11 @@ def _mixed(v: str, engine: str, spec: Shapes, env: dict[str, str], out: Verdict)
 
 def _caching(v: str, engine: str, spec: Shapes, off: frozenset[str], out: Verdict, unit: int | None = None) -> None:
     pages_differ = spec.larger_drafter_pages is not False  # unknown counts as differing
-    from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES
+    from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES, WINDOW_FIX
 
-    if unit and engine == "local" and v in UNIT_ENGINES and not spec.mixed and "dflash_keep_last_block" not in off:
-        return  # the stock layout with a finer hash unit: hits within one unit (engine.match_unit)
+    if (unit and engine == "local" and v in UNIT_ENGINES and not (spec.mixed and WINDOW_FIX in off)
+            and "dflash_keep_last_block" not in off):
+        return  # the fine_grained layout: vLLM's own pages, hits within one unit (engine.match_unit)
     if engine == "local" and v in PREFIX_ALIGN_LOCAL:
         if "prefix_align" in off or "dflash_keep_last_block" in off:
             out.caching = "coarse"

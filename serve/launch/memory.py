@@ -54,7 +54,7 @@ class LaunchMemory:
             f"{i.total_bytes / 1e9:g} GB x gpu_memory_utilization {i.gpu_memory_utilization:g} - weights "
             f"{i.weights_bytes / 1e9:.1f} GB - drafter {i.drafter_bytes / 1e9:.1f} GB - reserve "
             f"{i.reserve_bytes / 1e9:.1f} GB, {i.reserve_basis}; {i.layout} prefix-cache layout"
-            + (f" with --prefix-match-unit {self.unit}" if self.unit else "") + f", {kv} KV, "
+            + (f" (--block-size {self.unit} --prefix-match-unit {self.unit})" if self.unit else "") + f", {kv} KV, "
             f"{i.num_speculative_tokens} speculative tokens)",
             f"memory: largest context one stream holds {p.max_context_tokens:,} tokens; streams that fit: "
             + ", ".join(fits) + seqs,
@@ -74,6 +74,9 @@ class LaunchMemory:
         """(a line saying the log agrees, a warning naming both pools, the logged pool) for vLLM's log
         since this start; both lines None when there is no plan or no pool line."""
         logged = mem.log_pool_tokens(text)
+        missing = self._layout_fix_refused(text)
+        if missing:
+            return None, missing, logged
         if self.plan is None or logged is None:
             return None, None, logged
         warning = mem.compare_with_log(self.plan, text)
@@ -81,6 +84,27 @@ class LaunchMemory:
             return None, warning, logged
         return (f"memory: vLLM logged a KV pool of {logged:,} tokens; the plan said {self.plan.pool_tokens:,} "
                 f"({logged / self.plan.pool_tokens - 1:+.1%})"), None, logged
+
+
+    def _layout_fix(self) -> str | None:
+        """The runtime fix the planned layout rests on (the plugin logs when it leaves one out)."""
+        if self.plan is None:
+            return None
+        i = self.plan.inputs
+        if i.layout == "fine_grained" and "sliding_attention" in ((i.drafter_config or {}).get("layer_types") or []):
+            return mem.WINDOW_FIX
+        return "prefix_align" if i.layout == "prefix_align" else None
+
+    def _layout_fix_refused(self, text: str) -> str | None:
+        """A warning when vLLM's log says the plugin did not apply the fix the planned layout rests on
+        (its source is not the one the fix was written for): the pool may agree while the hits do not
+        (a partial hit stops vLLM 0.26.0 without sliding_window_partial_hits)."""
+        fix = self._layout_fix()
+        if fix is None or f"runtime fix {fix} not applied" not in text:
+            return None
+        return (f"the {self.plan.inputs.layout} prefix-cache layout was planned, but vLLM's log says runtime fix {fix} "
+                "was not applied (this vLLM's source is not the one it was written for): serve with "
+                f"--disable-fix {fix}, or a vLLM the fix was checked against")
 
 
 def engine_for(version: str | None) -> tuple[str, str]:
@@ -168,7 +192,8 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
         drafter_cfg, drafter_bytes, _ = drafter_config(launch.drafter, launch.drafter_revision)
     engine, basis = engine_for(version)
     try:
-        plan = mem.plan_on(hardware, ckpt.text_config, profile, engine, weights, drafter_cfg, drafter_bytes, disabled)
+        plan = mem.plan_on(hardware, ckpt.text_config, profile, engine, weights, drafter_cfg, drafter_bytes, disabled,
+                           unit=bool(launch.prefix_match_unit))
     except mem.MemoryPlanError as e:
         return LaunchMemory(None, str(e), hardware, basis)
     except (KeyError, TypeError, ValueError) as e:

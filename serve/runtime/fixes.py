@@ -90,6 +90,13 @@ FIXES: tuple[Fix, ...] = (
         "DFlash writes its context K/V from the target's hidden states at the same positions, so nothing in the last "
         "block is provisional: the fix keeps it, as vLLM 0.33 does (needs_eagle_block_drop)", "",
         ("0.25.1", "0.26.0"), hook="kv_cache_fixes:install"),
+    Fix("sliding_window_partial_hits", "prefix caching with --prefix-match-unit and a drafter with sliding-window "
+        "layers (the 122B's real DFlash drafter): vLLM 0.26.0's SlidingWindowManager asserts at its first lookup "
+        "with a unit finer than its block (the engine dies at the first request) and 0.33.0 / 0.34.0 turn partial "
+        "hits off for the whole model, so a warm prefix hits only on the coarse block grid unless every page is "
+        "padded (prefix_align); the fix gives the sliding "
+        "manager partial hits: the blocks its window reaches, the last one copied on write as vLLM does for full "
+        "attention", "", ("0.26.0", "0.33.0", "0.34.0"), hook="window_hits:install"),
     Fix("fla_smem_sm121", "FLA chunk kernels on GB10 (sm121, 99 KiB shared memory per block) pick the small "
         "tiles (speed only); threshold from HYBRID_BUILD_FLA_SMEM_BYTES", "", ("0.23.0",),
         patch="fla_smem_sm121"),
@@ -133,10 +140,10 @@ TESTED_VERSIONS: tuple[TestedVersion, ...] = (
     TestedVersion("0.26.0", "local", "the full-depth 122B with the real drafter's shape started on the H200 (prefix "
                   "caching on); the plugin checked against its source on CPU",
                   ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "prefix_align", "mamba_state_seed",
-                   "align_accept_snapshot", "dflash_keep_last_block")),
+                   "align_accept_snapshot", "dflash_keep_last_block", "sliding_window_partial_hits")),
     TestedVersion("0.33.0", "local", "the plugin checked against its source on CPU (layer dispatch, Marlin "
                   "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale",
-                                                             "align_accept_snapshot")),
+                                                             "align_accept_snapshot", "sliding_window_partial_hits")),
 )
 
 

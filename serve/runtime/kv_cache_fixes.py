@@ -43,8 +43,9 @@ Two fixes, each switchable alone:
   ``use_eagle()``. The fix gives the scheduler's KV-cache manager and its GDN chunk split
   ``use_eagle=False`` for DFlash and leaves every other use of the flag alone. With vLLM 0.26.0's
   ``--prefix-match-unit`` (hashes finer than the physical block, copy-on-write partial hits) this
-  fix alone gives hits within one unit of the prefix on the stock layout, without prefix_align's
-  padding (``tests/serve/kv_probe.py``; the table in lab/results/prefix_layout_hits_and_pool_cpu.json).
+  fix gives hits within one unit of the prefix on vLLM's own pages, without prefix_align's padding
+  (the ``fine_grained`` layout; a drafter with sliding-window layers also needs
+  ``window_hits.py``'s fix; ``tests/serve/kv_probe.py``, lab/results/prefix_layouts_real_drafter_cpu.json).
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ API (everything else here is a helper):
 
 - ``MemoryInputs``: the model's text config, the drafter's config (or None), the speculative
   method and ``num_speculative_tokens``, the KV dtype, prefix caching and the prefix-cache layout
-  (``stock`` or ``prefix_align``), ``gpu_memory_utilization``, ``max_model_len``, the engine
+  (``LAYOUTS``: ``stock``, ``prefix_align`` or ``fine_grained`` with its ``prefix_match_unit``),
+  ``gpu_memory_utilization``, ``max_model_len``, the engine
   version, and the bytes: the device's total, the served weights, the drafter's weights and the
   reserve (activation peak, CUDA graphs, allocator; ``reserve_basis`` says whether it is measured
   or stated). ``kv_cache_memory_bytes`` replaces the whole subtraction (vLLM's own flag).
@@ -33,8 +34,12 @@ the logged capacity ``int(num_blocks / blocks per max_model_len request x max_mo
 sliding-window layer counts ``cdiv(min(window - 1 + in-flight tokens, max_model_len), block) + 1``
 blocks (0.26.0+: ``max_in_flight_tokens``, two batches under async scheduling, vLLM's default). The
 layout ``prefix_align`` is the runtime fix of ``serve/runtime/kv_cache_fixes.py`` (every group at
-the GDN block, pages padded to the largest). ``tests/serve/speed/test_memory_plan.py`` checks all
-of it against vLLM's own functions run on CPU.
+the GDN block, pages padded to the largest); ``fine_grained`` is the stock layout with vLLM's
+``--block-size U --prefix-match-unit U`` (the hybrid alignment takes the block size as its kernel
+alignment where it is larger, so every group's block is a multiple of U; warm hits end within U tokens
+of a cached prompt; with a sliding-window drafter this needs the runtime fix
+``sliding_window_partial_hits``). ``tests/serve/speed/test_memory_plan.py`` checks all of it against
+vLLM's own functions run on CPU.
 
 What a stream of ``C`` tokens takes (``KVCacheManager`` on CPU checks it): per attention group
 ``ceil((C + lookahead) / block)`` blocks (lookahead: the speculative tokens + 1, as the scheduler
@@ -61,6 +66,9 @@ DFLASH_DRAFTER = {"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_va
                   "hidden_size": 3072, "sliding_window": 4096,
                   "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 LOG_POOL = re.compile(r"(?:GPU|CUDA) KV cache size: ([\d,]+) tokens")
+# the prefix-cache layouts: vLLM's own; every group at the GDN block with padded pages (runtime fix
+# prefix_align); vLLM's own pages with --block-size U --prefix-match-unit U (partial hits every U tokens)
+LAYOUTS = ("stock", "prefix_align", "fine_grained")
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,8 @@ class MemoryInputs:
     num_speculative_tokens: int = 0
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
-    layout: str = "stock"  # stock | prefix_align
+    layout: str = "stock"  # one of LAYOUTS
+    prefix_match_unit: int | None = None  # fine_grained: vLLM's --prefix-match-unit and --block-size
     gpu_memory_utilization: float = 0.82
     max_model_len: int = 262144
     engine: str = "0.26.0"
@@ -150,6 +159,14 @@ class MemoryPlan:
     def block_bytes(self) -> int:
         """One block of the pool: a page in each of the group-size shared tensors."""
         return self.page_bytes * self.group_size
+
+    @property
+    def hit_unit(self) -> int:
+        """The grid a warm prefix hit lands on, in tokens: the unit (``fine_grained``), the GDN block
+        (``prefix_align``), else the common multiple of the groups' blocks (vLLM's scheduler block)."""
+        if self.inputs.layout == "fine_grained" and self.inputs.prefix_match_unit:
+            return self.inputs.prefix_match_unit
+        return math.lcm(*(g.block_size for g in self.groups)) if self.groups else 0
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -202,6 +219,8 @@ class MemoryPlan:
         i = self.inputs
         return {
             "engine": i.engine, "layout": i.layout, "prefix_caching": i.prefix_caching,
+            "prefix_match_unit": i.prefix_match_unit if i.layout == "fine_grained" else None,
+            "hit_unit": self.hit_unit if i.prefix_caching else None,
             "kv_cache_dtype": i.kv_cache_dtype, "num_speculative_tokens": i.num_speculative_tokens,
             "gpu_memory_utilization": i.gpu_memory_utilization, "max_model_len": i.max_model_len,
             "total_bytes": i.total_bytes, "weights_bytes": i.weights_bytes, "drafter_bytes": i.drafter_bytes,
@@ -287,9 +306,10 @@ def _specs(i: MemoryInputs) -> tuple[list[_Spec], int]:
     state = 0
     if hybrid:
         state = gdn_state_bytes(tc, num_spec, i.tensor_parallel)
-        align_unit = KERNEL_BLOCK
+        # --block-size: Platform._align_hybrid_block_size takes it as the alignment where it exceeds the kernel's
+        align_unit = max(KERNEL_BLOCK, i.prefix_match_unit or 0) if i.layout == "fine_grained" else KERNEL_BLOCK
         if align and i.engine >= "0.33":
-            align_unit = math.lcm(KERNEL_BLOCK, FLASHINFER_GDN_GRID)
+            align_unit = math.lcm(align_unit, FLASHINFER_GDN_GRID)
         block = align_unit * math.ceil(state / (align_unit * attn_token))
     specs: list[_Spec] = []
     state_pages = (1 + num_spec + (1 if align else 0))
@@ -400,8 +420,10 @@ def plan_memory(i: MemoryInputs) -> MemoryPlan:
     """The KV cache vLLM ``i.engine`` would build for these inputs (module docstring)."""
     if i.engine not in ENGINE_VERSIONS:
         raise MemoryPlanError(f"engine {i.engine}: the memory plan knows vLLM {', '.join(ENGINE_VERSIONS)}")
-    if i.layout not in ("stock", "prefix_align"):
-        raise MemoryPlanError(f"layout {i.layout!r}: stock or prefix_align")
+    if i.layout not in LAYOUTS:
+        raise MemoryPlanError(f"layout {i.layout!r}: one of {', '.join(LAYOUTS)}")
+    if i.layout == "fine_grained" and not (i.prefix_match_unit and i.prefix_match_unit > 0):
+        raise MemoryPlanError("layout fine_grained needs a prefix_match_unit")
     d = i.drafter_config or {}
     notes = []
     if i.method == "dflash" and "sliding_attention" in (d.get("layer_types") or []) and "0.25" <= i.engine < "0.26":
@@ -469,29 +491,35 @@ def profile_kv_dtype(profile) -> str:
 
 
 # where a profile's prefix_match_unit is passed (serve/launch/engine.match_unit): measured there on
-# vLLM's own code to hit within one unit with the stock layout (tests/serve/runtime/test_kv_cache_fixes.py)
+# vLLM's own code to hit within one unit with the stock pages (tests/serve/runtime/test_kv_cache_fixes.py,
+# test_window_hits.py)
 UNIT_ENGINES = ("0.26.0", "0.33.0")
+WINDOW_FIX = "sliding_window_partial_hits"  # a drafter's sliding-window layers take partial hits with it
 
 
 def uses_match_unit(profile, engine: str, drafter_config: dict | None, disabled: frozenset[str] = frozenset()) -> bool:
-    """Whether serve passes the profile's ``prefix_match_unit`` (the stock layout then, prefix_align off):
-    a DFlash profile caching prefixes, on a version where the unit was measured, with a drafter known
-    to have no sliding-window layers (vLLM 0.26.0 asserts on a partial hit there, 0.33.0 turns partial
-    hits off) and the last block kept (0.26.0: dflash_keep_last_block; 0.33.0 keeps it itself)."""
+    """Whether serve passes the profile's ``prefix_match_unit`` (the ``fine_grained`` layout: vLLM's own
+    pages, ``--block-size`` and ``--prefix-match-unit`` both the unit, prefix_align off): a DFlash
+    profile caching prefixes, on a version where the unit was measured, with the drafter's config
+    known, the last block kept (0.26.0: dflash_keep_last_block; 0.33.0 keeps it itself) and, for a
+    drafter with sliding-window layers, the runtime fix that gives them partial hits (without it
+    vLLM 0.26.0 asserts at its first prefix-cache lookup and 0.33.0 turns partial hits off)."""
     spec = getattr(profile, "speculative", None)
+    sliding = drafter_config is not None and "sliding_attention" in (drafter_config.get("layer_types") or [])
     return bool(getattr(profile, "prefix_match_unit", None) and spec is not None and spec.method == "dflash"
                 and profile.enable_prefix_caching and engine in UNIT_ENGINES and drafter_config is not None
-                and "sliding_attention" not in (drafter_config.get("layer_types") or [])
+                and not (sliding and WINDOW_FIX in disabled)
                 and "dflash_keep_last_block" not in disabled)
 
 
 def profile_layout(profile, engine: str, disabled: frozenset[str] = frozenset(),
-                   drafter_config: dict | None = None) -> str:
-    """``prefix_align`` where serve installs it (a DFlash drafter, prefix caching on, a version the
-    plugin's fix is written for, not disabled, no prefix-match unit passed), else ``stock``."""
+                   drafter_config: dict | None = None, unit: bool = True) -> str:
+    """``fine_grained`` where serve passes the profile's prefix-match unit (``uses_match_unit``; ``unit``
+    False: a launch that does not pass it), else ``prefix_align`` where serve installs it (a DFlash
+    drafter, prefix caching on, a version the plugin's fix is written for, not disabled), else ``stock``."""
     spec = getattr(profile, "speculative", None)
-    if uses_match_unit(profile, engine, drafter_config, disabled):
-        return "stock"
+    if unit and uses_match_unit(profile, engine, drafter_config, disabled):
+        return "fine_grained"
     if (spec is not None and spec.method == "dflash" and profile.enable_prefix_caching
             and engine in PREFIX_ALIGN_ENGINES and "prefix_align" not in disabled):
         return "prefix_align"
@@ -504,11 +532,13 @@ def profile_inputs(text_config: dict, profile, engine: str, drafter_config: dict
     ``total_bytes``, ``weights_bytes``, ``drafter_bytes``, ``reserve_bytes``, ``reserve_basis``,
     ``kv_cache_memory_bytes``, ``tensor_parallel``."""
     spec = getattr(profile, "speculative", None)
+    layout = layout or profile_layout(profile, engine, drafter_config=drafter_config)
+    unit = getattr(profile, "prefix_match_unit", None) if layout == "fine_grained" else None
     return MemoryInputs(
         text_config=text_config, drafter_config=drafter_config if spec and spec.method == "dflash" else None,
         method=spec.method if spec else None, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         kv_cache_dtype=profile_kv_dtype(profile), prefix_caching=bool(profile.enable_prefix_caching),
-        layout=layout or profile_layout(profile, engine, drafter_config=drafter_config),
+        layout=layout, prefix_match_unit=unit,
         gpu_memory_utilization=profile.gpu_memory_utilization,
         max_model_len=profile.max_model_len, engine=engine,
         async_scheduling="--no-async-scheduling" not in (getattr(profile, "extra_args", None) or []), **bytes_)
@@ -565,16 +595,18 @@ def profile_kv_memory_bytes(profile) -> int | None:
 
 def plan_on(hardware: str, text_config: dict, profile, engine: str, weights_bytes: int,
             drafter_config: dict | None = None, drafter_bytes: int = 0, disabled: frozenset[str] = frozenset(),
-            ) -> MemoryPlan:
+            unit: bool = True) -> MemoryPlan:
     """The memory plan of a serve profile on a hardware preset: its memory, its reserve
-    (``reserve_for``), the layout serve installs on ``engine`` (``profile_layout``), and a
-    ``--kv-cache-memory-bytes`` in its extra_args where it sets one."""
+    (``reserve_for``), the layout serve installs on ``engine`` (``profile_layout``; ``unit`` False: a
+    launch that does not pass the profile's prefix-match unit), and a ``--kv-cache-memory-bytes`` in
+    its extra_args where it sets one."""
     total = device_bytes(hardware)
     if total is None:
         raise MemoryPlanError(f"hardware {hardware!r}: its memory is not known")
     reserve, basis = reserve_for(hardware)
     return plan_memory(profile_inputs(
-        text_config, profile, engine, drafter_config, layout=profile_layout(profile, engine, disabled, drafter_config),
+        text_config, profile, engine, drafter_config,
+        layout=profile_layout(profile, engine, disabled, drafter_config, unit),
         total_bytes=total, weights_bytes=weights_bytes, drafter_bytes=drafter_bytes, reserve_bytes=reserve,
         reserve_basis=basis, kv_cache_memory_bytes=profile_kv_memory_bytes(profile)))
 

@@ -520,6 +520,11 @@ def _render_memory(m: dict) -> list[str]:
              f"length: {m['state_bytes_per_stream'] / 1e9:.2f} GB of GDN state with its speculative pages",
              f"  pool {m['pool_tokens']:,} tokens (the figure vLLM logs); largest context one stream holds "
              f"{m['max_context_tokens']:,}"]
+    if m.get("hit_unit"):
+        lines.append(f"  warm prefix hits land on a {m['hit_unit']:,}-token grid" + (
+            f" (--block-size {m['prefix_match_unit']} --prefix-match-unit {m['prefix_match_unit']} on vLLM's own "
+            "pages: a resent prompt hits to within that of its end)" if m.get("prefix_match_unit") else
+            " (the GDN block: pages padded)" if m["layout"] == "prefix_align" else ""))
     for f in m["fit"]:
         ok = "fit" if f["whole"] >= f["streams"] else "DO NOT FIT"
         lines.append(f"  {f['streams']} x {f['context']:,} tokens: {ok} ({f['whole']} whole streams"

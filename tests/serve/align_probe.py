@@ -2,10 +2,12 @@
 decoding, prefix caching in GDN "align" mode and the 122B's KV layout, checking the block-table
 invariants on every step (run as a subprocess with a vLLM version's sources on PYTHONPATH).
 
-Usage: ``python align_probe.py CASES WORK OUT.json [SEED]``; CASES: ``shape:fixes`` joined by ``;``
-(shapes: ``full6``, ``mixed``, ``sliding6`` DFlash drafters, ``mtp`` the model's own MTP layer; fixes:
-``none`` or fix ids joined by commas, installed as the plugin installs them), run in that order in one
-process, each case's fixes including the previous case's.
+Usage: ``python align_probe.py CASES WORK OUT.json [SEED]``; CASES: ``shape[@N]:fixes[:UNIT]`` joined by
+``;`` (shapes: ``full6``, ``mixed``, ``sliding6`` DFlash drafters, ``mtp`` the model's own MTP layer;
+``@N``: N speculative tokens instead of the shape's default; fixes: ``none`` or fix ids joined by
+commas, installed as the plugin installs them; ``UNIT``: the launch's ``--block-size UNIT
+--prefix-match-unit UNIT``, fine-grained hits), run in that order in one process, each case's fixes
+including the previous case's.
 
 What is vLLM's here: ``VllmConfig`` with its ``SchedulerConfig``, ``CacheConfig`` (prefix caching,
 ``mamba_cache_mode="align"``) and the ``SpeculativeConfig`` vLLM builds: DFlash (12 tokens) read from
@@ -24,9 +26,11 @@ step by step) and emits random token ids.
 Invariants, every step: for every scheduled request, each group's block list covers the tokens
 computed after the step, and the block at the running GDN column is a real block; for a request
 that starts from a prefix-cache hit, every group's hit ends at the same token (the hit is a multiple
-of each group's block, each full-attention block inside it is a cached block, and the GDN state of
-the hit sits at column ``hit / block - 1``: a cached, not a null, block); the column the V2 runner
-seeds (``add_request``) is that one.
+of each group's block, or with fine-grained hits of the hash unit; each full-attention block inside
+it, and each sliding-window block its window reaches, is a block that was cached before this step;
+a block the hit ends inside is a private copy this step's output copies from such a block; the GDN
+state of the hit sits at column ``(hit - 1) // block``: a cached block or such a copy, never a null
+block); the column the V2 runner seeds (``add_request``) is that one.
 """
 from __future__ import annotations
 
@@ -89,7 +93,7 @@ def target_config(work: Path):
     return ModelConfig(model=str(work / "target"), skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="bfloat16")
 
 
-def vllm_config(model, work: Path, method: str, tokens: int):
+def vllm_config(model, work: Path, method: str, tokens: int, unit: int | None = None):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -102,8 +106,10 @@ def vllm_config(model, work: Path, method: str, tokens: int):
     drafter = {"model": str(work / "drafter")} if method == "dflash" else {}
     spec = SpeculativeConfig(method=method, num_speculative_tokens=tokens, target_model_config=model,
                              target_parallel_config=ParallelConfig(), **drafter)
+    fine = {"prefix_match_unit": unit} if unit else {}  # 0.25.1's CacheConfig has no such field
     return VllmConfig(model_config=model, speculative_config=spec, device_config=DeviceConfig(device="cpu"),
-                      cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, mamba_cache_mode="align"),
+                      cache_config=CacheConfig(block_size=unit or 16, enable_prefix_caching=True,
+                                               mamba_cache_mode="align", **fine),
                       scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET,
                                                        max_model_len=MAX_LEN, is_encoder_decoder=False))
 
@@ -130,39 +136,54 @@ def cached_blocks(sched) -> dict[int, object]:
     return {b.block_id: b.block_hash for b in sched.kv_cache_manager.block_pool.blocks if b.block_hash is not None}
 
 
-def check_new(sched, groups, state, slot: int, new, step: int, before: dict[int, object]) -> dict:
+def check_new(sched, groups, state, slot: int, new, step: int, before: dict[int, object], copies: dict[int, int],
+              fine: int | None) -> dict:
     """A request scheduled for the first time: every group's hit ends at the same token (each block
-    inside it was a cached block before this step, not one allocated and hashed by this step), its GDN
-    state is such a block at the hit's column, and the V2 runner seeds that column."""
+    inside it, as far back as the group reads, was a cached block before this step, not one allocated
+    and hashed by this step; a block the hit ends inside is copied from such a block), its GDN state is
+    such a block at the hit's column, and the V2 runner seeds that column. ``copies``: this step's
+    copy-on-write pairs (destination -> source); ``fine``: the hash unit where hits may end inside a
+    block."""
     hit = new.num_computed_tokens
     pool = sched.kv_cache_manager.block_pool.blocks
     where = f"step {step}, request {new.req_id}, hit {hit}"
-    for g, (kind, block) in enumerate(groups):
+
+    def cached(i: int) -> bool:  # held this hash before the step
+        return i != 0 and before.get(i) is not None and pool[i].block_hash == before[i]
+
+    def copied(i: int) -> bool:  # a private copy, made this step, of a block cached before it
+        return i in copies and before.get(copies[i]) is not None
+
+    if fine and hit % fine:
+        raise Violation(f"{where}: a fine-grained hit off the hash unit {fine}")
+    for g, (kind, block, window) in enumerate(groups):
         ids = new.block_ids[g]
-        if hit % block:
+        if hit % block and not fine:
             raise Violation(f"{where}: group {g} ({kind}, block {block}) cannot end a hit there")
-        if kind == "full":
-            cold = [j for j, i in enumerate(ids[:hit // block]) if i == 0 or before.get(i) is None
-                    or pool[i].block_hash != before[i]]
+        if kind in ("full", "window") and hit:
+            first = 0 if kind == "full" else max(0, hit - window + 1) // block
+            cold = [j for j in range(first, hit // block) if not cached(ids[j])]
             if cold:
                 raise Violation(f"{where}: group {g} ({kind}, block {block}) has {len(cold)} blocks inside the hit "
                                 f"that held no cached KV before this step (block indexes {cold[:4]}): its hit ends "
                                 f"at {cold[0] * block}")
+            if hit % block and not copied(ids[hit // block]):
+                raise Violation(f"{where}: group {g} ({kind}, block {block}): the hit ends inside block "
+                                f"{hit // block} ({ids[hit // block]}), which is not a copy of a cached block")
         if kind == "mamba" and hit:
-            col = hit // block - 1
-            if col >= len(ids) or ids[col] == 0 or before.get(ids[col]) is None:
-                got = "past the allocation" if col >= len(ids) else f"block {ids[col]} (null or not cached)"
+            col = (hit - 1) // block
+            if col >= len(ids) or not (cached(ids[col]) or copied(ids[col])):
+                got = "past the allocation" if col >= len(ids) else f"block {ids[col]} (null, not cached, not a copy)"
                 raise Violation(f"{where}: group {g} (GDN) state of the hit at column {col}: {got}; "
                                 f"blocks {[i for i in ids[:col + 2]][-4:]}")
     new_req = types.SimpleNamespace(num_computed_tokens=hit, prefill_token_ids=None, mm_features=None)
     state.add_request(slot, new_req)
     seed = int(state._mamba_state_idx_gpu[slot])
-    mamba = [(g, block) for g, (kind, block) in enumerate(groups) if kind == "mamba"]
-    for g, block in mamba:
-        if hit and seed != hit // block - 1:
-            raise Violation(f"{where}: the V2 runner seeds GDN column {seed}, the state is at {hit // block - 1} "
+    for g, (kind, block, _) in enumerate(groups):
+        if kind == "mamba" and hit and seed != (hit - 1) // block:
+            raise Violation(f"{where}: the V2 runner seeds GDN column {seed}, the state is at {(hit - 1) // block} "
                             f"(allocation {len(new.block_ids[g])} columns)")
-    return {"hit": hit, "seed": seed}
+    return {"hit": hit, "seed": seed, "partial": bool(fine) and any(hit % b for _, b, _ in groups)}
 
 
 def check_step(sched, groups, out, step: int) -> None:
@@ -171,7 +192,7 @@ def check_step(sched, groups, out, step: int) -> None:
     mgr = sched.kv_cache_manager.coordinator.single_type_managers
     for rid in out.num_scheduled_tokens:
         end = sched.requests[rid].num_computed_tokens  # schedule() has counted this step's tokens in
-        for g, (kind, block) in enumerate(groups):
+        for g, (kind, block, _) in enumerate(groups):
             blocks = mgr[g].req_to_blocks[rid]
             if len(blocks) * block < end:
                 raise Violation(f"step {step}, request {rid}: group {g} ({kind}) holds {len(blocks)} blocks of "
@@ -194,11 +215,13 @@ def runner_output(sched, out, rng: random.Random):
             sampled.append([])
         else:
             sampled.append([rng.randrange(100, 240000) for _ in range(rng.randint(1, drafts + 1))])
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}}  # 0.34.0 has no such field
+    known = getattr(ModelRunnerOutput, "__dataclass_fields__", index)
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **{k: v for k, v in index.items() if k in known})
 
 
 def converse(sched, groups, state, hasher, rng: random.Random, conversations: int, turns: int, tokens: int,
-             log: list[dict]) -> None:
+             log: list[dict], fine: int | None = None) -> None:
     """Multi-turn conversations, two at a time: each turn's prompt is the previous turn's prompt and
     answer plus a new message (a resume from the cached prefix); a fork repeats a turn's history with
     another message."""
@@ -222,11 +245,12 @@ def converse(sched, groups, state, hasher, rng: random.Random, conversations: in
             before = cached_blocks(sched)
             out = sched.schedule()
             step += 1
+            copies = {c.dst_block_id: c.src_block_id for c in getattr(out, "kv_cache_block_copies", None) or ()}
             for new in out.scheduled_new_reqs:
                 slots[new.req_id] = len(slots) % (MAX_SEQS * 4)
                 prompt = len(sched.requests[new.req_id].prompt_token_ids)
                 log.append({"step": step, "request": new.req_id, "prompt": prompt,
-                            **check_new(sched, groups, state, slots[new.req_id], new, step, before)})
+                            **check_new(sched, groups, state, slots[new.req_id], new, step, before, copies, fine)})
             check_step(sched, groups, out, step)
             for rid in out.num_scheduled_tokens:
                 outputs[rid] = sched.requests[rid].output_token_ids
@@ -241,20 +265,23 @@ def converse(sched, groups, state, hasher, rng: random.Random, conversations: in
             history[c] = history[c] + outputs.get(f"c{c}t{turn}f0", [])
 
 
-def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int) -> dict:
+def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int, unit: int | None = None) -> dict:
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    shape, _, n = shape.partition("@")
     method, tokens = SHAPES[shape]
-    res: dict = {"shape": shape, "method": method, "fixes": sorted(enabled), "install": install(enabled)}
-    config = vllm_config(model, work, method, tokens)
+    tokens = int(n) if n else tokens
+    res: dict = {"shape": shape, "method": method, "tokens": tokens, "unit": unit, "fixes": sorted(enabled),
+                 "install": install(enabled)}
+    config = vllm_config(model, work, method, tokens, unit)
     # VllmConfig turns the hybrid manager off on a platform without hybrid KV-cache support (this
     # CPU); the GPU engine keeps it on for the hybrid target
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    spec, _ = kv_probe.specs(shape, spec_tokens=tokens)
+    spec, _ = kv_probe.specs(shape, spec_tokens=tokens, block_flag=unit)
     try:  # 0.33: planning has its own module, after the engine core resolves one KV-cache layout
         from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
@@ -266,13 +293,13 @@ def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int) 
         get_kv_cache_groups = kcu.get_kv_cache_groups
     groups = get_kv_cache_groups(config, spec)
     kinds = [("mamba" if isinstance(g.kv_cache_spec, MambaSpec) else
-              "full" if type(g.kv_cache_spec) is FullAttentionSpec else "window", g.kv_cache_spec.block_size)
-             for g in groups]
-    res["groups"] = sorted({f"{k} {b}" for k, b in kinds})
+              "full" if type(g.kv_cache_spec) is FullAttentionSpec else "window", g.kv_cache_spec.block_size,
+              getattr(g.kv_cache_spec, "sliding_window", None)) for g in groups]
+    res["groups"] = sorted({f"{k} {b}" for k, b, _ in kinds})
     kv_config = KVCacheConfig(num_blocks=4000, kv_cache_tensors=[], kv_cache_groups=groups)
     cache = config.cache_config
-    cache.block_size = min(b for _, b in kinds)  # the engine core, after planning
-    cache.mamba_block_size = next(b for k, b in kinds if k == "mamba")  # the platform, align mode
+    cache.block_size = min(b for _, b, _ in kinds)  # the engine core, after planning
+    cache.mamba_block_size = next(b for k, b, _ in kinds if k == "mamba")  # the platform, align mode
     cache.num_gpu_blocks = kv_config.num_blocks
     scheduler_block, hash_block = kcu.resolve_kv_cache_block_sizes(kv_config, config)
     kcu.init_none_hash(sha256_cbor)
@@ -285,10 +312,12 @@ def run_case(model, work: Path, shape: str, enabled: frozenset[str], seed: int) 
     except AssertionError as e:  # the engine core stops here: this layout does not start
         res["start"] = f"{type(e).__name__}: {e}"[:300]
         return res
-    res.update(scheduler_use_eagle=sched.use_eagle, manager_use_eagle=sched.kv_cache_manager.use_eagle)
+    partial = bool(getattr(sched.kv_cache_manager.coordinator, "enable_partial_hash_hits", False))
+    res.update(scheduler_use_eagle=sched.use_eagle, manager_use_eagle=sched.kv_cache_manager.use_eagle,
+               partial_hits=partial)
     try:
         converse(sched, kinds, model_state(cache), hasher, random.Random(seed), conversations=2, turns=4,
-                 tokens=tokens, log=res["requests"])
+                 tokens=tokens, log=res["requests"], fine=hash_block if partial else None)
     except Violation as e:
         res["violation"] = str(e)
     except Exception as e:  # vLLM's own code stopped (an assertion of its own): the engine would die here
@@ -307,15 +336,18 @@ def main() -> int:
     results, before = [], frozenset()
     for case in cases.split(";"):
         shape, _, fixes = case.partition(":")
+        fixes, _, unit = fixes.partition(":")
         enabled = frozenset() if fixes in ("", "none") else frozenset(fixes.split(","))
         unknown = enabled - set(FIX_IDS)
-        if shape not in SHAPES or unknown or not before <= enabled:
+        base, _, n = shape.partition("@")
+        if base not in SHAPES or unknown or not before <= enabled or not (n.isdigit() or not n) or \
+                not (unit.isdigit() or not unit):
             print(f"align_probe: bad case {case!r} (shapes: {', '.join(SHAPES)}; fixes: ids of serve/runtime/fixes.py"
                   f"{', not ' + ', '.join(sorted(unknown)) if unknown else ''}; each case's fixes must include the "
                   f"previous case's)", file=sys.stderr)
             return 2
         before = enabled
-        results.append(run_case(model, work, shape, enabled, seed))
+        results.append(run_case(model, work, shape, enabled, seed, int(unit) if unit else None))
     tmp = Path(out + ".partial")
     tmp.write_text(json.dumps(results, indent=1))
     tmp.rename(out)

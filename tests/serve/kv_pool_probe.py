@@ -4,7 +4,8 @@ process, on CPU (run with a vLLM version's sources on PYTHONPATH; kv_probe.py's 
 Usage: ``python kv_pool_probe.py CASES.json OUT.json``. Each case: ``text_config``,
 ``drafter_config`` (or null), ``method`` (dflash | mtp | null), ``num_speculative_tokens``,
 ``kv_bytes``, ``caching``, ``fixes`` (ids of ``serve/runtime/kv_cache_fixes``), ``max_model_len``,
-``available_memory``, ``contexts``, optionally ``async_scheduling`` (vLLM's default, on, where absent).
+``available_memory``, ``contexts``, optionally ``async_scheduling`` (vLLM's default, on, where absent) and
+``block_size`` (vLLM's --block-size, which the fine_grained layout passes).
 
 What is vLLM's: the spec classes and their page sizes, the GDN state shape
 (``MambaStateShapeCalculator``), ``get_kv_cache_groups`` (page unification, grouping; the
@@ -48,10 +49,10 @@ def build_specs(case: dict, version: str) -> dict:
     mamba_page = sum(math.prod(s) * torch.tensor([], dtype=d).element_size() for s, d in zip(shapes, dtypes))
     attn_token = FullAttentionSpec(block_size=1, num_kv_heads=tc["num_key_value_heads"], head_size=tc["head_dim"],
                                    dtype=kv_dtype).page_size_bytes
-    align = KERNEL_ALIGN
+    align = max(KERNEL_ALIGN, case.get("block_size") or 0)  # --block-size: the alignment where it is larger
     mode = "align" if case["caching"] else "none"
     if mode == "align" and version >= "0.33":
-        align = math.lcm(KERNEL_ALIGN, 64)  # FlashInfer's GDN checkpoint alignment
+        align = math.lcm(align, 64)  # FlashInfer's GDN checkpoint alignment
     block = align * math.ceil(mamba_page / (align * attn_token))
     import dataclasses
 

@@ -54,7 +54,8 @@ def _spec(cls, **fields):
     return cls(**{k: v for k, v in fields.items() if k in known})
 
 
-def specs(shape: str, block: int | None = None, spec_tokens: int = SPEC_TOKENS) -> tuple[dict, int]:
+def specs(shape: str, block: int | None = None, spec_tokens: int = SPEC_TOKENS,
+          block_flag: int | None = None) -> tuple[dict, int]:
     """The layers' KV specs: the target's, then the drafter's (``full6``: the DFlash drafter with 6
     full-attention layers; ``mixed``: 5 sliding-window layers of 4096 + 1 full, the real drafter;
     ``sliding6``: all 6 sliding, a drafter of that width that ships nowhere; ``mtp``: the model's own
@@ -70,8 +71,10 @@ def specs(shape: str, block: int | None = None, spec_tokens: int = SPEC_TOKENS) 
     attn_token = FullAttentionSpec(block_size=1, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
                                    dtype=torch.bfloat16).page_size_bytes
     # Platform._align_hybrid_block_size, align mode: the smallest kernel-aligned block whose
-    # attention page covers the GDN state; the GDN page is padded to that page
-    block = block or KERNEL_ALIGN * math.ceil(mamba_page / (KERNEL_ALIGN * attn_token))
+    # attention page covers the GDN state; the GDN page is padded to that page. ``block_flag``: vLLM's
+    # --block-size, which that formula takes as the alignment where it exceeds the kernel's
+    align = max(KERNEL_ALIGN, block_flag or 0)
+    block = block or align * math.ceil(mamba_page / (align * attn_token))
     out: dict = {}
     layer = 0
     for i in range(TARGET_FULL + TARGET_GDN):
@@ -164,11 +167,12 @@ def kv_pool_probe_version() -> str:
 
 
 def main() -> int:
-    if sys.argv[1] == "--cases":  # many cases in one process: [{"shape", "fixes", "unit"}, ...]
+    if sys.argv[1] == "--cases":  # many cases in one process: [{"shape", "fixes", "unit", "spec_tokens"?}, ...]
         results = []
         for case in json.load(open(sys.argv[2])):
             try:
-                results.append(dict(case, **run_case(case["shape"], case["fixes"], case.get("unit"))))
+                results.append(dict(case, **run_case(case["shape"], case["fixes"], case.get("unit"),
+                                                     case.get("spec_tokens", SPEC_TOKENS), case.get("block_flag"))))
             except Exception as e:  # one case's failure is that case's result
                 import traceback
 
@@ -180,7 +184,34 @@ def main() -> int:
     return 0
 
 
-def run_case(shape: str, fixes: str, unit: int | None) -> dict:
+def install(enabled: frozenset[str]) -> dict[str, str]:
+    """Each plugin hook (``fixes.hooks()``) called with the ids of ``enabled`` it installs, as the
+    plugin's ``register`` calls them; the sliding-window manager first put back to vLLM's own when
+    this case does not name ``sliding_window_partial_hits`` (an earlier case may have installed it)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stkm
+
+    from hybrid_build.serve.runtime import plugin
+    from hybrid_build.serve.runtime.fixes import hooks
+
+    cls = stkm.SlidingWindowManager
+    for name in ("find_longest_cache_hit", "reachable_block_mask", "cache_blocks"):
+        patched = cls.__dict__.get(name)
+        func = getattr(patched, "__func__", patched)
+        if "sliding_window_partial_hits" not in enabled and getattr(func, "hybrid_build_fix", False):
+            if name == "cache_blocks":
+                delattr(cls, name)
+            else:
+                setattr(cls, name, classmethod(func.stock))
+            cls.supports_fine_grained_hash_lookup = False
+    state: dict[str, str] = {}
+    for hook, ids in hooks().items():
+        if enabled & set(ids):
+            state.update(plugin._hook(hook)(enabled & frozenset(ids)))
+    return state
+
+
+def run_case(shape: str, fixes: str, unit: int | None, spec_tokens: int = SPEC_TOKENS,
+             block_flag: int | None = None) -> dict:
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.sched import scheduler as sched_mod
@@ -198,10 +229,11 @@ def run_case(shape: str, fixes: str, unit: int | None) -> dict:
     if hasattr(kcu, "unify_kv_cache_spec_page_size"):
         kcu.unify_kv_cache_spec_page_size = planning.unify_kv_cache_spec_page_size
     enabled = frozenset() if fixes == "none" else frozenset(fixes.split(","))
-    res: dict = {"shape": shape, "fixes": sorted(enabled), "unit": unit, "install": kv_cache_fixes.install(enabled)}
+    res: dict = {"shape": shape, "fixes": sorted(enabled), "unit": unit, "spec_tokens": spec_tokens,
+                 "install": install(enabled)}
     from kv_pool_probe import build_specs, config_of
 
-    pool_case = {"caching": True, "method": "dflash", "num_speculative_tokens": SPEC_TOKENS,
+    pool_case = {"caching": True, "method": "dflash", "num_speculative_tokens": spec_tokens,
                  "max_model_len": MAX_MODEL_LEN, "kv_bytes": 2, "text_config": TEXT_122B,
                  "drafter_config": dict(DRAFTER, layer_types=DRAFTER_TYPES[shape])}
     if v33:  # 0.33's spec classes and config fields (kv_pool_probe builds both for every version)
@@ -211,7 +243,7 @@ def run_case(shape: str, fixes: str, unit: int | None) -> dict:
         config.speculative_config.use_eagle_block_drop = lambda: False  # 0.33: only EAGLE / MTP drop
         config.speculative_config.needs_eagle_block_drop = lambda: False
     else:
-        spec, mamba_page = specs(shape)
+        spec, mamba_page = specs(shape, spec_tokens=spec_tokens, block_flag=block_flag)
         config = types.SimpleNamespace(
             scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
             speculative_config=types.SimpleNamespace(method="dflash", use_eagle=lambda: True),
@@ -268,7 +300,7 @@ def run_case(shape: str, fixes: str, unit: int | None) -> dict:
         sched.mamba_shared_prefix_checkpoint = False
         res["partial_hits"] = sched.mamba_partial_cache_hit
     split = sched_mod.Scheduler._mamba_block_aligned_split
-    lookahead = SPEC_TOKENS + 1  # DFlash: a query for the last sampled token plus one per draft
+    lookahead = spec_tokens + 1  # DFlash: a query for the last sampled token plus one per draft
     res["hits"] = {}
     for i, ctx in enumerate(CONTEXTS):
         prefix = [(97 * j + 13 * i) % 240000 + 100 for j in range(ctx)]

@@ -174,29 +174,37 @@ def test_serve_starts_what_the_version_runs_and_prints_its_notes(served, monkeyp
     mark.unlink()
     monkeypatch.setenv("STANDIN_VERSION", "0.33.0")
     assert _serve(tmp, "mixed") == 1 and mark.exists()
+    assert "note: prefix caching with this drafter" not in capsys.readouterr().out  # the fine_grained layout
+    mark.unlink()
+    assert _serve(tmp, "mixed", "--disable-fix", "sliding_window_partial_hits") == 1 and mark.exists()
     assert "note: prefix caching with this drafter" in capsys.readouterr().out
 
 
 def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypatch, capsys):
-    """The 122B profiles' prefix_match_unit reaches vLLM 0.26.0 and 0.33.0 with a drafter without
-    sliding-window layers, and turns prefix_align (its padded pages) off there; with the mixed drafter,
-    on 0.25.1, or with dflash_keep_last_block off, prefix_align's layout stays and no unit is passed."""
+    """The 122B profiles' prefix_match_unit reaches vLLM 0.26.0 and 0.33.0 with the same --block-size (the
+    fine_grained layout), with either drafter, and turns prefix_align (its padded pages) off there; with
+    sliding_window_partial_hits off and the mixed drafter, on 0.25.1, or with dflash_keep_last_block off,
+    prefix_align's layout stays (0.26.0) and no unit is passed."""
     tmp, mark = served
-    unit = "--prefix-match-unit 64"
+    unit = "--block-size 64 --prefix-match-unit 64"
     for version in ("0.26.0", "0.33.0"):
-        monkeypatch.setenv("STANDIN_VERSION", version)
-        assert _serve(tmp, "full6") == 1
-        said = mark.read_text()
-        assert unit in said and said.strip().endswith("off: prefix_align"), (version, said)
-        out = capsys.readouterr().out
-        assert "note: prefix cache: --prefix-match-unit 64 on the stock KV layout" in out and "coarse" not in out
-        assert "no warm-prefix TTFT" not in out
-    for version, shape, extra in (("0.26.0", "mixed", ()), ("0.33.0", "mixed", ()), ("0.25.1", "full6", ()),
-                                  ("0.26.0", "full6", ("--disable-fix", "dflash_keep_last_block"))):
+        for shape in ("full6", "mixed"):
+            monkeypatch.setenv("STANDIN_VERSION", version)
+            assert _serve(tmp, shape) == 1
+            said = mark.read_text()
+            assert unit in said and said.strip().endswith("off: prefix_align"), (version, said)
+            out = capsys.readouterr().out
+            assert "note: prefix cache: --block-size 64 --prefix-match-unit 64 on vLLM's own KV pages" in out
+            assert ("sliding_window_partial_hits on" in out) is (shape == "mixed"), out
+            assert "coarse" not in out and "no warm-prefix TTFT" not in out
+    off_window, off_keep = ("--disable-fix", "sliding_window_partial_hits"), ("--disable-fix", "dflash_keep_last_block")
+    for version, shape, extra in (("0.26.0", "mixed", off_window), ("0.33.0", "mixed", off_window),
+                                  ("0.25.1", "full6", ()), ("0.26.0", "full6", off_keep)):
         monkeypatch.setenv("STANDIN_VERSION", version)
         assert _serve(tmp, shape, *extra) == 1, (version, shape)
         said = mark.read_text()
-        assert unit not in said and "prefix_align" not in said.rsplit("off:", 1)[1], (version, shape, said)
+        assert "--prefix-match-unit" not in said and "--block-size" not in said, (version, shape, said)
+        assert "prefix_align" not in said.rsplit("off:", 1)[1], (version, shape, said)
     capsys.readouterr()
 
 

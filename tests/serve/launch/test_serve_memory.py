@@ -99,3 +99,40 @@ def test_a_kv_cache_memory_bytes_in_the_profile_sizes_the_pool(tiny_artifact, tm
     whole = _dry_run_memory(tiny_artifact, capsys)
     assert small["plan"]["kv_pool_bytes"] <= 2 << 30 < whole["plan"]["kv_pool_bytes"]
     assert small["plan"]["kv_pool_bytes"] > (2 << 30) - small["plan"]["block_bytes"]
+
+
+def test_the_start_check_names_a_layout_fix_the_plugin_left_out():
+    """The fine_grained layout with the real (sliding-window) drafter rests on the runtime fix
+    sliding_window_partial_hits: the pool vLLM logs is the same without it, so the start check also reads
+    the plugin's line for a fix it did not apply (its anchors did not hold) and warns."""
+    import sys
+    from pathlib import Path
+
+    from hybrid_build.serve.launch.memory import LaunchMemory
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts" / "gpu"))
+    from agent_steps import drafter_config
+
+    from hybrid_build.pipeline.generators import synthetic as syn
+
+    prof = load_recipe("qwen3.5-122b-a10b").serve.profiles["dense"]
+    tc = dict(syn.QWEN35_122B_TEXT_CONFIG)
+    pool = "GPU KV cache size: {:,} tokens\n"
+    refused = ("WARNING hybrid-build: runtime fix sliding_window_partial_hits not applied: this vLLM's "
+               "SlidingWindowManager is not the source the fix was written against\n")
+    for shape, warns in (("mixed", True), ("full6", False)):
+        plan = mp.plan_memory(mp.profile_inputs(tc, prof, "0.26.0", drafter_config(shape),
+                                                kv_cache_memory_bytes=547 * 55_050_240))
+        assert plan.inputs.layout == "fine_grained"
+        launch = LaunchMemory(plan, None, "gb10", "vLLM 0.26.0's planning", 4, 64)
+        agree, warning, logged = launch.check_log(pool.format(plan.pool_tokens))
+        assert agree and warning is None and logged == plan.pool_tokens
+        agree, warning, _ = launch.check_log(refused + pool.format(plan.pool_tokens))
+        assert (warning is not None) is warns and (agree is None) is warns, shape
+        if warns:
+            assert "sliding_window_partial_hits" in warning and "fine_grained" in warning and "\n" not in warning
+    aligned = mp.plan_memory(mp.profile_inputs(tc, prof, "0.26.0", drafter_config("mixed"), layout="prefix_align",
+                                               kv_cache_memory_bytes=547 * 55_050_240))
+    said = LaunchMemory(aligned, None, "gb10", "", 4).check_log(
+        "hybrid-build: runtime fix prefix_align not applied: ...\n" + pool.format(aligned.pool_tokens))[1]
+    assert said and "runtime fix prefix_align was not applied" in said

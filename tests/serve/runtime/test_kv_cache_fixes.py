@@ -164,8 +164,9 @@ def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding(version, t
     UNIT_ENGINES with a drafter without sliding-window layers): on vLLM's own code, with the last
     block kept and the stock layout, a warm prefix hits within one unit of the prompt at 8k / 32k /
     64k (the whole shared prefix) and the pool is the stock layout's (prefix_align's padding costs 27%
-    on 0.26.0); without the unit the hit falls back. With the mixed (sliding) drafter vLLM 0.26.0 asserts on the first
-    partial hit and 0.33.0 turns partial hits off: no unit is passed there."""
+    on 0.26.0); without the unit the hit falls back. With the mixed (sliding) drafter and no more than these
+    fixes, vLLM 0.26.0 asserts at its first lookup and 0.33.0 turns partial hits off: there the unit
+    needs sliding_window_partial_hits too (test_window_hits.py)."""
     from hybrid_build.recipes.schema import load_recipe
     from hybrid_build.serve.speed.memory_plan import UNIT_ENGINES
 
@@ -204,10 +205,12 @@ def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding(version, t
                      "budget of 547 x 55,050,240 B (the public GB10 log at gpu_memory_utilization 0.82)",
             "chosen": {"0.25.1": "prefix_align (no --prefix-match-unit in 0.25.1; a mixed drafter does not start)",
                        "0.26.0/full6": "stock+unit64 (the whole shared prefix, the stock pool)",
-                       "0.26.0/mixed": "prefix_align (a partial hit asserts in SlidingWindowManager)",
+                       "0.26.0/mixed": "stock+unit64 with sliding_window_partial_hits (without it a partial hit "
+                                       "asserts in SlidingWindowManager; lab/results/prefix_layouts_real_drafter_cpu"
+                                       ".json); prefix_align where no unit is passed",
                        "0.33.0/full6": "stock+unit64 (as 0.26.0)",
-                       "0.33.0/mixed": "stock (0.33.0 turns partial hits off with a sliding-window drafter; "
-                                       "prefix_align does not install there; DFlash keeps its last block upstream)"},
+                       "0.33.0/mixed": "stock+unit64 with sliding_window_partial_hits (without it 0.33.0 turns "
+                                       "partial hits off; prefix_align does not install there)"},
             "stand_in_0.33.0": "0.33.0's GDN spec as tests/serve/kv_pool_probe.py builds it: no prefill-checkpoint "
                                "blocks (num_prefill_checkpoint_blocks 0), so the scheduler's internal-checkpoint path "
                                "is not taken",

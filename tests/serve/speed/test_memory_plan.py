@@ -85,7 +85,9 @@ def cases(version: str) -> list[tuple[dict, mp.MemoryInputs]]:
                 if shape == "mixed" and version == "0.25.1":
                     continue  # its qwen3_dflash.py refuses the model (test_mixed_drafter_refused_on_0251)
                 d = drafter_config(shape) if shape else None
-                layouts = {mp.profile_layout(prof, version), "stock"} if shape else {"stock"}
+                # the layout serve ships on this version, the one it falls back to without the unit, vLLM's own
+                layouts = {mp.profile_layout(prof, version, drafter_config=d), "stock",
+                           mp.profile_layout(prof, version, drafter_config=d, unit=False)} if shape else {"stock"}
                 for layout in sorted(layouts):
                     i = mp.profile_inputs(tc, prof, version, d, layout=layout, kv_cache_memory_bytes=BUDGET)
                     fixes = (["kv_unify"] if version in ("0.23.0", "0.25.1") else []) + (
@@ -95,7 +97,8 @@ def cases(version: str) -> list[tuple[dict, mp.MemoryInputs]]:
                             "num_speculative_tokens": i.num_speculative_tokens,
                             "kv_bytes": 1 if i.kv_cache_dtype.startswith("fp8") else 2, "caching": i.prefix_caching,
                             "fixes": fixes, "max_model_len": i.max_model_len, "available_memory": BUDGET,
-                            "contexts": [c for c in CONTEXTS if c <= i.max_model_len]}
+                            "contexts": [c for c in CONTEXTS if c <= i.max_model_len],
+                            "block_size": i.prefix_match_unit if layout == "fine_grained" else None}
                     out.append((case, i))
     if version == "0.26.0":
         out.append(run15_case())
@@ -209,3 +212,53 @@ def test_mixed_drafter_refused_on_0251():
     with pytest.raises(mp.MemoryPlanError, match="NotImplementedError"):
         mp.plan_memory(mp.profile_inputs(text_config("qwen3.5-122b-a10b"), prof, "0.25.1", drafter_config("mixed"),
                                          kv_cache_memory_bytes=BUDGET))
+
+
+def test_the_fine_grained_layout_of_the_dense_profile():
+    """The dense profile with the real (mixed) drafter: on 0.26.0 and 0.33.0 serve ships the fine_grained
+    layout (--block-size 64 --prefix-match-unit 64, vLLM's own pages); the pool vLLM's own planning gave
+    on CPU at 547 blocks (740,403, lab/results/prefix_layouts_real_drafter_cpu.json) against vLLM's
+    stock layout's (745,259 at the 2,160 block on 0.26.0; 740,403 on 0.33.0) and prefix_align's (462,455),
+    4 streams of 100k where prefix_align holds 3. A launch that does not pass the unit (docker, an
+    unknown version) plans the layout it then gets."""
+    prof = load_recipe("qwen3.5-122b-a10b").serve.profiles["dense"]
+    tc, mixed = text_config("qwen3.5-122b-a10b"), drafter_config("mixed")
+
+    def plan(version, layout=None):
+        return mp.plan_memory(mp.profile_inputs(tc, prof, version, mixed, layout=layout, kv_cache_memory_bytes=BUDGET))
+
+    for version, stock_pool in (("0.26.0", 745259), ("0.33.0", 740403)):
+        fine = plan(version)
+        assert fine.inputs.layout == "fine_grained" and fine.inputs.prefix_match_unit == 64 == fine.hit_unit
+        assert {g.block_size for g in fine.groups} == {2176, 4352} and fine.pool_tokens == 740403
+        assert plan(version, "stock").pool_tokens == stock_pool
+        assert abs(fine.pool_tokens / stock_pool - 1) <= mp.LOG_DRIFT
+        assert fine.streams_that_fit(100000).whole == 4
+        assert fine.to_json()["layout"] == "fine_grained" and fine.to_json()["hit_unit"] == 64
+    aligned = plan("0.26.0", "prefix_align")
+    assert aligned.pool_tokens == 462455 and aligned.streams_that_fit(100000).whole == 3 and aligned.hit_unit == 2160
+    # the fallbacks: without the unit, with the fix or dflash_keep_last_block off, on 0.25.1
+    assert mp.profile_layout(prof, "0.26.0", drafter_config=mixed, unit=False) == "prefix_align"
+    assert mp.profile_layout(prof, "0.33.0", drafter_config=mixed, unit=False) == "stock"
+    assert mp.profile_layout(prof, "0.26.0", frozenset({mp.WINDOW_FIX}), mixed) == "prefix_align"
+    assert mp.profile_layout(prof, "0.26.0", frozenset({mp.WINDOW_FIX}), drafter_config("full6")) == "fine_grained"
+    assert mp.profile_layout(prof, "0.26.0", frozenset({"dflash_keep_last_block"}), mixed) == "prefix_align"
+    assert mp.profile_layout(prof, "0.25.1", drafter_config=drafter_config("full6")) == "prefix_align"
+    # the block follows the unit (--block-size): 48 gives vLLM's own 2,160 block on 0.26.0, lcm(48, 64) on 0.33.0
+    assert {g.block_size for g in mp.with_changes(plan("0.26.0").inputs, prefix_match_unit=48).groups} == {2160, 4320}
+    assert {g.block_size for g in mp.with_changes(plan("0.33.0").inputs, prefix_match_unit=48).groups} == {2304, 4608}
+
+
+def test_the_start_check_tells_the_layouts_apart():
+    """serve's start check (the pool vLLM logs against the plan, 2%): a server that came up with
+    prefix_align's padded pages, or vLLM's stock 2,160 block, instead of the fine_grained layout planned
+    is told apart (prefix_align by a warning; the stock block is within 1%, the same pool)."""
+    prof = load_recipe("qwen3.5-122b-a10b").serve.profiles["dense"]
+    i = mp.profile_inputs(text_config("qwen3.5-122b-a10b"), prof, "0.26.0", drafter_config("mixed"),
+                          kv_cache_memory_bytes=BUDGET)
+    fine = mp.plan_memory(i)
+    line = "(EngineCore pid=1) INFO kv_cache_utils.py] GPU KV cache size: {:,} tokens"
+    assert mp.compare_with_log(fine, line.format(740403)) is None
+    warning = mp.compare_with_log(fine, line.format(mp.with_changes(i, layout="prefix_align").pool_tokens))
+    assert warning and "462,455" in warning and "740,403" in warning
+    assert mp.compare_with_log(fine, line.format(mp.with_changes(i, layout="stock").pool_tokens)) is None

@@ -525,13 +525,16 @@ def test_kv_reads_grow_linearly_with_context_and_fp8_halves_them(real_122b):
 
 def test_memory_section_and_the_fix_for_streams_that_do_not_fit(real_122b):
     """The dense profile's pool as vLLM 0.26.0 plans it (memory_plan, checked against vLLM on CPU in
-    test_memory_plan.py): 4 streams of 100k do not fit on a GB10, and the note says what does."""
-    big = _streams_plan(real_122b, context=100000, concurrency=[1, 4], accept=[1.0])
+    test_memory_plan.py) in the layout serve ships there, fine_grained (vLLM's own pages, warm hits every 64
+    tokens): 4 streams of 100k fit on a GB10 with bf16 KV, 6 do not, and the note says what does."""
+    big = _streams_plan(real_122b, context=100000, concurrency=[1, 4, 6], accept=[1.0])
     m = big["memory"]
-    assert m["layout"] == "prefix_align" and m["num_speculative_tokens"] == 6
+    assert m["layout"] == "fine_grained" and m["num_speculative_tokens"] == 6 and m["kv_cache_dtype"] == "auto"
+    assert m["prefix_match_unit"] == m["hit_unit"] == 64
     fit = {f["streams"]: f["whole"] for f in m["fit"]}
-    assert fit[1] == fit[4] < 4 and fit[1] >= 1
-    assert any(n.startswith("4 x 100,000 tokens do not fit") and "1 x 100,000 + 3 x" in n for n in big["notes"])
+    assert fit[1] == fit[4] == fit[6] == 4
+    assert not any(n.startswith("4 x 100,000 tokens do not fit") for n in big["notes"])
+    assert any(n.startswith("6 x 100,000 tokens do not fit") and "1 x 100,000 + 5 x" in n for n in big["notes"])
     small = _streams_plan(real_122b, context=32768, concurrency=[1], accept=[1.0])
     assert not any("do not fit" in n for n in small["notes"])
 
