@@ -53,8 +53,8 @@ SERVE_RECORD = f"{WORK_DIR}/serve-{{profile}}.json"  # what a `serve` of a profi
 # holding it is a build in progress or one that stopped, never an artifact nor a source checkpoint
 IN_PROGRESS = f"{WORK_DIR}/in-progress.json"
 RUN_LOCK = f"{WORK_DIR}/run.lock"  # `run` holds an exclusive flock on it while it writes
-# `validate` run on this machine passed for the build now here (the work folder is never published):
-# what lets `serve` take a downloaded artifact that carries no trusted signature
+# where hybrid-build once recorded a passing local `validate` inside the folder: a download could carry
+# one, so the record now lives in the user's state folder (core.local_trust) and this file is ignored
 VALIDATED_HERE = f"{WORK_DIR}/validated-here.json"
 SIGNATURE = "model.sig"  # OpenSSF Model Signing's signature (core.signing), at the root: written by publish
 

@@ -43,7 +43,6 @@ from .artifact import (
     provenance_sha256,
     read_provenance,
     report_state,
-    utc_now,
     validation_outcome,
 )
 from .errors import ArtifactError, UserError
@@ -68,8 +67,9 @@ class BoundArtifact:
     validation: ValidationOutcome
     signature: SignatureCheck
     problems: list[str] = field(default_factory=list)
-    built_here: bool = False  # the work folder is here: this machine built it
-    validated_here: bool = False  # a local `validate` passed for this build
+    built_here: bool = False  # this machine built these bytes (core.local_trust, never the folder's word)
+    validated_here: bool = False  # a `validate` on this machine passed for this build (core.local_trust)
+    foreign: list[str] = field(default_factory=list)  # trust claims the folder carries, ignored (foreign_claims)
     provenance_digest: str = ""  # the sha256 of the provenance file's bytes (reports sealed in it included)
     _json: dict = field(default_factory=dict, repr=False)  # the reports read so far, by relative path
 
@@ -138,7 +138,14 @@ class BoundArtifact:
         return {"artifact": str(self.root), "build": self.build, "intact": self.intact, "problem": self.problem,
                 "problems": self.problems, "files": self.integrity.to_json(), "validation": self.validation.to_json(),
                 "signature": self.signature.to_json(), "built_here": self.built_here,
-                "validated_here": self.validated_here}
+                "validated_here": self.validated_here, "foreign_trust_records": self.foreign}
+
+    def trust_line(self) -> str | None:
+        """One line when the folder carries trust records this machine did not write, else None."""
+        if not self.foreign:
+            return None
+        return (f"carries trust records from elsewhere ({', '.join(self.foreign)}): ignored; this machine's "
+                "own are kept in its state folder")
 
 
 def _sha256(path: Path) -> str:
@@ -240,21 +247,31 @@ def _report_problems(data, validation: ValidationOutcome) -> tuple[list[str], di
 
 
 def record_validated_here(root: Path, outcome: str, bundled: bool) -> None:
-    """After ``validate`` on this machine: the build it passed for (the work folder is never
-    published, so a downloaded copy carries none)."""
-    from .safetensors_io import write_text_atomic
+    """After ``validate`` on this machine: a pass on the bundled texts is recorded for the build in the
+    user's state folder (``core.local_trust``), where a downloaded folder cannot put one; a run that
+    failed takes it back."""
+    from . import local_trust
 
-    path = Path(root) / VALIDATED_HERE
-    if outcome == "passed" and bundled:
-        path.parent.mkdir(exist_ok=True)
-        write_text_atomic(path, json.dumps({"build": provenance_sha256(root), "at": utc_now()}) + "\n")
+    build = provenance_sha256(root)
+    if not build or not bundled:
+        return
+    if outcome == "passed":
+        local_trust.remember(build, local_trust.VALIDATED, root)
+    elif outcome == "failed":
+        local_trust.forget(build, local_trust.VALIDATED)
 
 
-def _validated_here(root: Path, build: str) -> bool:
-    try:
-        return json.loads((Path(root) / VALIDATED_HERE).read_text()).get("build") == build
-    except (OSError, ValueError, AttributeError):
-        return False
+# the files through which a folder once claimed to be built or validated here: what a download can
+# carry, worth nothing now that the claims live in the state folder (named when a folder has them)
+CLAIMS = (f"{WORK_DIR}/record.json", VALIDATED_HERE)
+
+
+def foreign_claims(root: Path, built_here: bool) -> list[str]:
+    """The files of ``CLAIMS`` in ``root`` that this machine's records do not back: a folder built
+    here keeps the record stage's manifest; any other such file came from elsewhere (or from a
+    hybrid-build that kept its records inside the artifact) and is ignored."""
+    backed = {CLAIMS[0]: built_here, CLAIMS[1]: False}
+    return [rel for rel in CLAIMS if not backed[rel] and (Path(root) / rel).exists()]
 
 
 def trusted_keys(given: list[str] | None = None) -> list[Path]:
@@ -292,8 +309,10 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
         read_provenance(root)  # its one line
     problems = symlinks(root)
     found = check_artifact(root, prov, progress)
-    built_here = (root / WORK_DIR / "record.json").is_file()  # the record stage's manifest: built on this machine
-    if not built_here and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
+    # the layout of a downloaded copy (no work folder, no card.md): its README.md is the card publish
+    # generated, which the signature covers (a layout, not a trust: it only moves README.md's check)
+    downloaded = not (root / WORK_DIR / "record.json").is_file()
+    if downloaded and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
         # a downloaded copy: its README.md is the card publish generated (the signature covers it)
         found.problems.remove(found.by_file.pop(CARD))
     problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
@@ -301,8 +320,13 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
     validation = validation_outcome(root)
     raw = (root / PROVENANCE).read_bytes()
     build = build_digest(raw)
+    from . import local_trust
+
+    built_here = local_trust.recalled(build, local_trust.BUILT) is not None
+    validated_here = local_trust.recalled(build, local_trust.VALIDATED) is not None
     bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
-                          built_here=built_here, validated_here=_validated_here(root, build),
+                          built_here=built_here, validated_here=validated_here,
+                          foreign=foreign_claims(root, built_here),
                           provenance_digest=hashlib.sha256(raw).hexdigest())
     own, ref_digests = _report_problems(bound.read_json(validation.report) if validation.report else None,
                                         validation)

@@ -94,6 +94,9 @@ class OutputStatus:
     serving: list[dict] = field(default_factory=list)
     in_progress: str | None = None  # a build being written or stopped part-way (core.bound.unfinished)
     signature: dict | None = None  # core.signing.SignatureCheck.to_json (None: not built)
+    # what this machine vouches for (core.local_trust): built_here, validated_here, and the trust records
+    # the folder carries that it ignores (foreign); None: not built
+    trust: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -132,7 +135,9 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
                         (recipe_data or {}).get("name"), source, stages, reports,
                         unexpected_files(out, prov) if prov else [], artifact,
                         _validation(out, prov is not None, bound), serving=_serving(out), in_progress=in_progress,
-                        signature=bound.signature.to_json() if bound else None)
+                        signature=bound.signature.to_json() if bound else None,
+                        trust={"built_here": bound.built_here, "validated_here": bound.validated_here,
+                               "foreign": bound.foreign, "line": bound.trust_line()} if bound else None)
 
 
 def _serving(out: Path) -> list[dict]:

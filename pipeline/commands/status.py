@@ -42,6 +42,12 @@ def _render(data: dict) -> str:
         from hybrid_build.core.signing import SignatureCheck
 
         lines.append("signature " + SignatureCheck(sig["state"], sig["signer"], sig["problem"], sig["files"]).line())
+    trust = data.get("trust")
+    if trust is not None:
+        lines.append("trust    " + ("built on this machine" if trust["built_here"] else "validated on this machine"
+                                  if trust["validated_here"] else "neither built nor validated on this machine"))
+        if trust["line"]:
+            lines.append(f"trust    {trust['line']}")
     v = data["validation"]
     when = f" at {v['finished_at']}" if v.get("finished_at") else ""
     lines.append(f"validation {v['state'].upper() if v['state'] == 'failed' else v['state']}{when}: {v['reason']}"

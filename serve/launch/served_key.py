@@ -27,10 +27,10 @@ from pathlib import Path
 
 from hybrid_build.core.api_key import CLIENT_ENV
 from hybrid_build.core.errors import UserError
+from hybrid_build.core.local_trust import STATE_FOLDER, state_dir  # noqa: F401 - the user's state folder
 from hybrid_build.core.private_file import is_one_word, read_private, write_private
 
 SERVER_ENV = "VLLM_API_KEY"  # what vLLM's OpenAI server reads
-STATE_FOLDER = "hybrid-build"  # under $XDG_STATE_HOME (default ~/.local/state)
 KEY_FILE = "serve-api-key"  # the generated key, in STATE_FOLDER
 
 
@@ -43,14 +43,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def state_dir() -> Path:
-    """``$XDG_STATE_HOME/hybrid-build`` (an absolute one only, as the XDG spec says), else
-    ``~/.local/state/hybrid-build``."""
-    xdg = os.environ.get("XDG_STATE_HOME", "")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
-    return base / STATE_FOLDER
 
 
 @dataclass(frozen=True)

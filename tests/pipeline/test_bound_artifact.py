@@ -213,10 +213,14 @@ def test_sign_and_verify_with_a_key_made_here(art, capsys, tmp_path):
     assert open_artifact(art, trusted=[public]).signature.mismatched == [PROVENANCE, VALIDATION.named(".md")]
 
 
-def test_a_downloaded_artifact_is_served_signed_validated_here_or_forced(art, capsys, tmp_path, tiny_checkpoint):
+def test_a_downloaded_artifact_is_served_signed_validated_here_or_forced(art, capsys, tmp_path, tiny_checkpoint,
+                                                                         monkeypatch):
+    from hybrid_build.core.local_trust import TRUST_ENV
+
     private, public = keypair(tmp_path, "publisher")
     rc, out, _ = cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private, "--json")
     assert rc == 0
+    monkeypatch.setenv(TRUST_ENV, str(tmp_path / "downloader-trust"))  # another machine: it built nothing
     down = tmp_path / "downloaded"  # what the repository holds, as `hf download` writes it
     for f in json.loads(out)["files"]:
         dst = down / f["path"]
