@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ArtifactError, UserError
 from .manifest import build_digest, sha256_json
+from .names import name_problem
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, open_regular
 
 if TYPE_CHECKING:
@@ -124,6 +125,23 @@ def is_validate_record(rel: str) -> bool:
     """A validate record that is not the build's report: a run that did not pass, or a run on the
     user's texts. Part of the folder, never uploaded."""
     return rel in VALIDATION_LAST.files or bool(_TEXTS_REPORT.match(rel))
+
+
+# ------------------------------------------------------------------------------------ names
+
+
+def artifact_path(artifact: Path, rel: str) -> Path:
+    """The one place a name of the artifact becomes a path: ``rel`` checked (``name_problem``), and the
+    path it gives resolved (links followed) and checked to stay inside ``artifact``; otherwise an
+    ``ArtifactError`` naming the entry."""
+    why = name_problem(rel)
+    if why:
+        raise ArtifactError(f"{artifact}: {why}: not a name inside the artifact")
+    path = Path(artifact) / rel
+    base, real = Path(artifact).resolve(), path.resolve()
+    if real != base and base not in real.parents:
+        raise ArtifactError(f"{artifact}: {rel} leads outside the artifact (to {real})")
+    return path
 
 
 # ------------------------------------------------------------------------------------ what a file is

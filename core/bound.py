@@ -39,6 +39,7 @@ from .artifact import (
     WORK_DIR,
     Report,
     ValidationOutcome,
+    artifact_path,
     is_validate_record,
     provenance_sha256,
     read_provenance,
@@ -109,6 +110,11 @@ class BoundArtifact:
         return report_state(self.root, report, build=self.build or None,
                             data=data if data is not None else ValueError("not there"), sealed=self.provenance)
 
+    def path(self, rel: str) -> Path:
+        """The file ``rel`` names: checked to be a name inside the artifact and to resolve inside it
+        (``core.artifact.artifact_path``), the one way a name becomes a path."""
+        return artifact_path(self.root, rel)
+
     def require(self, hint: str = "rebuild it (`hybrid-build run`), or run the command that wrote it again") -> None:
         if self.problems:
             raise ArtifactError(f"{self.root}: {self.problem}; {hint}")
@@ -124,15 +130,21 @@ class BoundArtifact:
                 out[name] = entry.sha256
         return dict(sorted(out.items()))
 
-    def signed_set(self) -> dict[str, str]:
-        """What the signature covers: ``shipped`` plus the generated card as ``README.md``: here,
-        ``card.md`` (what ``publish`` kept of what it uploaded); in a downloaded copy, ``README.md``."""
-        out = self.shipped()
+    def signed_files(self) -> dict[str, tuple[Path, str]]:
+        """What the signature covers, name -> (the file here, its sha256): ``shipped`` plus the generated
+        card as ``README.md``: here, ``card.md`` (what ``publish`` kept of what it uploaded); in a
+        downloaded copy, ``README.md``."""
+        out = {n: (self.path(n), sha) for n, sha in self.shipped().items()}
         for rel in (REPORTS["card"].main, CARD):
-            if (self.root / rel).is_file() and not (self.root / rel).is_symlink():
-                out[CARD] = _sha256(self.root / rel)
+            path = self.path(rel)
+            if path.is_file() and not path.is_symlink():
+                out[CARD] = (path, _sha256(path))
                 break
         return dict(sorted(out.items()))
+
+    def signed_set(self) -> dict[str, str]:
+        """``signed_files``, name -> sha256."""
+        return {n: sha for n, (_, sha) in self.signed_files().items()}
 
     def to_json(self) -> dict:
         return {"artifact": str(self.root), "build": self.build, "intact": self.intact, "problem": self.problem,
@@ -340,7 +352,7 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
         if sig.is_symlink():
             bound.signature = SignatureCheck("invalid", problem=f"{SIGNATURE} is a symbolic link")
         else:
-            bound.signature = check_signature(sig, bound.signed_set(), list(trusted or []))
+            bound.signature = check_signature(sig, bound.signed_files(), list(trusted or []))
         if bound.signature.state == "invalid":
             problems.append(bound.signature.line())
     return bound

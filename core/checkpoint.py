@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import SourceError
+from .names import name_problem
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, TensorHeader, read_header
 from .tensor_classes import classify, dtype_problem, dtype_storage, module_storage, split_module
 from .user_paths import kind_of
@@ -250,6 +251,15 @@ class Checkpoint:
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise SourceError(f"{index_path.name}: invalid index (expected JSON with a weight_map)")
         weight_map: dict[str, str] = (index or {}).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise SourceError(f"{index_path.name}: invalid index (its weight_map is not an object)")
+        bad = sorted({f if isinstance(f, str) else repr(f) for f in weight_map.values()
+                      if not isinstance(f, str) or name_problem(f) or "/" in f})
+        for entry in bad:  # never opened: the shards are the folder's own *.safetensors files
+            problems.append(Problem("error", "bad_index_entry",
+                                    f"{index_path.name} maps tensors to {entry!r}, which is not a file name in "
+                                    "this folder"))
+        weight_map = {k: v for k, v in weight_map.items() if isinstance(v, str) and v not in bad}
 
         files = sorted(p.name for p in root.glob("*.safetensors") if not p.name.endswith(TMP_SUFFIX))
         if not files:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from .artifact import (
     ARTIFACT_DIGESTS,
     PROVENANCE,
+    artifact_path,
     is_validate_record,
     read_provenance,
     sealed_files,
@@ -154,7 +155,12 @@ def check_artifact(artifact: Path, provenance: Provenance | None = None, progres
     for name in wanted:
         want = listed[name]
         try:
-            st = os.lstat(artifact / name)  # a symlink is refused, never followed
+            path = artifact_path(artifact, name)  # a folder on the way that links outside: never read
+        except ArtifactError as e:
+            found[name] = str(e).removeprefix(f"{artifact}: ")
+            continue
+        try:
+            st = os.lstat(path)  # a symlink is refused, never followed
         except FileNotFoundError:
             if name not in prov.files and not is_validate_record(name):
                 continue  # a report removed: it is missing, as the commands that need it say (not an edit)

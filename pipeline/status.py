@@ -35,6 +35,7 @@ from hybrid_build.core.artifact import (
 from hybrid_build.core.bound import BoundArtifact, open_artifact, trusted_keys, unfinished
 from hybrid_build.core.errors import HybridBuildError, UserError
 from hybrid_build.core.manifest import StageManifest
+from hybrid_build.core.names import name_problem
 from hybrid_build.core.progress import ProgressFactory, null_progress
 
 if TYPE_CHECKING:
@@ -183,6 +184,10 @@ def _recorded_source(out: Path, prov: Provenance | None) -> SourceRecord | None:
         return None
     if not isinstance(loc, dict) or not (loc.get("path") or loc.get("in_artifact")):
         return None
+    if name_problem(loc.get("in_artifact")):
+        loc["in_artifact"] = None  # a place inside the folder, or none
+        if not loc.get("path"):
+            return None
     name = Path(loc.get("path") or loc["in_artifact"]).name
     return SourceRecord("local", name, None, loc.get("fingerprint"), {}, loc.get("path"), loc.get("in_artifact"))
 

@@ -386,9 +386,10 @@ def _check_artifact(args: argparse.Namespace):
     from another machine) is served only with a valid signature by a trusted key (``--trust-key``;
     once one is named nothing else will do), after a passing ``validate`` on this machine, or with
     ``--force``; the line printed says which. Trust records the folder carries are named and ignored.
-    With ``--force`` each refusal is a warning and serving goes on (verify still runs). A Hub id, or a plain checkpoint (no provenance, no
-    ``hybrid_build/``, no build's work folder), has nothing to check here (None). Returns the
-    ``BoundArtifact``, which the launch plan asks instead of reading the folder again."""
+    With ``--force`` each refusal is a warning and serving goes on (verify still runs). A Hub id, or a
+    plain checkpoint (no provenance, no ``hybrid_build/``, no build's work folder), has nothing to
+    check here (None). Returns the ``BoundArtifact``, which the launch plan asks instead of reading
+    the folder again."""
     from hybrid_build.core.bound import open_artifact, trusted_keys
     from hybrid_build.core.errors import ArtifactError
 

@@ -144,3 +144,190 @@ def test_with_trust_key_a_download_without_its_signature_is_refused(validated_ar
     assert rc == 1 and "a local validate does not stand in for it" in lines(err)[-1]
     rc, _, err = serve(down)  # no publisher named: the local validate will do
     assert rc == 0, err
+
+
+# ------------------------------------------------------------------ names that point outside the folder
+
+
+def _list_outside(art: Path, name: str, target: Path) -> None:
+    """What an attacker does: a provenance entry ``name`` with the right size and sha256 of ``target``,
+    a file outside the artifact."""
+    import hashlib
+
+    prov = art / "hybrid_build" / "provenance.json"
+    data = json.loads(prov.read_text())
+    data["files"][name] = {"bytes": target.stat().st_size, "sha256": hashlib.sha256(target.read_bytes()).hexdigest()}
+    prov.write_text(json.dumps(data, indent=2) + "\n")
+
+
+@pytest.mark.parametrize("how", ["parent", "absolute", "through-a-folder"])
+def test_a_provenance_entry_outside_the_folder_is_refused_everywhere(validated_artifact, tmp_path, capsys, how):
+    art = tmp_path / "art"
+    shutil.copytree(validated_artifact, art)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("a file of the user's, next to the artifact\n")
+    name = {"parent": "../outside.txt", "absolute": str(outside),
+            "through-a-folder": "hybrid_build/../../outside.txt"}[how]
+    _list_outside(art, name, outside)
+    private, _ = keypair(tmp_path, "publisher")
+    for argv in (["status", art], ["verify-artifact", art], ["publish", art, "--repo-id", REPO, "--dry-run"],
+                 ["publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private],
+                 ["serve", art, "--profile", "base", "--dry-run"]):
+        rc, out, err = cli(capsys, *argv)
+        assert rc == 1, (argv, out, err)
+        why = "is an absolute path" if how == "absolute" else "climbs out through '..'"
+        assert lines(err) == [f"error: {art / 'hybrid_build' / 'provenance.json'}: files: {name!r} {why}: not a "
+                              "name inside the artifact; rebuild the artifact"], argv
+        assert "outside.txt" not in out
+    assert not (art / SIGNATURE).exists()
+    assert not [p for p in art.rglob("*") if p.is_symlink()]  # signing linked nothing
+
+
+def test_a_folder_that_links_outside_is_never_read_through(validated_artifact, tmp_path, capsys, monkeypatch):
+    """``extra/`` a symbolic link to a folder outside, and the provenance listing ``extra/outside.txt``
+    with its right size and sha256: refused, naming it, and the outside file is never hashed."""
+    from hybrid_build.core import integrity
+
+    art = tmp_path / "art"
+    shutil.copytree(validated_artifact, art)
+    (tmp_path / "elsewhere").mkdir()
+    outside = tmp_path / "elsewhere" / "outside.txt"
+    outside.write_text("a file of the user's\n")
+    (art / "extra").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    _list_outside(art, "extra/outside.txt", outside)
+    hashed: list[Path] = []
+    real = integrity.hash_file
+    monkeypatch.setattr(integrity, "hash_file", lambda path, st: hashed.append(Path(path)) or real(path, st))
+    for argv in (["status", art, "--json"], ["verify-artifact", art], ["publish", art, "--repo-id", REPO, "--dry-run"]):
+        rc, out, err = cli(capsys, *argv)
+        assert rc == 1, (argv, out, err)
+        assert "extra is a symbolic link" in out + err, argv
+    data = json.loads(cli(capsys, "status", art, "--json")[1])
+    assert "extra/outside.txt leads outside the artifact" in " ".join(data["artifact"]["problems"])
+    assert all(outside.resolve() != p.resolve() for p in hashed), hashed
+
+
+# ------------------------------------------------------------------ signatures that can be verified
+
+
+def certificate_pair(where: Path, ca_name: str, signer: str) -> tuple[Path, Path, Path]:
+    """A CA made here and a signing certificate it issued: (CA.pem, signer's key, signer's cert)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+    later = now + datetime.timedelta(days=1)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name(ca_name)).issuer_name(name(ca_name))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now).not_valid_after(later)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(name(signer)).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(later)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(ca_key, hashes.SHA256()))
+    paths = where / f"{ca_name}.pem", where / f"{signer}.key.pem", where / f"{signer}.cert.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    paths[2].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return paths
+
+
+@pytest.fixture
+def art(validated_artifact, tmp_path) -> Path:
+    dst = tmp_path / "art"
+    shutil.copytree(validated_artifact, dst)
+    return dst
+
+
+def test_a_certificate_signature_verifies_against_its_ca_and_no_other(art, tmp_path, capsys, another_machine,
+                                                                      serve):
+    ca, key, cert = certificate_pair(tmp_path, "Test Publisher CA", "publisher.example")
+    other_ca, _, _ = certificate_pair(tmp_path, "Another CA", "someone.example")
+    rc, _, err = cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", key, "--sign-cert", cert,
+                     "--sign-chain", ca)
+    assert rc == 0, err
+    rc, out, _ = cli(capsys, "verify-artifact", art, "--trust-key", ca, "--json")
+    sig = json.loads(out)["signature"]
+    assert rc == 0 and sig["state"] == "verified", sig
+    assert sig["signer"] == "certificate CN=publisher.example (issued by CN=Test Publisher CA)"
+    rc, out, _ = cli(capsys, "verify-artifact", art, "--trust-key", other_ca)
+    assert rc == 1 and "signature INVALID: model.sig does not verify with the trusted key(s)" in out
+    down = tmp_path / "down"  # on a machine that built nothing, the CA alone lets it be served
+    shutil.copytree(art, down, ignore=shutil.ignore_patterns(WORK_DIR))
+    rc, _, err = serve(down, "--trust-key", ca)
+    assert rc == 0 and "signed by certificate CN=publisher.example" in err, err
+    rc, _, err = serve(down, "--trust-key", other_ca)
+    assert rc == 1 and "signature INVALID" in lines(err)[-1]
+
+
+def test_without_a_trusted_key_the_signer_is_named_and_nothing_is_called_sound(art, tmp_path, capsys):
+    private, _ = keypair(tmp_path, "publisher")
+    assert cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private)[0] == 0
+    rc, out, _ = cli(capsys, "verify-artifact", art)
+    assert rc == 0
+    assert "sound" not in out
+    signer = json.loads(cli(capsys, "verify-artifact", art, "--json")[1])["signature"]["signer"]
+    assert signer.startswith("key sha256:")
+    assert lines(out)[-1] == (f"artifact consistent with its own provenance; its signature names {signer} but was "
+                              "NOT checked (no --trust-key given): nobody vouches for these files")
+    rc, out, _ = cli(capsys, "verify-artifact", art, "--require-signature")
+    assert rc == 1 and "NOT sound" in lines(out)[-1] and "nobody's signature was verified" in lines(out)[-1]
+
+
+def test_keyless_sigstore_signing_is_refused_in_one_line(art, capsys):
+    rc, _, err = cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sigstore")
+    assert rc == 2 and len(lines(err)) == 1 and "keyless Sigstore signing is not offered" in err
+    assert not (art / SIGNATURE).exists()
+
+
+def test_a_verified_signature_is_remembered_until_a_file_changes(art, tmp_path, capsys, monkeypatch):
+    """The first check hashes the files through the library; the next one of the same inputs reads the
+    verdict from the state folder; a changed report (re-sealed) is checked afresh and fails."""
+    from hybrid_build.core.artifact import REPORTS, seal_reports
+
+    private, public = keypair(tmp_path, "publisher")
+    assert cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private)[0] == 0
+    first = json.loads(cli(capsys, "verify-artifact", art, "--trust-key", public, "--json")[1])["signature"]
+    second = json.loads(cli(capsys, "verify-artifact", art, "--trust-key", public, "--json")[1])["signature"]
+    assert (first["state"], first["cached"], second["state"], second["cached"]) == ("verified", False,
+                                                                                   "verified", True)
+    md = art / REPORTS["validation"].named(".md")
+    md.write_text(md.read_text() + "\nedited\n")
+    seal_reports(art)
+    rc, out, _ = cli(capsys, "verify-artifact", art, "--trust-key", public, "--json")
+    sig = json.loads(out)["signature"]
+    assert rc == 1 and sig["state"] == "invalid" and not sig["cached"]
+    assert "has other bytes than the signature records" in sig["problem"]
+
+
+def test_a_signature_naming_a_file_outside_is_refused_unopened(art, tmp_path, capsys):
+    import base64
+
+    private, public = keypair(tmp_path, "publisher")
+    assert cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private)[0] == 0
+    bundle = json.loads((art / SIGNATURE).read_text())
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    statement["predicate"]["resources"].append({"name": "../outside.txt", "algorithm": "sha256", "digest": "0" * 64})
+    bundle["dsseEnvelope"]["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
+    (art / SIGNATURE).write_text(json.dumps(bundle))
+    for trust in ([], ["--trust-key", public]):
+        rc, out, _ = cli(capsys, "verify-artifact", art, *trust)
+        assert rc == 1
+        assert ("signature INVALID: model.sig is not a signature this tool can read (it lists '../outside.txt' "
+                "climbs out through '..': not a name inside the artifact)") in out
