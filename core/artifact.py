@@ -199,29 +199,44 @@ def read_provenance(artifact: Path, *, missing_ok: bool = False) -> Provenance |
     folder that is not there, or holds none, is a user error (exit 2: wrong folder, or a build that
     has not reached ``record``); with ``missing_ok`` that returns None instead. One that does not
     parse or fit is an ``ArtifactError``."""
-    from .provenance import parse_provenance  # pydantic: here, not at --help
-
-    data = _provenance_json(Path(artifact), missing_ok)
-    return None if data is None else parse_provenance(data, Path(artifact) / PROVENANCE)
-
-
-def _provenance_json(artifact: Path, missing_ok: bool) -> object | None:
+    artifact = Path(artifact)
     if not artifact.is_dir():
         if missing_ok:
             return None
         raise UserError(f"{artifact}: no such artifact folder")
-    path = artifact / PROVENANCE
-    try:
-        with open_regular(path, ArtifactError) as f:  # a FIFO in its place is refused, never waited on
-            data = json.loads(f.read())
-    except FileNotFoundError:
+    raw = provenance_bytes(artifact)
+    if raw is None:
         if missing_ok:
             return None
         raise UserError(f"{artifact}: no {PROVENANCE}: not an artifact built by `hybrid-build run`, or a build "
-                        "that has not finished (`hybrid-build status` says which stage is missing)") from None
-    except (OSError, ValueError) as e:
+                        "that has not finished (`hybrid-build status` says which stage is missing)")
+    return parse_provenance_bytes(raw, artifact)
+
+
+def provenance_bytes(artifact: Path) -> bytes | None:
+    """The provenance file's bytes, None when there is none; one that cannot be read (a FIFO in its
+    place is refused, never waited on) is an ``ArtifactError``."""
+    path = Path(artifact) / PROVENANCE
+    try:
+        with open_regular(path, ArtifactError) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
         raise ArtifactError(f"{path}: unreadable ({e}); rebuild the artifact") from None
-    return data
+
+
+def parse_provenance_bytes(raw: bytes, artifact: Path) -> Provenance:
+    """``raw`` (the provenance file's bytes) as the typed model; an ``ArtifactError`` naming the file
+    and the entry when it does not parse or fit (a name outside the artifact included)."""
+    from .provenance import parse_provenance  # pydantic: here, not at --help
+
+    path = Path(artifact) / PROVENANCE
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ArtifactError(f"{path}: unreadable ({e}); rebuild the artifact") from None
+    return parse_provenance(data, path)
 
 
 def read_recipe_data(artifact: Path, *, missing_ok: bool = False, which: str = RECIPE) -> dict | None:
@@ -406,20 +421,34 @@ def _first_failure(data: dict) -> str:
     return failures[0] + (f" (+{len(failures) - 1} more)" if len(failures) > 1 else "")
 
 
-def validation_outcome(artifact: Path) -> ValidationOutcome:
+def validation_outcome(artifact: Path, *, build=_UNSET, read=None) -> ValidationOutcome:
     """The latest validation of the build in ``artifact``: a failed run kept beside a passing report
-    (``VALIDATION_LAST``) of the same build counts first; then the build's report."""
+    (``VALIDATION_LAST``) of the same build counts first; then the build's report. ``build`` (the
+    provenance's sha256) and ``read`` (name -> parsed JSON, or the exception it raised, or None:
+    ``core.bound.BoundArtifact.read_json``) where the caller has them."""
     artifact = Path(artifact)
-    built = provenance_sha256(artifact)
-    last = _record(artifact, VALIDATION_LAST.main)
+    built = provenance_sha256(artifact) if build is _UNSET else build
+
+    def record(rel: str) -> dict | None:
+        if read is None:
+            return _record(artifact, rel)
+        data = read(rel)
+        return data if isinstance(data, dict) else None
+
+    last = record(VALIDATION_LAST.main)
     if last and built and last.get("provenance_sha256") == built and last.get("outcome") == "failed":
         return ValidationOutcome("failed", _first_failure(last), _finished_at(artifact, VALIDATION_LAST.main, last),
                                  VALIDATION_LAST.main)
     report = REPORTS["validation"]
-    state, why = report_state(artifact, report)
+    if read is None:
+        state, why = report_state(artifact, report)
+    else:
+        got = read(report.main)
+        state, why = report_state(artifact, report, build=built,
+                                  data=got if got is not None else ValueError("not there"))
     if state == "missing":
         return ValidationOutcome("missing", f"no {report.main}: run `hybrid-build validate`")
-    data = _record(artifact, report.main)
+    data = record(report.main)
     if data is None:
         return ValidationOutcome("stale", f"{report.main} is unreadable: run `hybrid-build validate` again",
                                  None, report.main)

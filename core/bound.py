@@ -31,7 +31,9 @@ from pathlib import Path
 
 from .artifact import (
     CARD,
+    CONFIG,
     IN_PROGRESS,
+    INDEX,
     META_DIR,
     PROVENANCE,
     REPORTS,
@@ -41,16 +43,21 @@ from .artifact import (
     ValidationOutcome,
     artifact_path,
     is_validate_record,
+    parse_provenance_bytes,
+    provenance_bytes,
     provenance_sha256,
     read_provenance,
+    read_recipe_data,
     report_state,
     validation_outcome,
 )
 from .errors import ArtifactError, UserError
 from .integrity import Integrity, check_artifact, first_problem
 from .manifest import build_digest
+from .names import name_problem
 from .progress import ProgressFactory, null_progress
 from .provenance import Provenance
+from .safetensors_io import open_regular
 from .signing import SIGNATURE, SignatureCheck, check_signature
 
 REFERENCE = REPORTS["reference"]
@@ -72,7 +79,9 @@ class BoundArtifact:
     validated_here: bool = False  # a `validate` on this machine passed for this build (core.local_trust)
     foreign: list[str] = field(default_factory=list)  # trust claims the folder carries, ignored (foreign_claims)
     provenance_digest: str = ""  # the sha256 of the provenance file's bytes (reports sealed in it included)
-    _json: dict = field(default_factory=dict, repr=False)  # the reports read so far, by relative path
+    checked: bool = True  # its files were checked (False: opened for the card alone, nothing hashed)
+    _json: dict = field(default_factory=dict, repr=False)  # the JSON files read so far, by relative path
+    _parts: dict = field(default_factory=dict, repr=False)  # the other parts asked for so far, by name
 
     @property
     def intact(self) -> bool:
@@ -89,15 +98,61 @@ class BoundArtifact:
         return {rel: e.sha256 for rel, e in listed.items() if rel not in self.integrity.by_file}
 
     def read_json(self, rel: str) -> dict | list | Exception | None:
-        """A JSON file of the artifact (a report, ``config.json``), parsed once and kept: None when it is
-        not there, the exception when it does not parse. Its bytes were checked by ``open_artifact``."""
+        """A JSON file of the artifact (a report, ``config.json``, the index), parsed once and kept: None
+        when it is not there, the exception when it does not parse or its name leads outside the
+        artifact. Its bytes were checked by ``open_artifact``."""
         if rel not in self._json:
-            path = self.root / rel
             try:
-                self._json[rel] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-            except (OSError, ValueError) as e:
+                path = self.path(rel)
+                self._json[rel] = json.loads(_read_regular(path).decode("utf-8")) if path.is_file() else None
+            except (OSError, ValueError, ArtifactError) as e:
                 self._json[rel] = e
         return self._json[rel]
+
+    def text(self, rel: str) -> str | None:
+        """A text file of the artifact (the source's card), or None when it is absent or unreadable."""
+        try:
+            path = self.path(rel)
+            return _read_regular(path).decode("utf-8") if path.is_file() else None
+        except (OSError, UnicodeDecodeError, ArtifactError):
+            return None
+
+    def config(self) -> dict:
+        """``config.json``, or {} when it is absent or not an object."""
+        data = self.read_json(CONFIG)
+        return data if isinstance(data, dict) else {}
+
+    def report_json(self, report: Report) -> dict | list | Exception | None:
+        """The JSON file of ``report`` (``read_json`` of its main file)."""
+        return self.read_json(report.main)
+
+    def recipe_data(self) -> dict | None:
+        """The recipe copy as a YAML mapping (``core.artifact.read_recipe_data``), None when absent."""
+        if "recipe" not in self._parts:
+            self._parts["recipe"] = read_recipe_data(self.root, missing_ok=True)
+        return self._parts["recipe"]
+
+    def weight_map(self) -> dict[str, str]:
+        """The index's tensor -> shard map, every shard a name inside the artifact (``open_artifact``
+        names an entry that is not); {} when there is no index."""
+        index = self.read_json(INDEX)
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        return {k: v for k, v in wm.items() if isinstance(v, str) and not name_problem(v)} \
+            if isinstance(wm, dict) else {}
+
+    def checkpoint(self):
+        """The checkpoint's configs and safetensors headers (``core.checkpoint.Checkpoint``; no tensor
+        data), read once; a ``HybridBuildError`` when they do not read."""
+        if "checkpoint" not in self._parts:
+            from .checkpoint import Checkpoint
+
+            self._parts["checkpoint"] = Checkpoint.read_folder(self.root)
+        return self._parts["checkpoint"]
+
+    def recheck(self, names: list[str]) -> Integrity:
+        """Those listed files against the provenance again (a ``stat`` each while unchanged): what
+        ``publish`` asks just before it sends them."""
+        return check_artifact(self.root, self.provenance, names=names)
 
     def report(self) -> dict:
         """The validation report the outcome comes from (parsed once), {} when there is none."""
@@ -299,49 +354,70 @@ def trusted_keys(given: list[str] | None = None) -> list[Path]:
     return keys
 
 
+def _read_regular(path: Path) -> bytes:
+    with open_regular(path, ArtifactError) as f:  # a FIFO in a file's place is refused, never waited on
+        return f.read()
+
+
+def _index_problems(bound: BoundArtifact) -> list[str]:
+    """The index's entries that are not names inside the artifact (never opened by those names)."""
+    index = bound.read_json(INDEX)
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict):
+        return []
+    bad = sorted({v if isinstance(v, str) else repr(v) for v in wm.values()
+                  if not isinstance(v, str) or name_problem(v)})
+    return [f"{INDEX} maps tensors to {name_problem(b) or repr(b)}: not a name inside the artifact" for b in bad]
+
+
 def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progress: ProgressFactory = null_progress,
-                  missing_ok: bool = False) -> BoundArtifact | None:
+                  missing_ok: bool = False, check_files: bool = True) -> BoundArtifact | None:
     """The artifact at ``path``, opened and checked once (the module's docstring). A build that has not
     finished is an ``ArtifactError``; a folder that is no build of hybrid-build (no provenance, no
     ``META_DIR``, no work folder) is a ``UserError``, or None with ``missing_ok`` (a plain
-    checkpoint, which serve may still serve)."""
+    checkpoint, which serve may still serve). ``check_files=False``: the provenance, the validation
+    and the parts a card is made of, without hashing a file or checking the signature (``run``'s card)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise UserError(f"{root}: no such artifact folder")
     why = unfinished(root)
     if why:
         raise ArtifactError(f"{root}: not an artifact: {why}")
-    prov = read_provenance(root, missing_ok=True)
-    if prov is None:
+    raw = provenance_bytes(root)
+    if raw is None:
         if (root / META_DIR).is_dir() or (root / WORK_DIR / "inspect.json").is_file():  # a stage ran here
             raise ArtifactError(f"{root}: not an artifact: a build that did not finish (no {PROVENANCE}): resume "
                                 "it with `hybrid-build run`")
         if missing_ok:
             return None
         read_provenance(root)  # its one line
-    problems = symlinks(root)
-    found = check_artifact(root, prov, progress)
-    # the layout of a downloaded copy (no work folder, no card.md): its README.md is the card publish
-    # generated, which the signature covers (a layout, not a trust: it only moves README.md's check)
-    downloaded = not (root / WORK_DIR / "record.json").is_file()
-    if downloaded and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
-        # a downloaded copy: its README.md is the card publish generated (the signature covers it)
-        found.problems.remove(found.by_file.pop(CARD))
-    problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
-                                                      for s in problems)]
-    validation = validation_outcome(root)
-    raw = (root / PROVENANCE).read_bytes()
+    prov = parse_provenance_bytes(raw, root)
     build = build_digest(raw)
     from . import local_trust
 
     built_here = local_trust.recalled(build, local_trust.BUILT) is not None
     validated_here = local_trust.recalled(build, local_trust.VALIDATED) is not None
-    bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
-                          built_here=built_here, validated_here=validated_here,
-                          foreign=foreign_claims(root, built_here),
-                          provenance_digest=hashlib.sha256(raw).hexdigest())
-    own, ref_digests = _report_problems(bound.read_json(validation.report) if validation.report else None,
-                                        validation)
+    bound = BoundArtifact(root, prov, build, Integrity(), ValidationOutcome("missing", "not read yet"),
+                          SignatureCheck("unsigned"), [], built_here=built_here, validated_here=validated_here,
+                          foreign=foreign_claims(root, built_here), provenance_digest=hashlib.sha256(raw).hexdigest(),
+                          checked=check_files)
+    bound.validation = validation_outcome(root, build=build, read=bound.read_json)
+    if not check_files:
+        return bound
+    problems = bound.problems
+    problems += symlinks(root)
+    found = check_artifact(root, prov, progress)
+    bound.integrity = found
+    # the layout of a downloaded copy (no work folder, no card.md): its README.md is the card publish
+    # generated, which the signature covers (a layout, not a trust: it only moves README.md's check)
+    downloaded = not (root / WORK_DIR / "record.json").is_file()
+    if downloaded and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
+        found.problems.remove(found.by_file.pop(CARD))
+    problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
+                                                      for s in problems)]
+    problems += _index_problems(bound)
+    own, ref_digests = _report_problems(bound.read_json(bound.validation.report) if bound.validation.report
+                                        else None, bound.validation)
     problems += own
     if not found.intact and any(r in found.by_file for r in REFERENCE.files):
         pass  # the reference's bytes are already named

@@ -82,6 +82,7 @@ class Integrity:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     by_file: dict[str, str] = field(default_factory=dict)  # file -> its problem
+    unexpected: list[str] = field(default_factory=list)  # build outputs present that the provenance does not list
 
     @property
     def intact(self) -> bool:
@@ -143,7 +144,8 @@ def check_artifact(artifact: Path, provenance: Provenance | None = None, progres
     result = Integrity(files=len(wanted), bytes=sum(listed[n].bytes for n in wanted))
     found: dict[str, str] = {}  # name -> its problem
     if names is None:
-        for name in unexpected_files(artifact, prov):  # reports written after the build are expected
+        result.unexpected = unexpected_files(artifact, prov)  # reports written after the build are expected
+        for name in result.unexpected:
             found[name] = f"{name} is not listed in {PROVENANCE}"
         if reports:
             for name in sealed_files(artifact):

@@ -15,44 +15,20 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.artifact import (
-    CARD,
-    CONFIG,
-    META_DIR,
-    PROVENANCE,
-    REPORT_FILES,
-    REPORTS,
-    provenance_sha256,
-    read_provenance,
-    validation_outcome,
-)
-from hybrid_build.core.bound import open_artifact
+from hybrid_build.core.artifact import CARD, META_DIR, PROVENANCE, REPORT_FILES, REPORTS
+from hybrid_build.core.bound import BoundArtifact, open_artifact
 from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
-from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.progress import null_progress
 from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
 
-from .modelcard import (
-    CardInputs,
-    LicenseInfo,
-    ValidationStatus,
-    converted_sizes,
-    find_license,
-    memory_figures,
-    read_bench,
-    read_evaluation,
-    read_frontmatter,
-    reference_current,
-    render_card,
-)
+from .modelcard import LicenseInfo, ValidationStatus, card_inputs, render_card
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +86,7 @@ class PublishPlan:
     provenance: Provenance | None = None
     checked: dict | None = None  # core.integrity's count of what was checked (None: not checked)
     signed_seconds: float | None = None  # sign_plan's time (None: not signed)
+    bound: BoundArtifact | None = field(default=None, repr=False)  # the artifact, opened and checked once
 
     @property
     def total_bytes(self) -> int:
@@ -130,44 +107,22 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{what} is unreadable: {e}") from None
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{what} is not a JSON object")
-    return data
-
-
-def read_validation(artifact: Path, bound=None) -> ValidationStatus:
-    """The build's validation (``core.artifact.validation_outcome``, or the bound artifact's, with the
-    report it read) and the report it comes from: a failed run kept beside a passing report counts
-    as failed."""
+def read_validation(bound) -> ValidationStatus:
+    """The build's validation as the bound artifact found it (``core.artifact.validation_outcome``: a
+    failed run kept beside a passing report counts as failed), with the report it comes from."""
     validation = REPORTS["validation"]
-    outcome = bound.validation if bound is not None else validation_outcome(artifact)
+    outcome = bound.validation
     if outcome.state == "missing":
         return ValidationStatus("missing", reason=f"{validation.main} does not exist")
-    try:
-        if bound is not None and outcome.report and isinstance(bound.read_json(outcome.report), dict):
-            report = bound.report()
-        else:
-            report = _read_json(artifact / outcome.report, outcome.report) if outcome.report else {}
-    except (FileNotFoundError, ArtifactError) as e:
-        return ValidationStatus("missing", reason=str(e))
+    report = bound.read_json(outcome.report) if outcome.report else {}
+    if isinstance(report, Exception):
+        return ValidationStatus("missing", reason=f"{outcome.report} is unreadable: {report}")
+    if not isinstance(report, dict):
+        return ValidationStatus("missing", reason=f"{outcome.report} is not a JSON object")
     if outcome.state == "passed":
         return ValidationStatus("passed", report)
     where = f" ({outcome.report}" + (f", {outcome.finished_at})" if outcome.finished_at else ")")
     return ValidationStatus(outcome.state, report, outcome.reason + where)
-
-
-def _pipeline_tag(artifact: Path, config: dict) -> str | None:
-    tag = read_frontmatter(artifact / CARD).get("pipeline_tag")
-    if isinstance(tag, str):
-        return tag
-    return "image-text-to-text" if "vision_config" in config else "text-generation"
 
 
 def _upload_order(path: str) -> tuple:
@@ -186,7 +141,8 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
                  progress=null_progress) -> PublishPlan:
     """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing.
     The card does not depend on ``repo_id`` (None: the plan of the card alone, ``write_card``);
-    ``check_files=False`` skips hashing the files (the card says nothing of their bytes)."""
+    ``check_files=False`` skips hashing the files (the card says nothing of their bytes). Every part
+    of the artifact is asked of the bound artifact (``core.bound``), which opens and checks it once."""
     artifact = Path(artifact)
     if not artifact.is_dir():
         raise UserError(f"{artifact}: no such artifact folder")
@@ -194,20 +150,22 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
 
     if repo_id is not None and not HUB_ID.match(repo_id):
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
+    # check_files: in progress or stopped, symbolic links, every file and report against the provenance,
+    # the reference, the signature; --force skips none of it. Without: the card alone (`run` writes it),
+    # nothing uploaded, no file's bytes read
+    bound = open_artifact(artifact, progress=progress, check_files=check_files)
     if check_files:
-        # the artifact opened and checked once (core.bound): in progress or stopped, symbolic links, every
-        # file and report against the provenance, the reference, the signature; --force skips none of it
-        bound = open_artifact(artifact, progress=progress)
         bound.require("publish refuses it; rebuild it, or run the command that wrote that file again")
-        typed, checked = bound.provenance, bound.integrity
         shipped = bound.shipped()
-    else:  # the card alone (`run` writes it): nothing is uploaded, no file's bytes are read
-        from hybrid_build.core.bound import unfinished
-
-        if unfinished(artifact) or not (artifact / INDEX_NAME).exists():
+    else:
+        if not bound.path(INDEX_NAME).exists():
             raise ArtifactError(f"{artifact}: the build did not finish (run `hybrid-build run` again)")
-        typed, checked, shipped, bound = read_provenance(artifact), None, None, None
-    validation = read_validation(artifact, bound)
+        # the card's plan: the build's outputs, the provenance and the reports, unhashed
+        shipped = {p: "" for p in bound.provenance.files if p != CARD}
+        shipped.update({p: "" for p in [PROVENANCE, *REPORT_FILES]
+                        if bound.path(p).is_file() and p not in REPORTS["card"].files})
+    typed = bound.provenance
+    validation = read_validation(bound)
     if not validation.passed and not force:
         hint = "fix the artifact, or pass --force to publish it anyway (the card will say so)"
         if validation.state == "failed":
@@ -225,42 +183,30 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
     files = []
     if CARD in recorded:
         notes.append(f"{CARD} (the source's card, copied by the build) is replaced by the generated card")
-    if shipped is None:  # the card's plan: the build's outputs, the provenance and the reports, unhashed
-        shipped = {p: "" for p in recorded if p != CARD}
-        shipped.update({p: "" for p in [PROVENANCE, *REPORT_FILES]
-                        if (artifact / p).is_file() and p not in REPORTS["card"].files})
     sealed = typed.reports or {}
     # only the regular files the provenance lists (checked above: never a symlink, nothing else)
     for path in sorted(shipped, key=_upload_order):
+        local = bound.path(path)
         if path in recorded:
-            files.append(PublishFile(path, recorded[path].bytes, recorded[path].sha256, "provenance", artifact / path))
+            files.append(PublishFile(path, recorded[path].bytes, recorded[path].sha256, "provenance", local))
         elif path in sealed:
-            files.append(PublishFile(path, sealed[path].bytes, sealed[path].sha256, "local", artifact / path))
-        else:  # the provenance itself (or, for the card alone, an unsealed report)
-            local = artifact / path
-            files.append(PublishFile(path, local.stat().st_size, shipped[path] or _sha256_file(local), "local", local))
+            files.append(PublishFile(path, sealed[path].bytes, sealed[path].sha256, "local", local))
+        elif path == PROVENANCE:
+            files.append(PublishFile(path, local.stat().st_size, bound.provenance_digest, "local", local))
+        else:  # for the card alone, an unsealed report: its size is all the card needs
+            files.append(PublishFile(path, local.stat().st_size, shipped[path], "local", local))
 
-    if bound is not None and isinstance(bound.read_json(CONFIG), dict):
-        config = bound.read_json(CONFIG)
-    else:
-        config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
-    lic = find_license(artifact, config)
-    if not lic.known:
-        notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
-        log.info("the source's license is unknown: the card says %r", lic.license)
-    inputs = CardInputs(
-        provenance=typed, validation=validation, license=lic,
-        converted_bytes=converted_sizes(artifact, typed, bound),
-        files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
-        forced=force and not validation.passed,
-        evaluation=read_evaluation(artifact, bound), bench=read_bench(REPORTS["bench"].path(artifact), bound),
-        reference=reference_current(artifact, bound), memory=memory_figures(artifact, typed))
+    forced = force and not validation.passed
+    inputs = card_inputs(bound, validation, {f.path: f.bytes for f in files}, forced)
+    if not inputs.license.known:
+        notes.append(f"license: {inputs.license.origin}; the card says `{inputs.license.license}`: set it on the "
+                         "Hub before sharing")
+        log.info("the source's license is unknown: the card says %r", inputs.license.license)
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
-    artifact_id = (bound.build if bound is not None else provenance_sha256(artifact))[:12]
-    return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
-                       artifact_id, lic, notes, typed, checked.to_json() if checked else None)
+    return PublishPlan(artifact, repo_id, files, card_text, validation, forced, bound.build[:12], inputs.license,
+                       notes, typed, bound.integrity.to_json() if check_files else None, bound=bound)
 
 
 def sign_plan(plan: PublishPlan, key) -> float:
@@ -612,8 +558,8 @@ class Publisher:
         """The part's build outputs are still the provenance's bytes (checked when the plan was made;
         a ``stat`` each now through the hash cache, a hash only for a file written to since)."""
         names = [f.path for f in files if f.origin == "provenance"]
-        if names and self.plan.provenance:
-            found = check_artifact(self.plan.artifact, self.plan.provenance, names=names)
+        if names and self.plan.bound is not None:
+            found = self.plan.bound.recheck(names)
             if not found.intact:
                 raise ArtifactError(f"{self.plan.artifact}: the artifact changed after it was checked: "
                                     f"{found.problem}; nothing of this part was sent")
