@@ -3,13 +3,16 @@
 ``plan_publish`` reads the artifact (nothing leaves the machine): it checks every file against the
 provenance manifest by size and sha256 (``core.integrity``, through its hash cache; never skipped),
 refuses one whose validation is missing, stale, failed or could not run unless forced, and renders
-the model card. Before each part is sent its files are checked again (a ``stat`` each when
-unchanged). ``publish`` sends the plan through an ``HfApi``-like object
-(the boundary: the real ``HfApi`` by default, a recording stand-in in tests): it creates the repo,
-uploads in batches with ``upload_folder`` and, before each batch, asks the Hub which files it
-already holds with the expected sha256, so a run that stopped part-way resumes without re-sending
-what arrived. ``verify_remote`` then checks the remote file list, sizes and hashes against the plan.
-Network failures are retried with backoff; the token is never logged.
+the model card. Just before the upload its files are checked again (a ``stat`` each when unchanged).
+``publish`` sends the plan through an ``HfApi``-like object (the boundary: the real ``HfApi`` by
+default, a recording stand-in in tests): it creates the repo, asks the Hub which files it already
+holds with the expected sha256, and sends the rest in one ``upload_folder`` call naming them
+exactly; huggingface_hub (1.20 on) commits a large upload in batches itself and resumes it when
+rerun. ``HfApi.upload_large_folder`` is not used: deprecated in the huggingface_hub installed, it
+takes no commit message, opens no pull request, and writes its resume records into the folder it
+uploads (``lab/probes/upload_large_folder.py``). ``verify_remote`` then checks the remote file
+list, sizes and hashes against the plan. Network failures are retried with backoff, asking again
+what arrived; the token is never logged.
 """
 from __future__ import annotations
 
@@ -34,9 +37,6 @@ log = logging.getLogger(__name__)
 
 # Files the Hub creates itself; their presence on the remote is expected.
 HUB_OWN_FILES = {".gitattributes"}
-# A batch is one upload_folder call (one or more commits); bounded so a resume redoes little.
-DEFAULT_BATCH_BYTES = 8 * 1024**3
-DEFAULT_BATCH_FILES = 100
 PATHS_INFO_CHUNK = 100
 TITLE_PREFIX = "hybrid-build publish"
 
@@ -357,7 +357,7 @@ class PublishResult:
     uploaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     uploaded_bytes: int = 0
-    upload_calls: int = 0  # upload_folder / upload_file calls (each may make several commits)
+    upload_calls: int = 0  # upload_folder / upload_file calls (an upload_folder call may make several commits)
     pr_url: str | None = None
     verified: int = 0
     remote_extra: list[str] = field(default_factory=list)
@@ -373,23 +373,6 @@ def _token_of(api) -> str | None:
 
     tok = getattr(api, "token", None)
     return tok if isinstance(tok, str) and tok else get_token()
-
-
-def batches(files: list[PublishFile], max_bytes: int = DEFAULT_BATCH_BYTES,
-            max_files: int = DEFAULT_BATCH_FILES) -> list[list[PublishFile]]:
-    """Consecutive groups of files up to ``max_bytes`` / ``max_files`` (a larger file goes alone)."""
-    out: list[list[PublishFile]] = []
-    cur: list[PublishFile] = []
-    size = 0
-    for f in files:
-        if cur and (size + f.bytes > max_bytes or len(cur) >= max_files):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(f)
-        size += f.bytes
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _matches(remote, f: PublishFile) -> bool:
@@ -408,8 +391,7 @@ class Publisher:
 
     def __init__(self, plan: PublishPlan, api=None, *, private: bool = False, revision: str | None = None,
                  create_pr: bool = False, retry: RetryPolicy | None = None, progress=null_progress,
-                 on_part: Callable[[int, int, list[PublishFile], int], None] | None = None,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES, batch_files: int = DEFAULT_BATCH_FILES):
+                 on_send: Callable[[list[PublishFile], int], None] | None = None):
         if api is None:
             from huggingface_hub import HfApi
 
@@ -419,8 +401,7 @@ class Publisher:
         self.private, self.base_revision, self.create_pr = private, revision or "main", create_pr
         self.retry = retry or RetryPolicy()
         self.progress = progress
-        self.on_part = on_part  # (part, parts, files to send, files already there), before each part
-        self.batch_bytes, self.batch_files = batch_bytes, batch_files
+        self.on_send = on_send  # (files to send, files already there), before the upload
         token = _token_of(api)
         if not token:
             raise UserError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
@@ -465,12 +446,12 @@ class Publisher:
         remote = self.remote_files([f.path for f in files], revision)
         return [f for f in files if not _matches(remote.get(f.path), f)]
 
-    def _commit_message(self, i: int, n: int) -> str:
-        return f"{TITLE_PREFIX} {self.plan.artifact_id}: {self.plan.artifact.name} ({i}/{n})"
+    def _commit_message(self) -> str:
+        return f"{TITLE_PREFIX} {self.plan.artifact_id}: {self.plan.artifact.name}"
 
-    def _send(self, batch: list[PublishFile], revision: str, create_pr: bool, message: str):
-        cards = [f for f in batch if f.data is not None]
-        folder = [f for f in batch if f.data is None]
+    def _send(self, files: list[PublishFile], revision: str, create_pr: bool, message: str):
+        cards = [f for f in files if f.data is not None]
+        folder = [f for f in files if f.data is None]
         info, calls = None, 0
         if folder:
             info = self.api.upload_folder(
@@ -490,7 +471,7 @@ class Publisher:
         return info, calls
 
     def upload(self, result: PublishResult) -> str:
-        """Upload what the remote lacks, batch by batch; returns the revision holding the files."""
+        """Upload what the remote lacks; returns the revision holding the files."""
         revision, create_pr = self.base_revision, False
         if self.create_pr:
             existing = self._open_pr()
@@ -499,55 +480,52 @@ class Publisher:
                 revision = existing
             else:
                 create_pr = True
-        groups = batches(self.plan.files, self.batch_bytes, self.batch_files)
+        files = self.plan.files
         bar = self.progress(total=self.plan.total_bytes, desc="upload", unit="B", unit_scale=True)
         try:
-            for i, group in enumerate(groups, 1):
-                todo = self._missing(group, revision)
-                done = [f for f in group if f not in todo]
-                result.skipped += [f.path for f in done]
-                bar.update(sum(f.bytes for f in done))
-                self._check_unchanged(todo)
-                if self.on_part:
-                    self.on_part(i, len(groups), todo, len(done))
-                attempt = 0
-                while todo:
-                    attempt += 1
-                    try:
-                        info, calls = self._send(todo, revision, create_pr, self._commit_message(i, len(groups)))
-                    except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
-                        if not _is_hub_failure(e):
-                            raise
-                        if not is_transient(e):
-                            raise hub_error(e, f"upload part {i}/{len(groups)}", self.repo_id, self.redact) from None
-                        if attempt >= self.retry.attempts:
-                            raise CannotRun(
-                                f"upload part {i}/{len(groups)}: the Hub did not answer after {attempt} attempts "
-                                f"({_one_line(e, self.redact)}); run the same command again to resume") from None
-                        wait = self.retry.delay(attempt)
-                        log.info("upload part %d/%d: %s; retry in %.0f s", i, len(groups),
-                                    _one_line(e, self.redact), wait)
-                        self.retry.sleep(wait)
-                        if create_pr:  # the failed call may have opened the PR already
-                            revision = self._open_pr() or revision
-                            create_pr = revision == self.base_revision
-                        # ask again: part of the batch may have arrived before the failure
-                        before = todo
-                        todo = self._missing(todo, revision)
-                        arrived = [f for f in before if f not in todo]
-                        result.uploaded += [f.path for f in arrived]
-                        result.uploaded_bytes += sum(f.bytes for f in arrived)
-                        bar.update(sum(f.bytes for f in arrived))
-                        continue
-                    result.upload_calls += calls
-                    if create_pr:
-                        result.pr_url = getattr(info, "pr_url", None)
-                        revision = getattr(info, "pr_revision", None) or revision
-                        create_pr = False
-                    result.uploaded += [f.path for f in todo]
-                    result.uploaded_bytes += sum(f.bytes for f in todo)
-                    bar.update(sum(f.bytes for f in todo))
-                    todo = []
+            todo = self._missing(files, revision)
+            done = [f for f in files if f not in todo]
+            result.skipped += [f.path for f in done]
+            bar.update(sum(f.bytes for f in done))
+            self._check_unchanged(todo)
+            if self.on_send:
+                self.on_send(todo, len(done))
+            attempt = 0
+            while todo:
+                attempt += 1
+                try:
+                    info, calls = self._send(todo, revision, create_pr, self._commit_message())
+                except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
+                    if not _is_hub_failure(e):
+                        raise
+                    if not is_transient(e):
+                        raise hub_error(e, "upload", self.repo_id, self.redact) from None
+                    if attempt >= self.retry.attempts:
+                        raise CannotRun(f"upload: the Hub did not answer after {attempt} attempts ("
+                                        f"{_one_line(e, self.redact)}); run the same command again to resume") from None
+                    wait = self.retry.delay(attempt)
+                    log.info("upload: %s; retry in %.0f s", _one_line(e, self.redact), wait)
+                    self.retry.sleep(wait)
+                    if create_pr:  # the failed call may have opened the PR already
+                        revision = self._open_pr() or revision
+                        create_pr = revision == self.base_revision
+                    # ask again: part of it may have arrived (been committed) before the failure
+                    before = todo
+                    todo = self._missing(todo, revision)
+                    arrived = [f for f in before if f not in todo]
+                    result.uploaded += [f.path for f in arrived]
+                    result.uploaded_bytes += sum(f.bytes for f in arrived)
+                    bar.update(sum(f.bytes for f in arrived))
+                    continue
+                result.upload_calls += calls
+                if create_pr:
+                    result.pr_url = getattr(info, "pr_url", None)
+                    revision = getattr(info, "pr_revision", None) or revision
+                    create_pr = False
+                result.uploaded += [f.path for f in todo]
+                result.uploaded_bytes += sum(f.bytes for f in todo)
+                bar.update(sum(f.bytes for f in todo))
+                todo = []
         finally:
             bar.close()
         if revision.startswith("refs/pr/") and not result.pr_url:
@@ -555,14 +533,14 @@ class Publisher:
         return revision
 
     def _check_unchanged(self, files: list[PublishFile]) -> None:
-        """The part's build outputs are still the provenance's bytes (checked when the plan was made;
+        """The build outputs to send are still the provenance's bytes (checked when the plan was made;
         a ``stat`` each now through the hash cache, a hash only for a file written to since)."""
         names = [f.path for f in files if f.origin == "provenance"]
         if names and self.plan.bound is not None:
             found = self.plan.bound.recheck(names)
             if not found.intact:
                 raise ArtifactError(f"{self.plan.artifact}: the artifact changed after it was checked: "
-                                    f"{found.problem}; nothing of this part was sent")
+                                    f"{found.problem}; nothing was sent")
 
     def run(self) -> PublishResult:
         url = self.ensure_repo()

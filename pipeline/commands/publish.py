@@ -91,14 +91,14 @@ def make_retry():
     return RetryPolicy()
 
 
-def _part_line(part: int, parts: int, todo, already: int) -> None:
+def _send_line(todo, already: int) -> None:
     from hybrid_build.core.byte_units import human_bytes
 
     sent = sum(f.bytes for f in todo)
     if not todo:
-        sys.stderr.write(f"part {part}/{parts}: all {already} file(s) already on the Hub\n")
+        sys.stderr.write(f"all {already} file(s) already on the Hub\n")
         return
-    sys.stderr.write(f"part {part}/{parts}: sending {len(todo)} file(s), {human_bytes(sent)}"
+    sys.stderr.write(f"sending {len(todo)} file(s), {human_bytes(sent)}"
                      + (f"; {already} already on the Hub" if already else "") + "\n")
     sys.stderr.flush()
 
@@ -160,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    # huggingface_hub draws the live progress of each part (bytes, speed, commits) while it runs;
-    # a second bar of ours on the same terminal would garble it, so between parts we print a line.
+    # huggingface_hub draws the live progress of the upload (bytes, speed, commits) while it runs;
+    # a second bar of ours on the same terminal would garble it, so before it we print a line.
     publisher = Publisher(plan, api, private=args.private, revision=args.revision, create_pr=args.create_pr,
-                          retry=make_retry(), on_part=None if quiet else _part_line)
+                          retry=make_retry(), on_send=None if quiet else _send_line)
     result = publisher.run()
     from ..publish import keep_card
 
