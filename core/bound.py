@@ -367,7 +367,7 @@ def _index_problems(bound: BoundArtifact) -> list[str]:
         return []
     bad = sorted({v if isinstance(v, str) else repr(v) for v in wm.values()
                   if not isinstance(v, str) or name_problem(v)})
-    return [f"{INDEX} maps tensors to {name_problem(b) or repr(b)}: not a name inside the artifact" for b in bad]
+    return [f"{INDEX}: {name_problem(b) or b + ' is not a file name'}: not a name inside the artifact" for b in bad]
 
 
 def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progress: ProgressFactory = null_progress,

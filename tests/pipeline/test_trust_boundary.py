@@ -332,3 +332,32 @@ def test_a_signature_naming_a_file_outside_is_refused_unopened(art, tmp_path, ca
         assert rc == 1
         assert ("signature INVALID: model.sig is not a signature this tool can read (it lists '../outside.txt' "
                 "climbs out through '..': not a name inside the artifact)") in out
+
+
+def test_an_index_entry_outside_the_folder_is_refused_and_never_opened(art, tmp_path, capsys, monkeypatch):
+    """The index maps a tensor to ``../outside.safetensors`` (a real safetensors file there), and the
+    provenance is rewritten to match: refused naming the entry; the card's header reading never
+    opens it."""
+    import hashlib
+
+    from hybrid_build.core import safetensors_io
+
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(next(art.glob("model-*.safetensors")), outside)
+    index = art / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][next(iter(data["weight_map"]))] = "../outside.safetensors"
+    index.write_text(json.dumps(data, indent=2))
+    prov = art / "hybrid_build" / "provenance.json"
+    p = json.loads(prov.read_text())
+    p["files"][index.name] = {"bytes": index.stat().st_size, "sha256": hashlib.sha256(index.read_bytes()).hexdigest()}
+    prov.write_text(json.dumps(p, indent=2) + "\n")
+    opened: list[Path] = []
+    real = safetensors_io.open_regular
+    monkeypatch.setattr(safetensors_io, "open_regular", lambda path, *a: opened.append(Path(path)) or real(path, *a))
+    want = ("model.safetensors.index.json: '../outside.safetensors' climbs out through '..': not a name inside the "
+            "artifact")
+    for argv in (["verify-artifact", art], ["publish", art, "--repo-id", REPO, "--dry-run"], ["status", art]):
+        rc, out, err = cli(capsys, *argv)
+        assert rc == 1 and want in out + err, (argv, out, err)
+    assert all(p.resolve() != outside.resolve() for p in opened)
