@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from artifact_holes import report, run_cases  # beside this file (lab/probes is the script's folder)
+
 CLI = [sys.executable, "-m", "hybrid_build.pipeline.cli"]
 WORK_DIR = ".hybrid-build"
 
@@ -33,10 +35,6 @@ def line(out: str, needle: str | None = None) -> str:
     if needle:
         return next((ln for ln in lines if needle in ln), f"(no line with {needle!r})")
     return lines[-1] if lines else "(no output)"
-
-
-def report(case: str, cmd: str, rc: int, text: str) -> None:
-    print(f"{case:18s} | {cmd:40s} | {rc} | {text[:260]}", flush=True)
 
 
 def copy(demo: Path, work: Path, case: str, work_folder: bool = False) -> Path:
@@ -205,15 +203,5 @@ CASES = {f.__name__: f for f in (downloaded, record_json, validated_here, unsign
                                  index_outside, folder_link, unchecked, signature_outside)}
 
 
-def main() -> None:
-    demo, work = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    for name in sys.argv[3:] or CASES:
-        try:
-            CASES[name](demo, work)
-        except Exception as e:  # a probe: say what broke and go on
-            report(name, "(probe failed)", -1, f"{type(e).__name__}: {e}")
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(CASES)

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from safetensors.torch import load_file, save_file
+from signing_keys import keypair
 
 from hybrid_build.core.artifact import IN_PROGRESS, PROVENANCE, REPORTS, seal_reports
 from hybrid_build.core.bound import open_artifact
@@ -23,13 +22,6 @@ from hybrid_build.pipeline.cli import main
 
 REPO = "my-org/tiny-hybrid"
 VALIDATION, REFERENCE = REPORTS["validation"], REPORTS["reference"]
-
-
-@pytest.fixture
-def art(validated_artifact, tmp_path) -> Path:
-    dst = tmp_path / "tiny-hybrid"
-    shutil.copytree(validated_artifact, dst)  # the work folder too: built on this machine
-    return dst
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
@@ -43,16 +35,6 @@ def one_line(err: str) -> str:
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, lines
     return lines[0]
-
-
-def keypair(where: Path, name: str) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = where / f"{name}.pem", where / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
-    return private, public
 
 
 def refused_everywhere(capsys, art: Path, name: str) -> None:
