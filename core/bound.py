@@ -17,9 +17,16 @@ ask, instead of each reading the folder piece by piece:
   itself (a report that says passed while it lists failures is a problem);
 - the reference: the digests the report records are the files' digests, and its values are finite
   log-probabilities (<= 0) and token ids (>= 0), or it is refused whole;
-- the signature (``core.signing``) where one is there: who signed it, every file matches.
+- the signature (``core.signing``) where one is there: who signed it, every file matches;
+- every name the provenance, the index and the signature list is a name inside the folder
+  (``core.names``), and every name becomes a path in one place (``BoundArtifact.path``), resolved and
+  checked to stay inside;
+- whether this machine built or validated this build: asked of the user's state folder
+  (``core.local_trust``), never of the folder, whose own claims are named (``foreign``) and ignored.
 
-Each problem is one line naming the file; ``require`` raises the first.
+Each problem is one line naming the file; ``require`` raises the first. It is also the one reader of
+a finished artifact: ``publish``, the card, ``status`` and ``serve`` ask it for the parts they need
+(the config, the recipe copy, the reports, the source's card, the headers) instead of opening files.
 """
 from __future__ import annotations
 
@@ -79,7 +86,6 @@ class BoundArtifact:
     validated_here: bool = False  # a `validate` on this machine passed for this build (core.local_trust)
     foreign: list[str] = field(default_factory=list)  # trust claims the folder carries, ignored (foreign_claims)
     provenance_digest: str = ""  # the sha256 of the provenance file's bytes (reports sealed in it included)
-    checked: bool = True  # its files were checked (False: opened for the card alone, nothing hashed)
     _json: dict = field(default_factory=dict, repr=False)  # the JSON files read so far, by relative path
     _parts: dict = field(default_factory=dict, repr=False)  # the other parts asked for so far, by name
 
@@ -131,14 +137,6 @@ class BoundArtifact:
         if "recipe" not in self._parts:
             self._parts["recipe"] = read_recipe_data(self.root, missing_ok=True)
         return self._parts["recipe"]
-
-    def weight_map(self) -> dict[str, str]:
-        """The index's tensor -> shard map, every shard a name inside the artifact (``open_artifact``
-        names an entry that is not); {} when there is no index."""
-        index = self.read_json(INDEX)
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        return {k: v for k, v in wm.items() if isinstance(v, str) and not name_problem(v)} \
-            if isinstance(wm, dict) else {}
 
     def checkpoint(self):
         """The checkpoint's configs and safetensors headers (``core.checkpoint.Checkpoint``; no tensor
@@ -196,10 +194,6 @@ class BoundArtifact:
                 out[CARD] = (path, _sha256(path))
                 break
         return dict(sorted(out.items()))
-
-    def signed_set(self) -> dict[str, str]:
-        """``signed_files``, name -> sha256."""
-        return {n: sha for n, (_, sha) in self.signed_files().items()}
 
     def to_json(self) -> dict:
         return {"artifact": str(self.root), "build": self.build, "intact": self.intact, "problem": self.problem,
@@ -399,8 +393,7 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
     validated_here = local_trust.recalled(build, local_trust.VALIDATED) is not None
     bound = BoundArtifact(root, prov, build, Integrity(), ValidationOutcome("missing", "not read yet"),
                           SignatureCheck("unsigned"), [], built_here=built_here, validated_here=validated_here,
-                          foreign=foreign_claims(root, built_here), provenance_digest=hashlib.sha256(raw).hexdigest(),
-                          checked=check_files)
+                          foreign=foreign_claims(root, built_here), provenance_digest=hashlib.sha256(raw).hexdigest())
     bound.validation = validation_outcome(root, build=build, read=bound.read_json)
     if not check_files:
         return bound
