@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .bounded_read import SMALL_JSON, InputRefused, parse_yaml, read_bytes, read_json, read_text
+from .bounded_read import SMALL_JSON, InputRefused, parse_json, parse_yaml, read_bytes, read_json, read_text
 from .errors import ArtifactError, UserError
 from .manifest import build_digest, sha256_json
+from .names import name_problem
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX
 
 if TYPE_CHECKING:
@@ -53,8 +54,8 @@ SERVE_RECORD = f"{WORK_DIR}/serve-{{profile}}.json"  # what a `serve` of a profi
 # holding it is a build in progress or one that stopped, never an artifact nor a source checkpoint
 IN_PROGRESS = f"{WORK_DIR}/in-progress.json"
 RUN_LOCK = f"{WORK_DIR}/run.lock"  # `run` holds an exclusive flock on it while it writes
-# `validate` run on this machine passed for the build now here (the work folder is never published):
-# what lets `serve` take a downloaded artifact that carries no trusted signature
+# where hybrid-build once recorded a passing local `validate` inside the folder: a download could carry
+# one, so the record now lives in the user's state folder (core.local_trust) and this file is ignored
 VALIDATED_HERE = f"{WORK_DIR}/validated-here.json"
 SIGNATURE = "model.sig"  # OpenSSF Model Signing's signature (core.signing), at the root: written by publish
 
@@ -126,6 +127,23 @@ def is_validate_record(rel: str) -> bool:
     return rel in VALIDATION_LAST.files or bool(_TEXTS_REPORT.match(rel))
 
 
+# ------------------------------------------------------------------------------------ names
+
+
+def artifact_path(artifact: Path, rel: str) -> Path:
+    """The one place a name of the artifact becomes a path: ``rel`` checked (``name_problem``), and the
+    path it gives resolved (links followed) and checked to stay inside ``artifact``; otherwise an
+    ``ArtifactError`` naming the entry."""
+    why = name_problem(rel)
+    if why:
+        raise ArtifactError(f"{artifact}: {why}: not a name inside the artifact")
+    path = Path(artifact) / rel
+    base, real = Path(artifact).resolve(), path.resolve()
+    if real != base and base not in real.parents:
+        raise ArtifactError(f"{artifact}: {rel} leads outside the artifact (to {real})")
+    return path
+
+
 # ------------------------------------------------------------------------------------ what a file is
 
 
@@ -181,27 +199,45 @@ def read_provenance(artifact: Path, *, missing_ok: bool = False) -> Provenance |
     folder that is not there, or holds none, is a user error (exit 2: wrong folder, or a build that
     has not reached ``record``); with ``missing_ok`` that returns None instead. One that does not
     parse or fit is an ``ArtifactError``."""
-    from .provenance import parse_provenance  # pydantic: here, not at --help
-
-    data = _provenance_json(Path(artifact), missing_ok)
-    return None if data is None else parse_provenance(data, Path(artifact) / PROVENANCE)
-
-
-def _provenance_json(artifact: Path, missing_ok: bool) -> object | None:
+    artifact = Path(artifact)
     if not artifact.is_dir():
         if missing_ok:
             return None
         raise UserError(f"{artifact}: no such artifact folder")
-    path = artifact / PROVENANCE
-    if not os.path.lexists(path):
+    raw = provenance_bytes(artifact)
+    if raw is None:
         if missing_ok:
             return None
         raise UserError(f"{artifact}: no {PROVENANCE}: not an artifact built by `hybrid-build run`, or a build "
                         "that has not finished (`hybrid-build status` says which stage is missing)")
-    try:  # a FIFO in its place is refused, never waited on; capped; nested at most MAX_DEPTH
-        return read_json(path, str(path), error=ArtifactError)
+    return parse_provenance_bytes(raw, artifact)
+
+
+def provenance_bytes(artifact: Path) -> bytes | None:
+    """The provenance file's bytes, None when there is none; one that cannot be read is an
+    ``ArtifactError`` (a FIFO in its place, or one over the cap, is refused: never waited on, never
+    read whole)."""
+    path = Path(artifact) / PROVENANCE
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_bytes(path, str(path), error=ArtifactError)
     except ArtifactError as e:
         raise ArtifactError(f"{e}; rebuild the artifact") from None
+
+
+def parse_provenance_bytes(raw: bytes, artifact: Path) -> Provenance:
+    """``raw`` (the provenance file's bytes) as the typed model, nested at most ``MAX_DEPTH``; an
+    ``ArtifactError`` naming the file and the entry when it does not parse or fit (a name outside the
+    artifact included)."""
+    from .provenance import parse_provenance  # pydantic: here, not at --help
+
+    path = Path(artifact) / PROVENANCE
+    try:
+        data = parse_json(raw, str(path), error=ArtifactError)
+    except ArtifactError as e:
+        raise ArtifactError(f"{e}; rebuild the artifact") from None
+    return parse_provenance(data, path)
 
 
 def read_recipe_data(artifact: Path, *, missing_ok: bool = False, which: str = RECIPE) -> dict | None:
@@ -384,20 +420,34 @@ def _first_failure(data: dict) -> str:
     return failures[0] + (f" (+{len(failures) - 1} more)" if len(failures) > 1 else "")
 
 
-def validation_outcome(artifact: Path) -> ValidationOutcome:
+def validation_outcome(artifact: Path, *, build=_UNSET, read=None) -> ValidationOutcome:
     """The latest validation of the build in ``artifact``: a failed run kept beside a passing report
-    (``VALIDATION_LAST``) of the same build counts first; then the build's report."""
+    (``VALIDATION_LAST``) of the same build counts first; then the build's report. ``build`` (the
+    provenance's sha256) and ``read`` (name -> parsed JSON, or the exception it raised, or None:
+    ``core.bound.BoundArtifact.read_json``) where the caller has them."""
     artifact = Path(artifact)
-    built = provenance_sha256(artifact)
-    last = _record(artifact, VALIDATION_LAST.main)
+    built = provenance_sha256(artifact) if build is _UNSET else build
+
+    def record(rel: str) -> dict | None:
+        if read is None:
+            return _record(artifact, rel)
+        data = read(rel)
+        return data if isinstance(data, dict) else None
+
+    last = record(VALIDATION_LAST.main)
     if last and built and last.get("provenance_sha256") == built and last.get("outcome") == "failed":
         return ValidationOutcome("failed", _first_failure(last), _finished_at(artifact, VALIDATION_LAST.main, last),
                                  VALIDATION_LAST.main)
     report = REPORTS["validation"]
-    state, why = report_state(artifact, report)
+    if read is None:
+        state, why = report_state(artifact, report)
+    else:
+        got = read(report.main)
+        state, why = report_state(artifact, report, build=built,
+                                  data=got if got is not None else ValueError("not there"))
     if state == "missing":
         return ValidationOutcome("missing", f"no {report.main}: run `hybrid-build validate`")
-    data = _record(artifact, report.main)
+    data = record(report.main)
     if data is None:
         return ValidationOutcome("stale", f"{report.main} is unreadable: run `hybrid-build validate` again",
                                  None, report.main)

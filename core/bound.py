@@ -17,21 +17,29 @@ ask, instead of each reading the folder piece by piece:
   itself (a report that says passed while it lists failures is a problem);
 - the reference: the digests the report records are the files' digests, and its values are finite
   log-probabilities (<= 0) and token ids (>= 0), or it is refused whole;
-- the signature (``core.signing``) where one is there: who signed it, every file matches.
+- the signature (``core.signing``) where one is there: who signed it, every file matches;
+- every name the provenance, the index and the signature list is a name inside the folder
+  (``core.names``), and every name becomes a path in one place (``BoundArtifact.path``), resolved and
+  checked to stay inside;
+- whether this machine built or validated this build: asked of the user's state folder
+  (``core.local_trust``), never of the folder, whose own claims are named (``foreign``) and ignored.
 
-Each problem is one line naming the file; ``require`` raises the first.
+Each problem is one line naming the file; ``require`` raises the first. It is also the one reader of
+a finished artifact: ``publish``, the card, ``status`` and ``serve`` ask it for the parts they need
+(the config, the recipe copy, the reports, the source's card, the headers) instead of opening files.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .artifact import (
     CARD,
+    CONFIG,
     IN_PROGRESS,
+    INDEX,
     META_DIR,
     PROVENANCE,
     REPORTS,
@@ -39,17 +47,21 @@ from .artifact import (
     WORK_DIR,
     Report,
     ValidationOutcome,
+    artifact_path,
     is_validate_record,
+    parse_provenance_bytes,
+    provenance_bytes,
     provenance_sha256,
     read_provenance,
+    read_recipe_data,
     report_state,
-    utc_now,
     validation_outcome,
 )
-from .bounded_read import SMALL_JSON, InputRefused, open_regular, read_bytes, read_json
+from .bounded_read import SMALL_JSON, InputRefused, open_regular, read_json, read_text
 from .errors import ArtifactError, UserError
 from .integrity import Integrity, check_artifact, first_problem
 from .manifest import build_digest
+from .names import name_problem
 from .progress import ProgressFactory, null_progress
 from .provenance import Provenance
 from .signing import SIGNATURE, SignatureCheck, check_signature
@@ -69,10 +81,12 @@ class BoundArtifact:
     validation: ValidationOutcome
     signature: SignatureCheck
     problems: list[str] = field(default_factory=list)
-    built_here: bool = False  # the work folder is here: this machine built it
-    validated_here: bool = False  # a local `validate` passed for this build
+    built_here: bool = False  # this machine built these bytes (core.local_trust, never the folder's word)
+    validated_here: bool = False  # a `validate` on this machine passed for this build (core.local_trust)
+    foreign: list[str] = field(default_factory=list)  # trust claims the folder carries, ignored (foreign_claims)
     provenance_digest: str = ""  # the sha256 of the provenance file's bytes (reports sealed in it included)
-    _json: dict = field(default_factory=dict, repr=False)  # the reports read so far, by relative path
+    _json: dict = field(default_factory=dict, repr=False)  # the JSON files read so far, by relative path
+    _parts: dict = field(default_factory=dict, repr=False)  # the other parts asked for so far, by name
 
     @property
     def intact(self) -> bool:
@@ -89,15 +103,53 @@ class BoundArtifact:
         return {rel: e.sha256 for rel, e in listed.items() if rel not in self.integrity.by_file}
 
     def read_json(self, rel: str) -> dict | list | Exception | None:
-        """A JSON file of the artifact (a report, ``config.json``), parsed once and kept: None when it is
-        not there, the exception when it does not parse. Its bytes were checked by ``open_artifact``."""
+        """A JSON file of the artifact (a report, ``config.json``, the index), parsed once and kept: None
+        when it is not there, the exception when it does not parse or its name leads outside the
+        artifact. Its bytes were checked by ``open_artifact``."""
         if rel not in self._json:
-            path = self.root / rel
-            try:  # a regular file, capped, nested at most MAX_DEPTH (core/bounded_read)
+            try:  # a name inside the artifact; a regular file, capped, nested at most MAX_DEPTH (core.bounded_read)
+                path = self.path(rel)
                 self._json[rel] = read_json(path, rel) if path.exists() else None
-            except (OSError, InputRefused) as e:
+            except (OSError, InputRefused, ArtifactError) as e:
                 self._json[rel] = e
         return self._json[rel]
+
+    def text(self, rel: str) -> str | None:
+        """A text file of the artifact (the source's card), or None when it is absent or unreadable."""
+        try:
+            path = self.path(rel)
+            return read_text(path, rel) if path.exists() else None  # regular, capped, UTF-8 (core.bounded_read)
+        except (OSError, InputRefused, ArtifactError):
+            return None
+
+    def config(self) -> dict:
+        """``config.json``, or {} when it is absent or not an object."""
+        data = self.read_json(CONFIG)
+        return data if isinstance(data, dict) else {}
+
+    def report_json(self, report: Report) -> dict | list | Exception | None:
+        """The JSON file of ``report`` (``read_json`` of its main file)."""
+        return self.read_json(report.main)
+
+    def recipe_data(self) -> dict | None:
+        """The recipe copy as a YAML mapping (``core.artifact.read_recipe_data``), None when absent."""
+        if "recipe" not in self._parts:
+            self._parts["recipe"] = read_recipe_data(self.root, missing_ok=True)
+        return self._parts["recipe"]
+
+    def checkpoint(self):
+        """The checkpoint's configs and safetensors headers (``core.checkpoint.Checkpoint``; no tensor
+        data), read once; a ``HybridBuildError`` when they do not read."""
+        if "checkpoint" not in self._parts:
+            from .checkpoint import Checkpoint
+
+            self._parts["checkpoint"] = Checkpoint.read_folder(self.root)
+        return self._parts["checkpoint"]
+
+    def recheck(self, names: list[str]) -> Integrity:
+        """Those listed files against the provenance again (a ``stat`` each while unchanged): what
+        ``publish`` asks just before it sends them."""
+        return check_artifact(self.root, self.provenance, names=names)
 
     def report(self) -> dict:
         """The validation report the outcome comes from (parsed once), {} when there is none."""
@@ -109,6 +161,11 @@ class BoundArtifact:
         data = self.read_json(report.main) if report.build_field is not None else None
         return report_state(self.root, report, build=self.build or None,
                             data=data if data is not None else ValueError("not there"), sealed=self.provenance)
+
+    def path(self, rel: str) -> Path:
+        """The file ``rel`` names: checked to be a name inside the artifact and to resolve inside it
+        (``core.artifact.artifact_path``), the one way a name becomes a path."""
+        return artifact_path(self.root, rel)
 
     def require(self, hint: str = "rebuild it (`hybrid-build run`), or run the command that wrote it again") -> None:
         if self.problems:
@@ -125,13 +182,15 @@ class BoundArtifact:
                 out[name] = entry.sha256
         return dict(sorted(out.items()))
 
-    def signed_set(self) -> dict[str, str]:
-        """What the signature covers: ``shipped`` plus the generated card as ``README.md``: here,
-        ``card.md`` (what ``publish`` kept of what it uploaded); in a downloaded copy, ``README.md``."""
-        out = self.shipped()
+    def signed_files(self) -> dict[str, tuple[Path, str]]:
+        """What the signature covers, name -> (the file here, its sha256): ``shipped`` plus the generated
+        card as ``README.md``: here, ``card.md`` (what ``publish`` kept of what it uploaded); in a
+        downloaded copy, ``README.md``."""
+        out = {n: (self.path(n), sha) for n, sha in self.shipped().items()}
         for rel in (REPORTS["card"].main, CARD):
-            if (self.root / rel).is_file() and not (self.root / rel).is_symlink():
-                out[CARD] = _sha256(self.root / rel)
+            path = self.path(rel)
+            if path.is_file() and not path.is_symlink():
+                out[CARD] = (path, _sha256(path))
                 break
         return dict(sorted(out.items()))
 
@@ -139,7 +198,14 @@ class BoundArtifact:
         return {"artifact": str(self.root), "build": self.build, "intact": self.intact, "problem": self.problem,
                 "problems": self.problems, "files": self.integrity.to_json(), "validation": self.validation.to_json(),
                 "signature": self.signature.to_json(), "built_here": self.built_here,
-                "validated_here": self.validated_here}
+                "validated_here": self.validated_here, "foreign_trust_records": self.foreign}
+
+    def trust_line(self) -> str | None:
+        """One line when the folder carries trust records this machine did not write, else None."""
+        if not self.foreign:
+            return None
+        return (f"carries trust records from elsewhere ({', '.join(self.foreign)}): ignored; this machine's "
+                "own are kept in its state folder")
 
 
 def _sha256(path: Path) -> str:
@@ -245,21 +311,31 @@ def _report_problems(data, validation: ValidationOutcome) -> tuple[list[str], di
 
 
 def record_validated_here(root: Path, outcome: str, bundled: bool) -> None:
-    """After ``validate`` on this machine: the build it passed for (the work folder is never
-    published, so a downloaded copy carries none)."""
-    from .safetensors_io import write_text_atomic
+    """After ``validate`` on this machine: a pass on the bundled texts is recorded for the build in the
+    user's state folder (``core.local_trust``), where a downloaded folder cannot put one; a run that
+    failed takes it back."""
+    from . import local_trust
 
-    path = Path(root) / VALIDATED_HERE
-    if outcome == "passed" and bundled:
-        path.parent.mkdir(exist_ok=True)
-        write_text_atomic(path, json.dumps({"build": provenance_sha256(root), "at": utc_now()}) + "\n")
+    build = provenance_sha256(root)
+    if not build or not bundled:
+        return
+    if outcome == "passed":
+        local_trust.remember(build, local_trust.VALIDATED, root)
+    elif outcome == "failed":
+        local_trust.forget(build, local_trust.VALIDATED)
 
 
-def _validated_here(root: Path, build: str) -> bool:
-    try:
-        return read_json(Path(root) / VALIDATED_HERE, VALIDATED_HERE, SMALL_JSON).get("build") == build
-    except (OSError, InputRefused, AttributeError):
-        return False
+# the files through which a folder once claimed to be built or validated here: what a download can
+# carry, worth nothing now that the claims live in the state folder (named when a folder has them)
+CLAIMS = (f"{WORK_DIR}/record.json", VALIDATED_HERE)
+
+
+def foreign_claims(root: Path, built_here: bool) -> list[str]:
+    """The files of ``CLAIMS`` in ``root`` that this machine's records do not back: a folder built
+    here keeps the record stage's manifest; any other such file came from elsewhere (or from a
+    hybrid-build that kept its records inside the artifact) and is ignored."""
+    backed = {CLAIMS[0]: built_here, CLAIMS[1]: False}
+    return [rel for rel in CLAIMS if not backed[rel] and (Path(root) / rel).exists()]
 
 
 def trusted_keys(given: list[str] | None = None) -> list[Path]:
@@ -275,42 +351,64 @@ def trusted_keys(given: list[str] | None = None) -> list[Path]:
     return keys
 
 
+def _index_problems(bound: BoundArtifact) -> list[str]:
+    """The index's entries that are not names inside the artifact (never opened by those names)."""
+    index = bound.read_json(INDEX)
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict):
+        return []
+    bad = sorted({v if isinstance(v, str) else repr(v) for v in wm.values()
+                  if not isinstance(v, str) or name_problem(v)})
+    return [f"{INDEX}: {name_problem(b) or b + ' is not a file name'}: not a name inside the artifact" for b in bad]
+
+
 def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progress: ProgressFactory = null_progress,
-                  missing_ok: bool = False) -> BoundArtifact | None:
+                  missing_ok: bool = False, check_files: bool = True) -> BoundArtifact | None:
     """The artifact at ``path``, opened and checked once (the module's docstring). A build that has not
     finished is an ``ArtifactError``; a folder that is no build of hybrid-build (no provenance, no
     ``META_DIR``, no work folder) is a ``UserError``, or None with ``missing_ok`` (a plain
-    checkpoint, which serve may still serve)."""
+    checkpoint, which serve may still serve). ``check_files=False``: the provenance, the validation
+    and the parts a card is made of, without hashing a file or checking the signature (``run``'s card)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise UserError(f"{root}: no such artifact folder")
     why = unfinished(root)
     if why:
         raise ArtifactError(f"{root}: not an artifact: {why}")
-    prov = read_provenance(root, missing_ok=True)
-    if prov is None:
+    raw = provenance_bytes(root)
+    if raw is None:
         if (root / META_DIR).is_dir() or (root / WORK_DIR / "inspect.json").is_file():  # a stage ran here
             raise ArtifactError(f"{root}: not an artifact: a build that did not finish (no {PROVENANCE}): resume "
                                 "it with `hybrid-build run`")
         if missing_ok:
             return None
         read_provenance(root)  # its one line
-    problems = symlinks(root)
+    prov = parse_provenance_bytes(raw, root)
+    build = build_digest(raw)
+    from . import local_trust
+
+    built_here = local_trust.recalled(build, local_trust.BUILT) is not None
+    validated_here = local_trust.recalled(build, local_trust.VALIDATED) is not None
+    bound = BoundArtifact(root, prov, build, Integrity(), ValidationOutcome("missing", "not read yet"),
+                          SignatureCheck("unsigned"), [], built_here=built_here, validated_here=validated_here,
+                          foreign=foreign_claims(root, built_here), provenance_digest=hashlib.sha256(raw).hexdigest())
+    bound.validation = validation_outcome(root, build=build, read=bound.read_json)
+    if not check_files:
+        return bound
+    problems = bound.problems
+    problems += symlinks(root)
     found = check_artifact(root, prov, progress)
-    built_here = (root / WORK_DIR / "record.json").is_file()  # the record stage's manifest: built on this machine
-    if not built_here and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
-        # a downloaded copy: its README.md is the card publish generated (the signature covers it)
+    bound.integrity = found
+    # the layout of a downloaded copy (no work folder, no card.md): its README.md is the card publish
+    # generated, which the signature covers (a layout, not a trust: it only moves README.md's check)
+    downloaded = not (root / WORK_DIR / "record.json").is_file()
+    if downloaded and CARD in found.by_file and not (root / REPORTS["card"].main).exists():
         found.problems.remove(found.by_file.pop(CARD))
     problems += [p for p in found.problems if not any(p.startswith(s.split(" is a symbolic")[0] + " ")
                                                       for s in problems)]
-    validation = validation_outcome(root)
-    raw = read_bytes(root / PROVENANCE, PROVENANCE)
-    build = build_digest(raw)
-    bound = BoundArtifact(root, prov, build, found, validation, SignatureCheck("unsigned"), problems,
-                          built_here=built_here, validated_here=_validated_here(root, build),
-                          provenance_digest=hashlib.sha256(raw).hexdigest())
-    own, ref_digests = _report_problems(bound.read_json(validation.report) if validation.report else None,
-                                        validation)
+    problems += _index_problems(bound)
+    own, ref_digests = _report_problems(bound.read_json(bound.validation.report) if bound.validation.report
+                                        else None, bound.validation)
     problems += own
     if not found.intact and any(r in found.by_file for r in REFERENCE.files):
         pass  # the reference's bytes are already named
@@ -321,7 +419,7 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
         if sig.is_symlink():
             bound.signature = SignatureCheck("invalid", problem=f"{SIGNATURE} is a symbolic link")
         else:
-            bound.signature = check_signature(sig, bound.signed_set(), list(trusted or []))
+            bound.signature = check_signature(sig, bound.signed_files(), list(trusted or []))
         if bound.signature.state == "invalid":
             problems.append(bound.signature.line())
     return bound

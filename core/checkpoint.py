@@ -23,6 +23,7 @@ from typing import Protocol
 
 from .bounded_read import JSON_CAP, check_depth, read_bytes
 from .errors import SourceError
+from .names import name_problem
 from .safetensors_io import INDEX_NAME, TMP_SUFFIX, FileHeader, TensorHeader, read_header
 from .tensor_classes import classify, dtype_problem, dtype_storage, module_storage, split_module
 
@@ -320,6 +321,15 @@ class Checkpoint:
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise SourceError(f"{INDEX_NAME}: invalid index (expected JSON with a weight_map)")
         weight_map: dict[str, str] = (index or {}).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise SourceError(f"{INDEX_NAME}: invalid index (its weight_map is not an object)")
+        bad = sorted({f if isinstance(f, str) else repr(f) for f in weight_map.values()
+                      if not isinstance(f, str) or name_problem(f) or "/" in f})
+        for entry in bad:  # never opened: the shards are the folder's own *.safetensors files
+            problems.append(Problem("error", "bad_index_entry",
+                                    f"{INDEX_NAME} maps tensors to {entry!r}, which is not a file name in "
+                                    "this folder"))
+        weight_map = {k: v for k, v in weight_map.items() if isinstance(v, str) and v not in bad}
 
         files = src.safetensors_files()
         if not files:

@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING
 from .artifact import (
     ARTIFACT_DIGESTS,
     PROVENANCE,
+    artifact_path,
     is_validate_record,
     read_provenance,
     sealed_files,
     unexpected_files,
 )
 from .byte_units import human_bytes
+from .errors import ArtifactError
 from .manifest import HASH_CHUNK
 from .progress import ProgressFactory, close_bar, null_progress
 from .safetensors_io import special_kind
@@ -80,6 +82,7 @@ class Integrity:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     by_file: dict[str, str] = field(default_factory=dict)  # file -> its problem
+    unexpected: list[str] = field(default_factory=list)  # build outputs present that the provenance does not list
 
     @property
     def intact(self) -> bool:
@@ -141,7 +144,8 @@ def check_artifact(artifact: Path, provenance: Provenance | None = None, progres
     result = Integrity(files=len(wanted), bytes=sum(listed[n].bytes for n in wanted))
     found: dict[str, str] = {}  # name -> its problem
     if names is None:
-        for name in unexpected_files(artifact, prov):  # reports written after the build are expected
+        result.unexpected = unexpected_files(artifact, prov)  # reports written after the build are expected
+        for name in result.unexpected:
             found[name] = f"{name} is not listed in {PROVENANCE}"
         if reports:
             for name in sealed_files(artifact):
@@ -153,7 +157,12 @@ def check_artifact(artifact: Path, provenance: Provenance | None = None, progres
     for name in wanted:
         want = listed[name]
         try:
-            st = os.lstat(artifact / name)  # a symlink is refused, never followed
+            path = artifact_path(artifact, name)  # a folder on the way that links outside: never read
+        except ArtifactError as e:
+            found[name] = str(e).removeprefix(f"{artifact}: ")
+            continue
+        try:
+            st = os.lstat(path)  # a symlink is refused, never followed
         except FileNotFoundError:
             if name not in prov.files and not is_validate_record(name):
                 continue  # a report removed: it is missing, as the commands that need it say (not an edit)

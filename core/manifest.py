@@ -66,13 +66,15 @@ class StageManifest:
     def output_problem(self, root: Path, known: dict[str, str] | None = None) -> str | None:
         """The first recorded output that is missing or changed, in words (None: all intact).
         Files up to ``QUICK_HASH_LIMIT`` are hashed again, unless ``known`` has their sha256 (checked
-        already, e.g. by ``core.bound.open_artifact``); larger ones are compared by size."""
+        already, e.g. by ``core.bound.open_artifact``; for the provenance, the build's name); larger
+        ones are compared by size."""
         for rel, info in sorted(self.outputs.items()):
             p = root / rel
             if not p.is_file():
                 return f"{rel} is missing"
-            if rel == PROVENANCE_REL and _same_build(p, info):
-                continue  # the provenance, with the reports sealed since: the same build
+            if rel == PROVENANCE_REL and ((known or {}).get(rel) == info.get("sha256") if known and rel in known
+                                          else _same_build(p, info)):
+                continue  # the provenance, with the reports sealed since: the same build (known: by its name)
             if p.stat().st_size != info.get("bytes"):
                 return f"{rel} has {p.stat().st_size} bytes, the stage wrote {info.get('bytes')}"
             if info.get("sha256") and info["bytes"] <= QUICK_HASH_LIMIT and \

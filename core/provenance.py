@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from .errors import ArtifactError
+from .names import name_problem
 
 SCHEMA_VERSION = 2  # 2: the source is identified by content (kind, per-file sha256)
 TOOL_NAME = "hybrid-build"
@@ -58,6 +59,18 @@ class Provenance(BaseModel):
     # not part of the build's identity (``core.artifact.provenance_sha256`` leaves it out). None: none sealed
     reports: dict[str, FileEntry] | None = None
 
+    @field_validator("files", "reports")
+    @classmethod
+    def _names_inside(cls, entries: dict[str, FileEntry] | None) -> dict[str, FileEntry] | None:
+        """Every entry names a file below the artifact (``core.artifact.name_problem``): a provenance
+        that names ``../x`` or ``/etc/x`` is refused whole, before any command opens, hashes or uploads
+        by that name."""
+        for name in entries or {}:
+            why = name_problem(name)
+            if why:
+                raise ValueError(f"{why}: not a name inside the artifact")
+        return entries
+
     def to_text(self) -> str:
         """The file's text: the keys in the order above, two-space indents, a final newline."""
         return json.dumps(self.model_dump(mode="json", exclude_none=True), indent=2) + "\n"
@@ -80,4 +93,5 @@ def parse_provenance(data: object, where: Path | str) -> Provenance:
     except ValidationError as e:
         first = e.errors()[0]
         at = ".".join(str(p) for p in first["loc"]) or "(top)"
-        raise ArtifactError(f"{where}: {at}: {first['msg']}; rebuild the artifact") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise ArtifactError(f"{where}: {at}: {msg}; rebuild the artifact") from None

@@ -35,6 +35,7 @@ from .artifact import WORK_DIR
 from .bounded_read import SMALL_JSON, InputRefused, read_json
 from .errors import SourceMismatch, UserError
 from .manifest import sha256_file, sha256_json
+from .names import name_problem
 from .progress import ProgressFactory, close_bar, null_progress
 from .safetensors_io import TMP_SUFFIX, write_text_atomic
 
@@ -260,8 +261,11 @@ def read_record(artifact: Path, provenance: Provenance | None) -> SourceRecord |
             loc = {}  # written for another build of this folder
     # schema 1 had no kind: a local source was recorded by folder name, which has no "/"
     kind = src.get("kind") or ("hub" if "/" in src["id"] else "local")
+    inside = loc.get("in_artifact")
+    if name_problem(inside):  # the demo source lives below the artifact, or it is not the demo's
+        inside = None
     return SourceRecord(kind, src["id"], src.get("revision"), src.get("fingerprint"), src.get("files") or {},
-                        loc.get("path"), loc.get("in_artifact"))
+                        loc.get("path"), inside)
 
 
 def mismatch(record: SourceRecord, actual: dict[str, dict]) -> str | None:

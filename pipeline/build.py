@@ -68,7 +68,7 @@ def check_output_folder(out: Path, source_root: Path | None = None) -> None:
         raise UserError(f"{out}: the output folder must not be the source folder or inside it")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is not a folder")
-    if out.exists() and any(out.iterdir()) and not (out / WORK_DIR).exists():
+    if out.exists() and not (out / WORK_DIR).exists() and any(out.iterdir()):
         raise UserError(f"{out}: exists, is not empty and is not a hybrid-build output; choose another folder")
 
 

@@ -28,13 +28,12 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from hybrid_build.core import formats
-from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, is_report, report_state
-from hybrid_build.core.bounded_read import InputRefused, parse_yaml, read_json, read_text
+from hybrid_build.core.artifact import CARD, PROVENANCE, RECIPE, REPORTS, is_report
+from hybrid_build.core.bounded_read import InputRefused, parse_yaml
 from hybrid_build.core.byte_units import human_bytes
 from hybrid_build.core.checkpoint import HUB_ID
 from hybrid_build.core.formats.base import OutputFormat
 from hybrid_build.core.provenance import Provenance
-from hybrid_build.core.safetensors_io import INDEX_NAME, read_header
 
 log = logging.getLogger(__name__)
 VALIDATION, EVAL = REPORTS["validation"], REPORTS["eval"]
@@ -95,43 +94,37 @@ class CardInputs:
 # ------------------------------------------------------------------------------------ gathering
 
 
-def read_frontmatter(readme: Path) -> dict:
-    """The YAML metadata block of a model card file, or {} when it has none or it does not parse."""
-    try:  # a regular file, capped, its YAML nested at most MAX_DEPTH (core/bounded_read)
-        text = read_text(readme, readme.name)
-    except (OSError, InputRefused):
-        return {}
-    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
+def frontmatter(text: str | None) -> dict:
+    """The YAML metadata block of a model card's text, or {} when it has none or it does not parse."""
+    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text or "", re.S)
     if not m:
         return {}
     try:
-        data = parse_yaml(m.group(1), readme.name)
+        data = parse_yaml(m.group(1), "the source's model card")
     except (yaml.YAMLError, InputRefused):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def find_license(artifact: Path, config: dict) -> LicenseInfo:
-    """The source's license: from the source card that ``run`` copied into the artifact, else from
-    ``config.json``; ``other`` when neither says, which the card then states plainly."""
-    meta = read_frontmatter(artifact / CARD)
-    if isinstance(meta.get("license"), str) and meta["license"].strip():
-        return LicenseInfo(meta["license"].strip(), "the source model card")
+def find_license(card_meta: dict, config: dict) -> LicenseInfo:
+    """The source's license: from the source card that ``run`` copied into the artifact (its metadata,
+    ``card_meta``), else from ``config.json``; ``other`` when neither says, which the card then states
+    plainly."""
+    if isinstance(card_meta.get("license"), str) and card_meta["license"].strip():
+        return LicenseInfo(card_meta["license"].strip(), "the source model card")
     for key in ("license", "license_name"):
         if isinstance(config.get(key), str) and config[key].strip():
             return LicenseInfo(config[key].strip(), "the source config.json")
     return LicenseInfo(UNKNOWN_LICENSE, "not found in the source", known=False)
 
 
-def converted_sizes(artifact: Path, provenance: Provenance, bound=None) -> dict[str, dict[str, int]]:
+def converted_sizes(bound) -> dict[str, dict[str, int]]:
     """Per kind (fp8 / int8): modules, parameters, their BF16 bytes and the bytes stored now.
 
-    Stored bytes come from the safetensors headers of the artifact (headers only, no data read)."""
-    index = read_json(artifact / INDEX_NAME, INDEX_NAME) if bound is None else bound.read_json(INDEX_NAME)
-    weight_map = index.get("weight_map", {})
-    headers: dict[str, dict] = {}
+    Stored bytes come from the artifact's safetensors headers (``bound.checkpoint()``: headers only)."""
+    tensors = bound.checkpoint().tensors
     out: dict[str, dict[str, int]] = {}
-    for c in provenance.converted:
+    for c in bound.provenance.converted:
         kind = c.get("kind", "?")
         n, k = (c.get("shape") or [0, 0])[:2]
         entry = out.setdefault(kind, {"modules": 0, "params": 0, "bf16": 0, "stored": 0})
@@ -139,12 +132,7 @@ def converted_sizes(artifact: Path, provenance: Provenance, bound=None) -> dict[
         entry["params"] += n * k
         entry["bf16"] += 2 * n * k
         for name in c.get("tensors", []):
-            shard = weight_map.get(name)
-            if shard is None:
-                continue
-            if shard not in headers:
-                headers[shard] = read_header(artifact / shard).tensors
-            t = headers[shard].get(name)
+            t = tensors.get(name)
             entry["stored"] += t.nbytes if t else 0
     return out
 
@@ -153,7 +141,7 @@ CARD_HARDWARE = ("gb10", "h200")  # the hardware the card states the dense profi
 CARD_ENGINE = "0.26.0"  # the vLLM version whose KV-cache planning the card's figures follow
 
 
-def memory_figures(artifact: Path, provenance: Provenance) -> dict | None:
+def memory_figures(bound) -> dict | None:
     """The recipe's ``dense`` profile as vLLM plans its KV cache on each of ``CARD_HARDWARE``
     (``serve.speed.memory_plan``, what ``plan`` and ``serve`` print): the pool in tokens, the largest
     context one stream holds, and the streams that fit at ``max_model_len`` and at 100k and 32k
@@ -161,18 +149,17 @@ def memory_figures(artifact: Path, provenance: Provenance) -> dict | None:
     drafter's stated shape and size, one that is not published (a folder on the build machine) left
     out, as the card's plain vLLM command leaves it out. None when the artifact is no hybrid GDN
     model or has no dense profile."""
-    from hybrid_build.core.checkpoint import Checkpoint
     from hybrid_build.core.errors import HybridBuildError
     from hybrid_build.recipes.profiles import ServeProfile
     from hybrid_build.serve.speed import bandwidth as bw
     from hybrid_build.serve.speed import memory_plan as mem
 
-    dense = ((provenance.recipe.get("serve") or {}).get("profiles") or {}).get("dense")
+    dense = ((bound.provenance.recipe.get("serve") or {}).get("profiles") or {}).get("dense")
     if not dense:
         return None
     try:
         profile = ServeProfile(**dense)
-        ckpt = Checkpoint.read_folder(artifact)
+        ckpt = bound.checkpoint()
     except (ValueError, HybridBuildError):
         return None
     if "linear_attention" not in bw.layer_types(ckpt.text_config):
@@ -243,50 +230,52 @@ def _memory_section(inp: CardInputs) -> list[str]:
     return lines
 
 
-def _json_object(path: Path) -> dict | None:
-    try:
-        data = read_json(path, path.name)
-    except (OSError, InputRefused):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def read_evaluation(artifact: Path, bound=None) -> EvalStatus | None:
-    """The artifact's eval report, checked against the build (``core.artifact.report_state``: its
-    provenance sha256 must be the build's). None when there is no report. ``bound`` (a
-    ``core.bound.BoundArtifact``): what was read when the artifact was opened, not read again."""
+def read_evaluation(bound) -> EvalStatus | None:
+    """The artifact's eval report, checked against the build (its provenance sha256 must be the
+    build's). None when there is no report."""
     evaluation = REPORTS["eval"]
-    path = evaluation.path(artifact)
-    if not path.is_file():
+    report = bound.report_json(evaluation)
+    if report is None:
         return None
-    report = _json_object(path) if bound is None else bound.read_json(evaluation.main)
     if not isinstance(report, dict) or not isinstance(report.get("tasks"), list):
-        return EvalStatus("stale", {}, f"{path.name} is not a report of `hybrid-build eval`")
-    state, why = report_state(artifact, evaluation) if bound is None else bound.report_state(evaluation)
+        return EvalStatus("stale", {}, f"{evaluation.names[0]} is not a report of `hybrid-build eval`")
+    state, why = bound.report_state(evaluation)
     if state != "current":
         return EvalStatus("stale", report, why if state == "stale" else f"{why} (run with ARTIFACT)")
     return EvalStatus("current", report)
 
 
-def reference_current(artifact: Path, bound=None) -> bool:
+def reference_current(bound) -> bool:
     """Whether the artifact's reference (``validate.reference``) was made for the build there now:
     the card speaks of it only then, a stale one proves nothing about these weights."""
     reference = REPORTS["reference"]
-    return all((artifact / f).is_file() for f in reference.files) and \
-        (report_state(artifact, reference) if bound is None else bound.report_state(reference))[0] == "current"
+    return bound.report_state(reference)[0] == "current" and all(bound.path(f).is_file() for f in reference.files)
 
 
-def read_bench(path: Path, bound=None) -> dict | None:
-    """``hybrid-build bench``'s single-server report at ``path``, or None (absent or another shape)."""
-    if not path.is_file():
+def read_bench(bound) -> dict | None:
+    """``hybrid-build bench``'s single-server report in the artifact, or None (absent or another shape)."""
+    bench = REPORTS["bench"]
+    report = bound.report_json(bench)
+    if report is None:
         return None
-    inside = bound is not None and path.resolve().is_relative_to(bound.root.resolve())
-    report = bound.read_json(path.resolve().relative_to(bound.root.resolve()).as_posix()) if inside \
-        else _json_object(path)
     if not isinstance(report, dict) or not report or not isinstance(report.get("results"), list):
-        log.warning("%s is not a single-server report of `hybrid-build bench`: left off the card", path)
+        log.warning("%s is not a single-server report of `hybrid-build bench`: left off the card", bench.main)
         return None
     return report
+
+
+def card_inputs(bound, validation: ValidationStatus, files: dict[str, int], forced: bool) -> CardInputs:
+    """Everything the card says, asked of the bound artifact (``core.bound``): the provenance, the
+    reports, the reference, the headers, the source's card and config."""
+    config = bound.config()
+    meta = frontmatter(bound.text(CARD))
+    tag = meta.get("pipeline_tag")
+    if not isinstance(tag, str):
+        tag = "image-text-to-text" if "vision_config" in config else "text-generation"
+    return CardInputs(provenance=bound.provenance, validation=validation, license=find_license(meta, config),
+                      converted_bytes=converted_sizes(bound), files=files, pipeline_tag=tag, forced=forced,
+                      evaluation=read_evaluation(bound), bench=read_bench(bound),
+                      reference=reference_current(bound), memory=memory_figures(bound))
 
 
 # ------------------------------------------------------------------------------------ the source

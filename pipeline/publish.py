@@ -3,13 +3,16 @@
 ``plan_publish`` reads the artifact (nothing leaves the machine): it checks every file against the
 provenance manifest by size and sha256 (``core.integrity``, through its hash cache; never skipped),
 refuses one whose validation is missing, stale, failed or could not run unless forced, and renders
-the model card. Before each part is sent its files are checked again (a ``stat`` each when
-unchanged). ``publish`` sends the plan through an ``HfApi``-like object
-(the boundary: the real ``HfApi`` by default, a recording stand-in in tests): it creates the repo,
-uploads in batches with ``upload_folder`` and, before each batch, asks the Hub which files it
-already holds with the expected sha256, so a run that stopped part-way resumes without re-sending
-what arrived. ``verify_remote`` then checks the remote file list, sizes and hashes against the plan.
-Network failures are retried with backoff; the token is never logged.
+the model card. Just before the upload its files are checked again (a ``stat`` each when unchanged).
+``publish`` sends the plan through an ``HfApi``-like object (the boundary: the real ``HfApi`` by
+default, a recording stand-in in tests): it creates the repo, asks the Hub which files it already
+holds with the expected sha256, and sends the rest in one ``upload_folder`` call naming them
+exactly; huggingface_hub (1.20 on) commits a large upload in batches itself and resumes it when
+rerun. ``HfApi.upload_large_folder`` is not used: deprecated in the huggingface_hub installed, it
+takes no commit message, opens no pull request, and writes its resume records into the folder it
+uploads (``lab/probes/upload_large_folder.py``). ``verify_remote`` then checks the remote file
+list, sizes and hashes against the plan. Network failures are retried with backoff, asking again
+what arrived; the token is never logged.
 """
 from __future__ import annotations
 
@@ -21,46 +24,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybrid_build.core.artifact import (
-    CARD,
-    CONFIG,
-    META_DIR,
-    PROVENANCE,
-    REPORT_FILES,
-    REPORTS,
-    provenance_sha256,
-    read_provenance,
-    validation_outcome,
-)
-from hybrid_build.core.bound import open_artifact
-from hybrid_build.core.bounded_read import open_regular, read_json
+from hybrid_build.core.artifact import CARD, META_DIR, PROVENANCE, REPORT_FILES, REPORTS
+from hybrid_build.core.bound import BoundArtifact, open_artifact
+from hybrid_build.core.bounded_read import open_regular
 from hybrid_build.core.errors import ArtifactError, CannotRun, UserError
-from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.progress import null_progress
 from hybrid_build.core.provenance import Provenance
 from hybrid_build.core.safetensors_io import INDEX_NAME, write_text_atomic
 
-from .modelcard import (
-    CardInputs,
-    LicenseInfo,
-    ValidationStatus,
-    converted_sizes,
-    find_license,
-    memory_figures,
-    read_bench,
-    read_evaluation,
-    read_frontmatter,
-    reference_current,
-    render_card,
-)
+from .modelcard import LicenseInfo, ValidationStatus, card_inputs, render_card
 
 log = logging.getLogger(__name__)
 
 # Files the Hub creates itself; their presence on the remote is expected.
 HUB_OWN_FILES = {".gitattributes"}
-# A batch is one upload_folder call (one or more commits); bounded so a resume redoes little.
-DEFAULT_BATCH_BYTES = 8 * 1024**3
-DEFAULT_BATCH_FILES = 100
 PATHS_INFO_CHUNK = 100
 TITLE_PREFIX = "hybrid-build publish"
 
@@ -85,7 +62,7 @@ class PublishFile:
         if self.data is not None:
             h.update(self.data)
         else:
-            with open(self.local, "rb") as f:
+            with open_regular(self.local, self.path) as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     h.update(chunk)
         return h.hexdigest()
@@ -110,6 +87,7 @@ class PublishPlan:
     provenance: Provenance | None = None
     checked: dict | None = None  # core.integrity's count of what was checked (None: not checked)
     signed_seconds: float | None = None  # sign_plan's time (None: not signed)
+    bound: BoundArtifact | None = field(default=None, repr=False)  # the artifact, opened and checked once
 
     @property
     def total_bytes(self) -> int:
@@ -130,44 +108,22 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_json(path: Path, what: str) -> dict:
-    if not path.exists():
-        raise FileNotFoundError(2, "No such file or directory", str(path))
-    try:  # a regular file, capped, nested at most MAX_DEPTH (core/bounded_read)
-        data = read_json(path, what, error=ArtifactError)
-    except ArtifactError as e:
-        raise ArtifactError(f"{what} is unreadable: {e}") from None
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{what} is not a JSON object")
-    return data
-
-
-def read_validation(artifact: Path, bound=None) -> ValidationStatus:
-    """The build's validation (``core.artifact.validation_outcome``, or the bound artifact's, with the
-    report it read) and the report it comes from: a failed run kept beside a passing report counts
-    as failed."""
+def read_validation(bound) -> ValidationStatus:
+    """The build's validation as the bound artifact found it (``core.artifact.validation_outcome``: a
+    failed run kept beside a passing report counts as failed), with the report it comes from."""
     validation = REPORTS["validation"]
-    outcome = bound.validation if bound is not None else validation_outcome(artifact)
+    outcome = bound.validation
     if outcome.state == "missing":
         return ValidationStatus("missing", reason=f"{validation.main} does not exist")
-    try:
-        if bound is not None and outcome.report and isinstance(bound.read_json(outcome.report), dict):
-            report = bound.report()
-        else:
-            report = _read_json(artifact / outcome.report, outcome.report) if outcome.report else {}
-    except (FileNotFoundError, ArtifactError) as e:
-        return ValidationStatus("missing", reason=str(e))
+    report = bound.read_json(outcome.report) if outcome.report else {}
+    if isinstance(report, Exception):
+        return ValidationStatus("missing", reason=f"{outcome.report} is unreadable: {report}")
+    if not isinstance(report, dict):
+        return ValidationStatus("missing", reason=f"{outcome.report} is not a JSON object")
     if outcome.state == "passed":
         return ValidationStatus("passed", report)
     where = f" ({outcome.report}" + (f", {outcome.finished_at})" if outcome.finished_at else ")")
     return ValidationStatus(outcome.state, report, outcome.reason + where)
-
-
-def _pipeline_tag(artifact: Path, config: dict) -> str | None:
-    tag = read_frontmatter(artifact / CARD).get("pipeline_tag")
-    if isinstance(tag, str):
-        return tag
-    return "image-text-to-text" if "vision_config" in config else "text-generation"
 
 
 def _upload_order(path: str) -> tuple:
@@ -186,7 +142,8 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
                  progress=null_progress) -> PublishPlan:
     """Everything ``publish`` will send, checked against the artifact's manifests; sends nothing.
     The card does not depend on ``repo_id`` (None: the plan of the card alone, ``write_card``);
-    ``check_files=False`` skips hashing the files (the card says nothing of their bytes)."""
+    ``check_files=False`` skips hashing the files (the card says nothing of their bytes). Every part
+    of the artifact is asked of the bound artifact (``core.bound``), which opens and checks it once."""
     artifact = Path(artifact)
     if not artifact.is_dir():
         raise UserError(f"{artifact}: no such artifact folder")
@@ -194,20 +151,22 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
 
     if repo_id is not None and not HUB_ID.match(repo_id):
         raise UserError(f"--repo-id {repo_id!r} is not of the form ORG/NAME")
+    # check_files: in progress or stopped, symbolic links, every file and report against the provenance,
+    # the reference, the signature; --force skips none of it. Without: the card alone (`run` writes it),
+    # nothing uploaded, no file's bytes read
+    bound = open_artifact(artifact, progress=progress, check_files=check_files)
     if check_files:
-        # the artifact opened and checked once (core.bound): in progress or stopped, symbolic links, every
-        # file and report against the provenance, the reference, the signature; --force skips none of it
-        bound = open_artifact(artifact, progress=progress)
         bound.require("publish refuses it; rebuild it, or run the command that wrote that file again")
-        typed, checked = bound.provenance, bound.integrity
         shipped = bound.shipped()
-    else:  # the card alone (`run` writes it): nothing is uploaded, no file's bytes are read
-        from hybrid_build.core.bound import unfinished
-
-        if unfinished(artifact) or not (artifact / INDEX_NAME).exists():
+    else:
+        if not bound.path(INDEX_NAME).exists():
             raise ArtifactError(f"{artifact}: the build did not finish (run `hybrid-build run` again)")
-        typed, checked, shipped, bound = read_provenance(artifact), None, None, None
-    validation = read_validation(artifact, bound)
+        # the card's plan: the build's outputs, the provenance and the reports, unhashed
+        shipped = {p: "" for p in bound.provenance.files if p != CARD}
+        shipped.update({p: "" for p in [PROVENANCE, *REPORT_FILES]
+                        if bound.path(p).is_file() and p not in REPORTS["card"].files})
+    typed = bound.provenance
+    validation = read_validation(bound)
     if not validation.passed and not force:
         hint = "fix the artifact, or pass --force to publish it anyway (the card will say so)"
         if validation.state == "failed":
@@ -225,42 +184,30 @@ def plan_publish(artifact: str | Path, repo_id: str | None, *, force: bool = Fal
     files = []
     if CARD in recorded:
         notes.append(f"{CARD} (the source's card, copied by the build) is replaced by the generated card")
-    if shipped is None:  # the card's plan: the build's outputs, the provenance and the reports, unhashed
-        shipped = {p: "" for p in recorded if p != CARD}
-        shipped.update({p: "" for p in [PROVENANCE, *REPORT_FILES]
-                        if (artifact / p).is_file() and p not in REPORTS["card"].files})
     sealed = typed.reports or {}
     # only the regular files the provenance lists (checked above: never a symlink, nothing else)
     for path in sorted(shipped, key=_upload_order):
+        local = bound.path(path)
         if path in recorded:
-            files.append(PublishFile(path, recorded[path].bytes, recorded[path].sha256, "provenance", artifact / path))
+            files.append(PublishFile(path, recorded[path].bytes, recorded[path].sha256, "provenance", local))
         elif path in sealed:
-            files.append(PublishFile(path, sealed[path].bytes, sealed[path].sha256, "local", artifact / path))
-        else:  # the provenance itself (or, for the card alone, an unsealed report)
-            local = artifact / path
-            files.append(PublishFile(path, local.stat().st_size, shipped[path] or _sha256_file(local), "local", local))
+            files.append(PublishFile(path, sealed[path].bytes, sealed[path].sha256, "local", local))
+        elif path == PROVENANCE:
+            files.append(PublishFile(path, local.stat().st_size, bound.provenance_digest, "local", local))
+        else:  # for the card alone, an unsealed report: its size is all the card needs
+            files.append(PublishFile(path, local.stat().st_size, shipped[path], "local", local))
 
-    if bound is not None and isinstance(bound.read_json(CONFIG), dict):
-        config = bound.read_json(CONFIG)
-    else:
-        config = _read_json(artifact / CONFIG, CONFIG) if (artifact / CONFIG).exists() else {}
-    lic = find_license(artifact, config)
-    if not lic.known:
-        notes.append(f"license: {lic.origin}; the card says `{lic.license}`: set it on the Hub before sharing")
-        log.info("the source's license is unknown: the card says %r", lic.license)
-    inputs = CardInputs(
-        provenance=typed, validation=validation, license=lic,
-        converted_bytes=converted_sizes(artifact, typed, bound),
-        files={f.path: f.bytes for f in files}, pipeline_tag=_pipeline_tag(artifact, config),
-        forced=force and not validation.passed,
-        evaluation=read_evaluation(artifact, bound), bench=read_bench(REPORTS["bench"].path(artifact), bound),
-        reference=reference_current(artifact, bound), memory=memory_figures(artifact, typed))
+    forced = force and not validation.passed
+    inputs = card_inputs(bound, validation, {f.path: f.bytes for f in files}, forced)
+    if not inputs.license.known:
+        notes.append(f"license: {inputs.license.origin}; the card says `{inputs.license.license}`: set it on the "
+                         "Hub before sharing")
+        log.info("the source's license is unknown: the card says %r", inputs.license.license)
     card_text = str(render_card(inputs))
     data = card_text.encode("utf-8")
     files.append(PublishFile(CARD, len(data), hashlib.sha256(data).hexdigest(), "card", data=data))
-    artifact_id = (bound.build if bound is not None else provenance_sha256(artifact))[:12]
-    return PublishPlan(artifact, repo_id, files, card_text, validation, force and not validation.passed,
-                       artifact_id, lic, notes, typed, checked.to_json() if checked else None)
+    return PublishPlan(artifact, repo_id, files, card_text, validation, forced, bound.build[:12], inputs.license,
+                       notes, typed, bound.integrity.to_json() if check_files else None, bound=bound)
 
 
 def sign_plan(plan: PublishPlan, key) -> float:
@@ -411,7 +358,7 @@ class PublishResult:
     uploaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     uploaded_bytes: int = 0
-    upload_calls: int = 0  # upload_folder / upload_file calls (each may make several commits)
+    upload_calls: int = 0  # upload_folder / upload_file calls (an upload_folder call may make several commits)
     pr_url: str | None = None
     verified: int = 0
     remote_extra: list[str] = field(default_factory=list)
@@ -427,23 +374,6 @@ def _token_of(api) -> str | None:
 
     tok = getattr(api, "token", None)
     return tok if isinstance(tok, str) and tok else get_token()
-
-
-def batches(files: list[PublishFile], max_bytes: int = DEFAULT_BATCH_BYTES,
-            max_files: int = DEFAULT_BATCH_FILES) -> list[list[PublishFile]]:
-    """Consecutive groups of files up to ``max_bytes`` / ``max_files`` (a larger file goes alone)."""
-    out: list[list[PublishFile]] = []
-    cur: list[PublishFile] = []
-    size = 0
-    for f in files:
-        if cur and (size + f.bytes > max_bytes or len(cur) >= max_files):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(f)
-        size += f.bytes
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _matches(remote, f: PublishFile) -> bool:
@@ -462,8 +392,7 @@ class Publisher:
 
     def __init__(self, plan: PublishPlan, api=None, *, private: bool = False, revision: str | None = None,
                  create_pr: bool = False, retry: RetryPolicy | None = None, progress=null_progress,
-                 on_part: Callable[[int, int, list[PublishFile], int], None] | None = None,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES, batch_files: int = DEFAULT_BATCH_FILES):
+                 on_send: Callable[[list[PublishFile], int], None] | None = None):
         if api is None:
             from huggingface_hub import HfApi
 
@@ -473,8 +402,7 @@ class Publisher:
         self.private, self.base_revision, self.create_pr = private, revision or "main", create_pr
         self.retry = retry or RetryPolicy()
         self.progress = progress
-        self.on_part = on_part  # (part, parts, files to send, files already there), before each part
-        self.batch_bytes, self.batch_files = batch_bytes, batch_files
+        self.on_send = on_send  # (files to send, files already there), before the upload
         token = _token_of(api)
         if not token:
             raise UserError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
@@ -519,12 +447,12 @@ class Publisher:
         remote = self.remote_files([f.path for f in files], revision)
         return [f for f in files if not _matches(remote.get(f.path), f)]
 
-    def _commit_message(self, i: int, n: int) -> str:
-        return f"{TITLE_PREFIX} {self.plan.artifact_id}: {self.plan.artifact.name} ({i}/{n})"
+    def _commit_message(self) -> str:
+        return f"{TITLE_PREFIX} {self.plan.artifact_id}: {self.plan.artifact.name}"
 
-    def _send(self, batch: list[PublishFile], revision: str, create_pr: bool, message: str):
-        cards = [f for f in batch if f.data is not None]
-        folder = [f for f in batch if f.data is None]
+    def _send(self, files: list[PublishFile], revision: str, create_pr: bool, message: str):
+        cards = [f for f in files if f.data is not None]
+        folder = [f for f in files if f.data is None]
         info, calls = None, 0
         if folder:
             info = self.api.upload_folder(
@@ -544,7 +472,7 @@ class Publisher:
         return info, calls
 
     def upload(self, result: PublishResult) -> str:
-        """Upload what the remote lacks, batch by batch; returns the revision holding the files."""
+        """Upload what the remote lacks; returns the revision holding the files."""
         revision, create_pr = self.base_revision, False
         if self.create_pr:
             existing = self._open_pr()
@@ -553,55 +481,52 @@ class Publisher:
                 revision = existing
             else:
                 create_pr = True
-        groups = batches(self.plan.files, self.batch_bytes, self.batch_files)
+        files = self.plan.files
         bar = self.progress(total=self.plan.total_bytes, desc="upload", unit="B", unit_scale=True)
         try:
-            for i, group in enumerate(groups, 1):
-                todo = self._missing(group, revision)
-                done = [f for f in group if f not in todo]
-                result.skipped += [f.path for f in done]
-                bar.update(sum(f.bytes for f in done))
-                self._check_unchanged(todo)
-                if self.on_part:
-                    self.on_part(i, len(groups), todo, len(done))
-                attempt = 0
-                while todo:
-                    attempt += 1
-                    try:
-                        info, calls = self._send(todo, revision, create_pr, self._commit_message(i, len(groups)))
-                    except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
-                        if not _is_hub_failure(e):
-                            raise
-                        if not is_transient(e):
-                            raise hub_error(e, f"upload part {i}/{len(groups)}", self.repo_id, self.redact) from None
-                        if attempt >= self.retry.attempts:
-                            raise CannotRun(
-                                f"upload part {i}/{len(groups)}: the Hub did not answer after {attempt} attempts "
-                                f"({_one_line(e, self.redact)}); run the same command again to resume") from None
-                        wait = self.retry.delay(attempt)
-                        log.info("upload part %d/%d: %s; retry in %.0f s", i, len(groups),
-                                    _one_line(e, self.redact), wait)
-                        self.retry.sleep(wait)
-                        if create_pr:  # the failed call may have opened the PR already
-                            revision = self._open_pr() or revision
-                            create_pr = revision == self.base_revision
-                        # ask again: part of the batch may have arrived before the failure
-                        before = todo
-                        todo = self._missing(todo, revision)
-                        arrived = [f for f in before if f not in todo]
-                        result.uploaded += [f.path for f in arrived]
-                        result.uploaded_bytes += sum(f.bytes for f in arrived)
-                        bar.update(sum(f.bytes for f in arrived))
-                        continue
-                    result.upload_calls += calls
-                    if create_pr:
-                        result.pr_url = getattr(info, "pr_url", None)
-                        revision = getattr(info, "pr_revision", None) or revision
-                        create_pr = False
-                    result.uploaded += [f.path for f in todo]
-                    result.uploaded_bytes += sum(f.bytes for f in todo)
-                    bar.update(sum(f.bytes for f in todo))
-                    todo = []
+            todo = self._missing(files, revision)
+            done = [f for f in files if f not in todo]
+            result.skipped += [f.path for f in done]
+            bar.update(sum(f.bytes for f in done))
+            self._check_unchanged(todo)
+            if self.on_send:
+                self.on_send(todo, len(done))
+            attempt = 0
+            while todo:
+                attempt += 1
+                try:
+                    info, calls = self._send(todo, revision, create_pr, self._commit_message())
+                except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
+                    if not _is_hub_failure(e):
+                        raise
+                    if not is_transient(e):
+                        raise hub_error(e, "upload", self.repo_id, self.redact) from None
+                    if attempt >= self.retry.attempts:
+                        raise CannotRun(f"upload: the Hub did not answer after {attempt} attempts ("
+                                        f"{_one_line(e, self.redact)}); run the same command again to resume") from None
+                    wait = self.retry.delay(attempt)
+                    log.info("upload: %s; retry in %.0f s", _one_line(e, self.redact), wait)
+                    self.retry.sleep(wait)
+                    if create_pr:  # the failed call may have opened the PR already
+                        revision = self._open_pr() or revision
+                        create_pr = revision == self.base_revision
+                    # ask again: part of it may have arrived (been committed) before the failure
+                    before = todo
+                    todo = self._missing(todo, revision)
+                    arrived = [f for f in before if f not in todo]
+                    result.uploaded += [f.path for f in arrived]
+                    result.uploaded_bytes += sum(f.bytes for f in arrived)
+                    bar.update(sum(f.bytes for f in arrived))
+                    continue
+                result.upload_calls += calls
+                if create_pr:
+                    result.pr_url = getattr(info, "pr_url", None)
+                    revision = getattr(info, "pr_revision", None) or revision
+                    create_pr = False
+                result.uploaded += [f.path for f in todo]
+                result.uploaded_bytes += sum(f.bytes for f in todo)
+                bar.update(sum(f.bytes for f in todo))
+                todo = []
         finally:
             bar.close()
         if revision.startswith("refs/pr/") and not result.pr_url:
@@ -609,14 +534,14 @@ class Publisher:
         return revision
 
     def _check_unchanged(self, files: list[PublishFile]) -> None:
-        """The part's build outputs are still the provenance's bytes (checked when the plan was made;
+        """The build outputs to send are still the provenance's bytes (checked when the plan was made;
         a ``stat`` each now through the hash cache, a hash only for a file written to since)."""
         names = [f.path for f in files if f.origin == "provenance"]
-        if names and self.plan.provenance:
-            found = check_artifact(self.plan.artifact, self.plan.provenance, names=names)
+        if names and self.plan.bound is not None:
+            found = self.plan.bound.recheck(names)
             if not found.intact:
                 raise ArtifactError(f"{self.plan.artifact}: the artifact changed after it was checked: "
-                                    f"{found.problem}; nothing of this part was sent")
+                                    f"{found.problem}; nothing was sent")
 
     def run(self) -> PublishResult:
         url = self.ensure_repo()

@@ -35,6 +35,7 @@ from hybrid_build.core.bound import BoundArtifact, open_artifact, trusted_keys, 
 from hybrid_build.core.bounded_read import SMALL_JSON, InputRefused, read_json
 from hybrid_build.core.errors import HybridBuildError, UserError
 from hybrid_build.core.manifest import StageManifest
+from hybrid_build.core.names import name_problem
 from hybrid_build.core.progress import ProgressFactory, null_progress
 
 if TYPE_CHECKING:
@@ -94,6 +95,9 @@ class OutputStatus:
     serving: list[dict] = field(default_factory=list)
     in_progress: str | None = None  # a build being written or stopped part-way (core.bound.unfinished)
     signature: dict | None = None  # core.signing.SignatureCheck.to_json (None: not built)
+    # what this machine vouches for (core.local_trust): built_here, validated_here, and the trust records
+    # the folder carries that it ignores (foreign); None: not built
+    trust: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -104,24 +108,28 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     out = Path(out)
     if not out.is_dir():
         raise UserError(f"{out}: no such folder")
-    prov = read_provenance(out, missing_ok=True)
+    in_progress = unfinished(out)
+    bound = None
+    if (out / PROVENANCE).is_file() and not in_progress:
+        # the artifact opened and checked once (core.bound): files and reports, links, reference, signature;
+        # everything status says of the artifact's own files is asked of it
+        bound = open_artifact(out, trusted=trusted_keys(None), progress=progress)
+        prov = bound.provenance
+    else:  # a build being written, stopped, or not recorded yet: its stages are what there is to show
+        prov = read_provenance(out, missing_ok=True)
     if prov is None and not (out / WORK_DIR).is_dir():
         raise UserError(f"{out}: not a hybrid-build output (no {PROVENANCE}, no {WORK_DIR}/): nothing was built here")
     record = _recorded_source(out, prov)
     source, digests = _check_source(out, record, progress)
-    recipe_data, recipe_file = _recipe(out)
+    recipe_data, recipe_file = _recipe(out, bound)
     ctx, why_unchecked = _context(out, record, source, digests, recipe_file)
     manifests = {name: StageManifest.load(out / WORK_DIR / f"{name}.json") for name in STAGES}
-    in_progress = unfinished(out)
-    # the artifact opened and checked once (core.bound): files and reports, links, reference, signature
-    bound = open_artifact(out, trusted=trusted_keys(None), progress=progress) \
-        if prov is not None and not in_progress else None
     found = bound.integrity if bound else None
     from .runner import stage_changes
 
     changed = stage_changes(found.by_file, prov, manifests) if found else {}
-    known = bound.verified() if bound else None
-    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed, known)
+    known = {**bound.verified(), PROVENANCE: bound.build} if bound else None
+    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed, known, bound)
               for name in STAGES]
     reports = [_report_state(out, r, prov is not None, bound) for r in REPORTS.values()]
     artifact = found.to_json() if found else None
@@ -130,9 +138,11 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     build = bound.build if bound else provenance_sha256(out)
     return OutputStatus(str(out), prov is not None and not in_progress, build,
                         (recipe_data or {}).get("name"), source, stages, reports,
-                        unexpected_files(out, prov) if prov else [], artifact,
+                        (found.unexpected if found else unexpected_files(out, prov) if prov else []), artifact,
                         _validation(out, prov is not None, bound), serving=_serving(out), in_progress=in_progress,
-                        signature=bound.signature.to_json() if bound else None)
+                        signature=bound.signature.to_json() if bound else None,
+                        trust={"built_here": bound.built_here, "validated_here": bound.validated_here,
+                               "foreign": bound.foreign, "line": bound.trust_line()} if bound else None)
 
 
 def _serving(out: Path) -> list[dict]:
@@ -176,6 +186,10 @@ def _recorded_source(out: Path, prov: Provenance | None) -> SourceRecord | None:
         return None
     if not isinstance(loc, dict) or not (loc.get("path") or loc.get("in_artifact")):
         return None
+    if name_problem(loc.get("in_artifact")):
+        loc["in_artifact"] = None  # a place inside the folder, or none
+        if not loc.get("path"):
+            return None
     name = Path(loc.get("path") or loc["in_artifact"]).name
     return SourceRecord("local", name, None, loc.get("fingerprint"), {}, loc.get("path"), loc.get("in_artifact"))
 
@@ -205,13 +219,14 @@ def _check_source(out: Path, record: SourceRecord | None,
 # ------------------------------------------------------------------------------------ the stages
 
 
-def _recipe(out: Path) -> tuple[dict | None, Path | None]:
-    """The recipe the stage keys hash: the last run's, else the artifact's copy (older builds)."""
-    for which in (RUN_RECIPE, RECIPE):
-        data = read_recipe_data(out, missing_ok=True, which=which)
-        if isinstance(data, dict):
-            return data, out / which
-    return None, None
+def _recipe(out: Path, bound: BoundArtifact | None) -> tuple[dict | None, Path | None]:
+    """The recipe the stage keys hash: the last run's (in the work folder), else the artifact's copy
+    (older builds; the bound artifact's where there is one)."""
+    data = read_recipe_data(out, missing_ok=True, which=RUN_RECIPE)
+    if isinstance(data, dict):
+        return data, out / RUN_RECIPE
+    data = bound.recipe_data() if bound is not None else read_recipe_data(out, missing_ok=True, which=RECIPE)
+    return (data, out / RECIPE) if isinstance(data, dict) else (None, None)
 
 
 def _context(out: Path, record: SourceRecord | None, source: SourceStatus, digests: SourceDigests | None,
@@ -233,11 +248,12 @@ def _context(out: Path, record: SourceRecord | None, source: SourceStatus, diges
 
 def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None], source: SourceStatus,
                  record: SourceRecord | None, ctx: BuildContext | None, why_unchecked: str,
-                 changed: dict[str, str], known: dict[str, str] | None = None) -> StageStatus:
+                 changed: dict[str, str], known: dict[str, str] | None = None,
+                 bound: BoundArtifact | None = None) -> StageStatus:
     m = manifests[name]
     if m is None:
         return StageStatus(name, "missing", "it has not finished in this folder")
-    why = _why_stale(out, m, manifests, source, record, ctx, changed, known)
+    why = _why_stale(out, m, manifests, source, record, ctx, changed, known, bound)
     if why:
         return StageStatus(name, "stale", why, m.finished_at)
     if ctx is None:
@@ -247,9 +263,11 @@ def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None
 
 def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest | None],
                source: SourceStatus, record: SourceRecord | None, ctx: BuildContext | None,
-               changed: dict[str, str], known: dict[str, str] | None = None) -> str | None:
+               changed: dict[str, str], known: dict[str, str] | None = None,
+               bound: BoundArtifact | None = None) -> str | None:
     """Why the stage's result no longer holds, the most basic cause first; None if none is seen.
-    ``known``: the sha256 of the files the bound artifact found intact (not hashed again)."""
+    ``known``: the sha256 of the files the bound artifact found intact (not hashed again), the
+    provenance's by the build's name; ``bound``: the artifact a stage's ``current`` asks."""
     tool = m.inputs.get("tool")
     if tool != __version__:
         return f"made by hybrid-build {tool}, this is {__version__}"
@@ -267,8 +285,9 @@ def _why_stale(out: Path, m: StageManifest, manifests: dict[str, StageManifest |
     if problem:
         return problem
     current = load_stage(m.stage).current
-    if current and current(out):  # a report judged by its state (validate), never by its bytes
-        return current(out)
+    why = current(out, bound) if current else None  # a report judged by its state (validate), not its bytes
+    if why:
+        return why
     if ctx is not None:
         from .runner import stage_key
 

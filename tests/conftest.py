@@ -29,6 +29,26 @@ os.environ.setdefault("SOURCE_DATE_EPOCH", "1764547200")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _trust_records(tmp_path_factory):
+    """This machine's trust records (core.local_trust) in the session's temporary folder, never the
+    user's state folder; session-scoped and autouse, so it is in place before any build fixture.
+    A test that plays another machine points ``HYBRID_BUILD_TRUST_DIR`` at an empty folder."""
+    from hybrid_build.core.local_trust import TRUST_ENV
+
+    os.environ[TRUST_ENV] = str(tmp_path_factory.getbasetemp() / "trust")
+
+
+@pytest.fixture
+def another_machine(tmp_path, monkeypatch) -> Path:
+    """This test runs as on a machine that built and validated nothing: its own empty trust records."""
+    from hybrid_build.core.local_trust import TRUST_ENV
+
+    folder = tmp_path / "another-machine-trust"
+    monkeypatch.setenv(TRUST_ENV, str(folder))
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def _isolated_hub(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.getbasetemp() / "hf_home"

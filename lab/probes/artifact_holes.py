@@ -297,15 +297,16 @@ CASES = {f.__name__: f for f in (symlinks, reference_shifted, reference_nan, rep
                                  chat_template, half_written, overlapping, fp8_norm, two_runs, enospc)}
 
 
-def main() -> None:
+def run_cases(cases: dict) -> None:
+    """``DEMO WORKDIR [CASE ...]`` from the command line: each case (all by default) on DEMO, in WORKDIR."""
     demo, work = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    for name in sys.argv[3:] or CASES:
+    for name in sys.argv[3:] or cases:
         try:
-            CASES[name](demo, work)
+            cases[name](demo, work)
         except Exception as e:  # a probe: say what broke and go on
             report(name, "(probe failed)", -1, f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES)

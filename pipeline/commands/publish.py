@@ -38,13 +38,14 @@ def register(sub, common) -> None:
                    help="publish even if validation is missing or failed (the card says so)")
     s = p.add_argument_group("signing (OpenSSF Model Signing: model.sig, uploaded beside the files it covers)")
     s.add_argument("--sign-key", metavar="KEY.pem", help="sign with this EC private key (PEM); users verify with "
-                   "its public key (`serve --trust-key`, `verify --artifact --trust-key`)")
+                   "its public key (`serve --trust-key`, `verify-artifact --trust-key`)")
     s.add_argument("--sign-cert", metavar="CERT.pem", help="with --sign-key: the key's certificate (the signer "
-                   "is named by it)")
+                   "is named by it; users verify with a CA certificate its chain leads to: `--trust-key CA.pem`)")
     s.add_argument("--sign-chain", metavar="CA.pem", action="append", default=[],
-                   help="with --sign-cert: a certificate of its chain; repeatable")
-    s.add_argument("--sigstore", action="store_true",
-                   help="sign keyless with Sigstore (opens a browser for an OIDC login; needs the network)")
+                   help="with --sign-cert (needed): a certificate of its chain, the issuing CA's at least; repeatable")
+    # keyless Sigstore signing is refused (its check needs an identity, an issuer and Sigstore's online
+    # trust root, which this tool does not take): kept as a flag only to say so in one line
+    s.add_argument("--sigstore", action="store_true", help=argparse.SUPPRESS)
     add_json_flag(p)
     p.set_defaults(handler=run, resumes=True)  # what reached the Hub is not sent again
 
@@ -55,13 +56,15 @@ def _signing_key(args: argparse.Namespace):
     from hybrid_build.core.signing import SigningKey
 
     if args.sigstore:
-        if args.sign_key or args.sign_cert:
-            raise UserError("--sigstore signs keyless: leave out --sign-key and --sign-cert")
-        return SigningKey("sigstore")
+        raise UserError("--sigstore: keyless Sigstore signing is not offered, because serve, status and "
+                        "verify-artifact could not check such a signature; sign with --sign-key (and --sign-cert "
+                        "for a certificate)")
     if args.sign_cert and not args.sign_key:
         raise UserError("--sign-cert needs --sign-key (the certificate's private key)")
     if args.sign_chain and not args.sign_cert:
         raise UserError("--sign-chain needs --sign-cert")
+    if args.sign_cert and not args.sign_chain:  # model-signing's certificate signer needs one
+        raise UserError("--sign-cert needs --sign-chain: the certificate of the CA that issued it (and any between)")
     for flag, path in (("--sign-key", args.sign_key), ("--sign-cert", args.sign_cert),
                        *(("--sign-chain", c) for c in args.sign_chain)):
         if path and not Path(path).is_file():
@@ -88,14 +91,14 @@ def make_retry():
     return RetryPolicy()
 
 
-def _part_line(part: int, parts: int, todo, already: int) -> None:
+def _send_line(todo, already: int) -> None:
     from hybrid_build.core.byte_units import human_bytes
 
     sent = sum(f.bytes for f in todo)
     if not todo:
-        sys.stderr.write(f"part {part}/{parts}: all {already} file(s) already on the Hub\n")
+        sys.stderr.write(f"all {already} file(s) already on the Hub\n")
         return
-    sys.stderr.write(f"part {part}/{parts}: sending {len(todo)} file(s), {human_bytes(sent)}"
+    sys.stderr.write(f"sending {len(todo)} file(s), {human_bytes(sent)}"
                      + (f"; {already} already on the Hub" if already else "") + "\n")
     sys.stderr.flush()
 
@@ -157,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    # huggingface_hub draws the live progress of each part (bytes, speed, commits) while it runs;
-    # a second bar of ours on the same terminal would garble it, so between parts we print a line.
+    # huggingface_hub draws the live progress of the upload (bytes, speed, commits) while it runs;
+    # a second bar of ours on the same terminal would garble it, so before it we print a line.
     publisher = Publisher(plan, api, private=args.private, revision=args.revision, create_pr=args.create_pr,
-                          retry=make_retry(), on_part=None if quiet else _part_line)
+                          retry=make_retry(), on_send=None if quiet else _send_line)
     result = publisher.run()
     from ..publish import keep_card
 

@@ -17,7 +17,9 @@ recomputed. A report is current when it records this build's provenance sha256. 
 files are checked against the provenance (sha256, cached by size, mtime, ctime, inode and device
 in .hybrid-build/artifact-sha256.json): a file that differs is named and makes the stage that
 wrote it stale. validation: the build's latest validate outcome (passed, failed, could not run,
-missing, stale) with the reason and the time; `--json` has it under "validation". Reads the output
+missing, stale) with the reason and the time; `--json` has it under "validation". trust: whether
+this machine built or validated this build (its records, in the user's state folder), and the trust
+records the folder carries itself, which are named and ignored; `--json`: "trust". Reads the output
 folder alone (and the source where the build recorded it). Exit 0 whatever the stages' and
 reports' states, 1 when the artifact's files are not what its provenance binds (a changed, missing,
 unlisted or linked file, a reference or signature that is not sound: the line names the file, as
@@ -42,6 +44,12 @@ def _render(data: dict) -> str:
         from hybrid_build.core.signing import SignatureCheck
 
         lines.append("signature " + SignatureCheck(sig["state"], sig["signer"], sig["problem"], sig["files"]).line())
+    trust = data.get("trust")
+    if trust is not None:
+        lines.append("trust    " + ("built on this machine" if trust["built_here"] else "validated on this machine"
+                                  if trust["validated_here"] else "neither built nor validated on this machine"))
+        if trust["line"]:
+            lines.append(f"trust    {trust['line']}")
     v = data["validation"]
     when = f" at {v['finished_at']}" if v.get("finished_at") else ""
     lines.append(f"validation {v['state'].upper() if v['state'] == 'failed' else v['state']}{when}: {v['reason']}"

@@ -12,11 +12,30 @@ EPILOG = """examples:
   hybrid-build verify-artifact out/ --trust-key publisher.pub
   hybrid-build verify-artifact ~/models/Qwen3.5-122B-A10B-hybrid --trust-key publisher.pub --require-signature
 
-Exit 0 when the artifact is sound (and, with a signature, signed by a trusted key with every file
-matching); 1 when a file, a report, the reference or the signature is not; 2 when the folder is not
-an artifact. The signature is also checkable without hybrid-build, with OpenSSF Model Signing's own
-CLI: `model_signing verify key --signature model.sig --public_key publisher.pub --ignore_unsigned_files FOLDER`.
+Exit 0 when every file and report matches the provenance (and a signature, where one is checked,
+verifies with a trusted key and covers every file); 1 when a file, a report, the reference or the
+signature is not sound, or, with --require-signature, when no trusted signature vouches for it; 2
+when the folder is not an artifact. "artifact sound" is said only of a folder whose signature was
+verified: without --trust-key the signer the signature names is shown, and said to be unchecked.
+--trust-key takes a public key (`--sign-key` signatures) or a CA certificate (`--sign-cert`
+signatures chaining to it). A verified signature is remembered in the user's state folder, so the
+files are hashed for it once. The signature is also checkable without hybrid-build, with OpenSSF
+Model Signing's own CLI: `model_signing verify key --signature model.sig --public_key publisher.pub
+--ignore_unsigned_files FOLDER` (`verify certificate --certificate_chain CA.pem` for a certificate).
 """
+
+
+def _verdict(bound, problems: list[str]) -> str:
+    """The last line: "sound" only where a trusted signature vouches for the files; otherwise what was
+    checked (the files against the folder's own provenance) and that nobody vouches for them."""
+    if problems:
+        return f"artifact NOT sound: {problems[0]}"
+    sig = bound.signature
+    if sig.verified:
+        return f"artifact sound: every file matches its provenance and the signature of {sig.signer}"
+    who = (f"its signature names {sig.signer} but was NOT checked (no --trust-key given)"
+           if sig.state == "unchecked" else "it is unsigned")
+    return f"artifact consistent with its own provenance; {who}: nobody vouches for these files"
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -32,13 +51,14 @@ def _handle(args: argparse.Namespace) -> int:
     else:
         out = sys.stdout
         out.write(f"files      {bound.integrity.summary()}\n")
-        out.write(f"signature  {bound.signature.line()}" + (f" ({bound.signature.seconds:.2f} s)\n"
-                                                           if bound.signature.state != "unsigned" else "\n"))
+        sig = bound.signature
+        timed = f" ({sig.seconds:.2f} s)" if sig.state in ("verified", "invalid") else ""
+        out.write(f"signature  {sig.line()}{timed}\n")
         v = bound.validation
         out.write(f"validation {v.state}: {v.reason}\n")
         for line in problems:
             out.write(f"PROBLEM    {line}\n")
-        out.write(("artifact sound" if not problems else f"artifact NOT sound: {problems[0]}") + "\n")
+        out.write(_verdict(bound, problems) + "\n")
     return 0 if not problems else 1
 
 
@@ -53,7 +73,8 @@ def register(sub, common) -> None:
                     "who signed it and that every file it covers matches.")
     p.add_argument("artifact", type=Path, metavar="ARTIFACT", help="the artifact folder")
     p.add_argument("--trust-key", action="append", metavar="PUB.pem", default=None,
-                   help="a public key whose signature you trust; repeatable (default: $HYBRID_BUILD_TRUSTED_KEYS)")
+                   help="a public key, or a CA certificate, whose signatures you trust; repeatable (default: "
+                        "$HYBRID_BUILD_TRUSTED_KEYS)")
     p.add_argument("--require-signature", action="store_true",
                    help="fail unless the artifact carries a signature by a trusted key")
     add_json_flag(p)

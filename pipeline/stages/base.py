@@ -45,8 +45,9 @@ class Stage:
     writes: Callable[[BuildContext], int] | None = None  # bytes it will write, planned from headers
     describe: Callable[[BuildContext, dict], dict] | None = None  # for --dry-run, once its reads are current
     # why a finished result no longer holds although its key and outputs do (None: it holds): for a
-    # stage whose result is a report judged by its own state (validate), not by its bytes
-    current: Callable[[Path], str | None] | None = None  # given the output folder
+    # stage whose result is a report judged by its own state (validate), not by its bytes; given the
+    # output folder, and the bound artifact (core.bound) where the caller opened one
+    current: Callable[..., str | None] | None = None
 
 @dataclass
 class StageIO:

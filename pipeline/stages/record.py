@@ -6,16 +6,17 @@ A recipe edit that changes only validate thresholds or serve settings re-runs
 this stage (milliseconds: two small files) and ``validate``, and rewrites no shard. The hashes of
 the checkpoint's files come from ``assemble``'s result, computed while it wrote them, so nothing
 large is read again here. ``assemble`` removes the provenance of an earlier build before it
-writes a shard, so a provenance in the folder always describes the checkpoint beside it.
+writes a shard, so a provenance in the folder always describes the checkpoint beside it. That this
+machine built it is recorded in the user's state folder (``core.local_trust``), never in the folder.
 """
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-from hybrid_build.core import __version__
+from hybrid_build.core import __version__, local_trust
 from hybrid_build.core.artifact import META_DIR, PROVENANCE, RECIPE, build_outputs
-from hybrid_build.core.manifest import sha256_file
+from hybrid_build.core.manifest import build_digest, sha256_file
 from hybrid_build.core.provenance import SCHEMA_VERSION, TOOL_NAME, Provenance, Tool, build_time
 from hybrid_build.core.safetensors_io import write_text_atomic
 
@@ -48,7 +49,10 @@ def run(ctx: BuildContext, io: StageIO) -> tuple[list[Path], dict]:
         format=ctx.recipe.output.format, source=ctx.source_record().to_provenance(),
         recipe=ctx.recipe.model_dump(mode="json", by_alias=True), files=dict(sorted(files.items())),
         tensors=built.details["tensors"], converted=built.details["converted"], created=build_time())
-    write_text_atomic(out / PROVENANCE, prov.to_text())
+    text = prov.to_text()
+    write_text_atomic(out / PROVENANCE, text)
+    # this machine built these bytes: said in the user's state folder, where a download cannot say it
+    local_trust.remember(build_digest(text.encode()), local_trust.BUILT, out)
     return [out / RECIPE, out / PROVENANCE], {}
 
 

@@ -56,9 +56,10 @@ def writes(ctx: BuildContext) -> int:
     return planned_bytes(load_texts(None), len(ctx.plan.conversions), ctx.recipe.validate_.e2e)
 
 
-def current(out: Path) -> str | None:
-    """Why the stage's finished result no longer holds: the build's validation is not a pass now."""
-    outcome = validation_outcome(out)
+def current(out: Path, bound=None) -> str | None:
+    """Why the stage's finished result no longer holds: the build's validation is not a pass now (as
+    ``bound``, the artifact ``status`` opened, found it, where there is one)."""
+    outcome = bound.validation if bound is not None else validation_outcome(out)
     return None if outcome.passed else f"validation {outcome.state}: {outcome.reason}"
 
 

@@ -125,9 +125,10 @@ def register(sub, common) -> None:
     g.add_argument("--join-timeout", type=SECONDS, default=600,
                    help="seconds to wait for the head and for every node to join (default 600)")
     g.add_argument("--trust-key", action="append", metavar="PUB.pem", default=None,
-                   help="a public key whose signature (model.sig, OpenSSF Model Signing) you trust; repeatable "
-                        "(default: $HYBRID_BUILD_TRUSTED_KEYS). A downloaded artifact is served only when signed by "
-                        "one, after a passing local `hybrid-build validate`, or with --force")
+                   help="a public key, or a CA certificate, whose signatures (model.sig, OpenSSF Model Signing) you "
+                        "trust; repeatable (default: $HYBRID_BUILD_TRUSTED_KEYS). An artifact not built on this "
+                        "machine is served only when signed by one, after a passing `hybrid-build validate` here "
+                        "(without --trust-key), or with --force")
     g.add_argument("--force", action="store_true",
                    help="serve anyway an artifact whose files differ from its provenance or whose validation is "
                         "missing, failed or stale (refused otherwise, --dry-run included; verify still runs), and "
@@ -493,22 +494,27 @@ def _check_artifact(args: argparse.Namespace):
     finds unsound: a build in progress or stopped (resume it with ``run``), a symbolic link, a file or
     report that differs from the provenance, a reference that is not the one the report rests on or
     holds non-finite values, an invalid signature, a validation that is missing, failed, could not run
-    or is stale. An artifact this machine did not build (no work folder: downloaded) is served only
-    with a valid signature by a trusted key (``--trust-key``), after a passing local ``validate``, or
-    with ``--force``; the line printed says which. With ``--force`` each refusal is a warning and
-    serving goes on (verify still runs). A Hub id, or a plain checkpoint (no provenance, no
-    ``hybrid_build/``, no build's work folder), has nothing to check here (None). Returns the
-    ``BoundArtifact``, which the launch plan asks instead of reading the folder again."""
+    or is stale. An artifact this machine did not build (``core.local_trust``: a download, or a copy
+    from another machine) is served only with a valid signature by a trusted key (``--trust-key``;
+    once one is named nothing else will do), after a passing ``validate`` on this machine, or with
+    ``--force``; the line printed says which. Trust records the folder carries are named and ignored.
+    With ``--force`` each refusal is a warning and serving goes on (verify still runs). A Hub id, or a
+    plain checkpoint (no provenance, no ``hybrid_build/``, no build's work folder), has nothing to
+    check here (None). Returns the ``BoundArtifact``, which the launch plan asks instead of reading
+    the folder again."""
     from hybrid_build.core.bound import open_artifact, trusted_keys
     from hybrid_build.core.errors import ArtifactError
 
     artifact = Path(args.artifact).expanduser()
     if not artifact.is_dir():
         return None
-    bound = open_artifact(artifact, trusted=trusted_keys(getattr(args, "trust_key", None)), missing_ok=True,
+    keys = trusted_keys(getattr(args, "trust_key", None))
+    bound = open_artifact(artifact, trusted=keys, missing_ok=True,
                           progress=lambda **kw: progress(args.quiet or args.json, leave=False, **kw))
     if bound is None:
         return None
+    if bound.trust_line():
+        print(f"{artifact}: {bound.trust_line()}", file=sys.stderr, flush=True)
     problem = None
     if not bound.intact:
         problem = f"the artifact differs from its provenance: {bound.problem}"
@@ -519,7 +525,10 @@ def _check_artifact(args: argparse.Namespace):
     if bound.signature.verified:
         trust = bound.signature.line()
     elif not bound.built_here:
-        if bound.validated_here:
+        if keys and problem is None:  # a publisher is named: only its signature will do
+            problem = (f"downloaded ({bound.signature.line()}): --trust-key asks for a signature by a trusted key, "
+                       "and a local validate does not stand in for it")
+        elif bound.validated_here:
             trust = f"downloaded, {bound.signature.line()}; served after a passing local `hybrid-build validate`"
         elif problem is None:
             problem = (f"downloaded ({bound.signature.line()}) and not validated here: run `hybrid-build validate "

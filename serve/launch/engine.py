@@ -131,7 +131,7 @@ def recipe_for_serving(artifact: str, recipe_arg: str | None, bound=None) -> tup
         raise UserError(f"{artifact}: not a checkpoint folder (no config.json)")
     if recipe_arg:
         return load_recipe(recipe_arg), config
-    own = read_recipe_data(path, missing_ok=True)
+    own = bound.recipe_data() if bound is not None else read_recipe_data(path, missing_ok=True)
     if own is not None:
         return parse_recipe(own, str(path / RECIPE)), config
     if config is None:

@@ -59,6 +59,14 @@ def validated_artifact(tiny_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def art(validated_artifact, tmp_path) -> Path:
+    """A private copy of the validated artifact, its work folder included, that a test may change."""
+    dst = tmp_path / "tiny-hybrid"
+    shutil.copytree(validated_artifact, dst)
+    return dst
+
+
+@pytest.fixture
 def artifact(validated_artifact, tmp_path) -> Path:
     """A private copy (without the work dir) that a test may change."""
     dst = tmp_path / "tiny-hybrid"

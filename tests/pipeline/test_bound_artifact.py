@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from safetensors.torch import load_file, save_file
+from signing_keys import keypair
 
 from hybrid_build.core.artifact import IN_PROGRESS, PROVENANCE, REPORTS, seal_reports
 from hybrid_build.core.bound import open_artifact
@@ -23,13 +22,6 @@ from hybrid_build.pipeline.cli import main
 
 REPO = "my-org/tiny-hybrid"
 VALIDATION, REFERENCE = REPORTS["validation"], REPORTS["reference"]
-
-
-@pytest.fixture
-def art(validated_artifact, tmp_path) -> Path:
-    dst = tmp_path / "tiny-hybrid"
-    shutil.copytree(validated_artifact, dst)  # the work folder too: built on this machine
-    return dst
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
@@ -43,16 +35,6 @@ def one_line(err: str) -> str:
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, lines
     return lines[0]
-
-
-def keypair(where: Path, name: str) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = where / f"{name}.pem", where / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
-    return private, public
 
 
 def refused_everywhere(capsys, art: Path, name: str) -> None:
@@ -186,7 +168,7 @@ def test_sign_and_verify_with_a_key_made_here(art, capsys, tmp_path):
     rc, out, _ = cli(capsys, "verify-artifact", art, "--trust-key", public, "--json")
     data = json.loads(out)
     assert rc == 0 and data["signature"]["state"] == "verified"
-    assert data["signature"]["files"] == len(open_artifact(art).signed_set())
+    assert data["signature"]["files"] == len(open_artifact(art).signed_files())
 
     rc, out, _ = cli(capsys, "verify-artifact", art, "--trust-key", other)  # the wrong key
     assert rc == 1 and "does not verify with the trusted key" in out
@@ -213,10 +195,14 @@ def test_sign_and_verify_with_a_key_made_here(art, capsys, tmp_path):
     assert open_artifact(art, trusted=[public]).signature.mismatched == [PROVENANCE, VALIDATION.named(".md")]
 
 
-def test_a_downloaded_artifact_is_served_signed_validated_here_or_forced(art, capsys, tmp_path, tiny_checkpoint):
+def test_a_downloaded_artifact_is_served_signed_validated_here_or_forced(art, capsys, tmp_path, tiny_checkpoint,
+                                                                         monkeypatch):
+    from hybrid_build.core.local_trust import TRUST_ENV
+
     private, public = keypair(tmp_path, "publisher")
     rc, out, _ = cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private, "--json")
     assert rc == 0
+    monkeypatch.setenv(TRUST_ENV, str(tmp_path / "downloader-trust"))  # another machine: it built nothing
     down = tmp_path / "downloaded"  # what the repository holds, as `hf download` writes it
     for f in json.loads(out)["files"]:
         dst = down / f["path"]

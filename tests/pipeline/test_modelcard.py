@@ -568,7 +568,7 @@ def test_the_card_states_the_pool_and_streams_that_fit_as_serve_prints_them(arti
     assert "0 speculative tokens; without the drafter, which is not in this repository" in body
     drafter = "z-lab/Qwen3.5-122B-A10B-DFlash"
     _publish_drafter(artifact, drafter)
-    # the copy has no work folder (a downloaded one, unsigned): serve takes it after a passing local validate
+    # the provenance was edited: a build this machine never made, so serve takes it after a passing local validate
     assert main(["validate", str(artifact), "--source", str(tiny_checkpoint), "--no-e2e", "-q"]) == 0
     capsys.readouterr()
     _, body = split_card(plan_publish(artifact, REPO).card_text)

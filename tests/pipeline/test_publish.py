@@ -50,8 +50,8 @@ def cli(monkeypatch, hub, no_sleep):
 
 
 def error_lines(err: str) -> list[str]:
-    """stderr without the per-part progress lines: what the user is told went wrong."""
-    return [line for line in err.splitlines() if not line.startswith("part ")]
+    """stderr without the progress line before the upload: what the user is told went wrong."""
+    return [line for line in err.splitlines() if not line.startswith(("sending ", "all "))]
 
 
 def publisher(plan, hub, policy, **kw) -> Publisher:
@@ -195,9 +195,9 @@ def test_second_run_sends_nothing(artifact, hub, no_sleep):
     plan = plan_publish(artifact, REPO)
     publisher(plan, hub, policy).run()
     hub.reset_records()
-    parts = []
-    result = publisher(plan, hub, policy, on_part=lambda *a: parts.append(a)).run()
-    assert parts == [(1, 1, [], len(plan.files))]
+    told = []
+    result = publisher(plan, hub, policy, on_send=lambda *a: told.append(a)).run()
+    assert told == [([], len(plan.files))]
     assert hub.sent == [] and result.uploaded == [] and len(result.skipped) == len(plan.files)
     assert not any(name in ("upload_folder", "upload_file") for name, _ in hub.calls)
 
@@ -210,7 +210,7 @@ def test_interrupted_upload_resumes_without_resending(artifact, cli, hub, capsys
     hub.fail_on_send[victim] = [ConnectionError("connection reset by peer")] * 10
     assert cli(artifact, "--repo-id", REPO) == 3  # the Hub did not answer: could not run
     err = capsys.readouterr().err
-    assert err.startswith(f"part 1/1: sending {len(plan.files)} file(s)")  # the progress line before the part
+    assert err.startswith(f"sending {len(plan.files)} file(s)")  # the progress line before the upload
     assert len(error_lines(err)) == 1 and "run the same command again to resume" in err
     arrived = {p: d for p, d in hub.files(REPO).items() if p != ".gitattributes"}
     assert arrived and victim not in arrived and "README.md" not in arrived
@@ -240,16 +240,23 @@ def test_transient_failure_mid_batch_is_retried_without_resending_what_arrived(a
     assert result.verified == len(plan.files)
 
 
-def test_small_batches_each_commit_separately(artifact, hub, no_sleep):
+def test_one_upload_folder_call_names_exactly_what_the_hub_lacks(artifact, hub, no_sleep):
+    """What is on the Hub already is not handed to the library; the rest goes in one ``upload_folder``
+    call naming each file (huggingface_hub batches its commits itself), the card after it."""
     policy, _ = no_sleep
     plan = plan_publish(artifact, REPO)
-    result = publisher(plan, hub, policy, batch_bytes=3_000_000).run()
+    hub.create_repo(REPO, exist_ok=True)
+    there = ["model-00001-of-00003.safetensors", "config.json"]
+    for path in there:
+        hub.files(REPO)[path] = (artifact / path).read_bytes()
+    hub.reset_records()
+    result = publisher(plan, hub, policy).run()
     folder_calls = [kw for name, kw in hub.calls if name == "upload_folder"]
-    assert len(folder_calls) >= 3
-    # each call names its files exactly, and together they cover the plan once
-    named = [p for kw in folder_calls for p in kw["allow_patterns"]]
-    assert sorted(named) == sorted(f.path for f in plan.files if f.path != "README.md")
-    assert result.upload_calls == len(folder_calls) + 1  # and one for the card
+    assert len(folder_calls) == 1 and result.upload_calls == 2  # and one upload_file for the card
+    named = sorted(folder_calls[0]["allow_patterns"])
+    assert named == sorted(f.path for f in plan.files if f.path not in there and f.path != "README.md")
+    assert folder_calls[0]["commit_message"] == f"hybrid-build publish {plan.artifact_id}: {artifact.name}"
+    assert sorted(result.skipped) == sorted(there) and set(hub.sent_paths()).isdisjoint(there)
 
 
 # ------------------------------------------------------------------------------------ retries and errors
@@ -395,7 +402,7 @@ def test_verification_failure_exits_1_naming_the_file(artifact, cli, hub, capsys
     # the remote shard looks wrong, so it is sent again; the Hub still reports 1 byte: an error
     size = human_bytes((artifact / "model_extra_tensors.safetensors").stat().st_size)
     others = len(plan_publish(artifact, REPO).files) - 1
-    assert f"part 1/1: sending 1 file(s), {size}; {others} already on the Hub" in err
+    assert f"sending 1 file(s), {size}; {others} already on the Hub" in err
     assert len(error_lines(err)) == 1 and "model_extra_tensors.safetensors: 1 bytes on the Hub" in err
 
 
