@@ -15,8 +15,10 @@ import pytest
 
 COUNTER = Path(__file__).with_name("folder_reads.py")
 # the modules whose functions open an artifact's files, all called by core.bound: the folder's layout
-# (listings), the bound artifact itself, the headers' reader and the I/O primitives
-READERS = {"core.artifact", "core.bound", "core.checkpoint", "core.integrity", "core.safetensors_io"}
+# (listings), the bound artifact itself, the headers' reader and the I/O primitives (the bounded reader
+# every file from outside goes through included)
+READERS = {"core.artifact", "core.bound", "core.bounded_read", "core.checkpoint", "core.integrity",
+           "core.safetensors_io"}
 
 
 @pytest.fixture(scope="module")
