@@ -31,6 +31,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from hybrid_build.core.bounded_read import depth_over
 from hybrid_build.core.terminal_text import printable
 
 # turn positions are grouped: 1, 2, 3, 4, 5-8, 9-16, 17-32, 33+
@@ -103,9 +104,9 @@ def check_tool_calls(calls: list[dict], offered: frozenset[str]) -> ToolCheck:
             continue
         if name not in offered:
             out.offered = False
-        try:
-            ok = isinstance(json.loads(args or "{}"), dict)
-        except json.JSONDecodeError:
+        try:  # the server's arguments: nested too deep is no JSON object this check reads
+            ok = not depth_over(args or "{}") and isinstance(json.loads(args or "{}"), dict)
+        except (json.JSONDecodeError, RecursionError):
             ok = False
         out.json_args = out.json_args and ok
     return out

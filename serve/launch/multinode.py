@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from hybrid_build.core.bounded_read import read_text
+from hybrid_build.core.bounded_read import InputRefused, parse_json, read_text
 from hybrid_build.core.errors import ArtifactError, CannotRun, ExternalToolError, UserError
 from hybrid_build.core.stop_signals import stop_signals_held
 
@@ -657,9 +657,9 @@ def run_once(cmd: Command, remote_venv: str | None, timeout: float, stdin_text: 
 
 def _last_json(text: str):
     for line in reversed(text.strip().splitlines()):
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
+        try:  # a node's answer: nested at most MAX_DEPTH, never a RecursionError
+            return parse_json(line, "a node's answer")
+        except InputRefused:
             continue
     raise ValueError("no JSON line")
 

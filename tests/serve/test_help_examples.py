@@ -194,8 +194,9 @@ def bench_server(tmp_path_factory):
         except OSError:
             yield None
             return
-    plan = LaunchPlan([sys.executable, str(STANDIN), "--port", str(port), "--tokens", "8"], {}, "qwen", port,
-                      "127.0.0.1", "base", "local", "stand-in")
+    # max_model_len the 122B's: the synthetic agent trace's contexts (to 100,000 tokens) fit, as on its server
+    plan = LaunchPlan([sys.executable, str(STANDIN), "--port", str(port), "--tokens", "8", "--max-model-len", "262144"],
+                      {}, "qwen", port, "127.0.0.1", "base", "local", "stand-in")
     server = start(plan, tmp_path_factory.mktemp("standin") / "server.log")
     try:
         wait_ready(server, timeout=60, poll=0.1)

@@ -307,6 +307,8 @@ def test_tool_call_validity_needs_all_three():
     assert not check_tool_calls([{"function": {"name": "read_file", "arguments": '{"path":'}}], offered).json_args
     assert not check_tool_calls([{"function": {"name": "read_file", "arguments": "[1]"}}], offered).json_args
     assert not check_tool_calls([{"function": {"arguments": "{}"}}], offered).parsed
+    deep = "[" * 100_000 + "]" * 100_000  # a server's arguments nested without end: not JSON here, no traceback
+    assert not check_tool_calls([{"function": {"name": "read_file", "arguments": deep}}], offered).json_args
 
 
 def test_goodput_counts_the_turns_within_both_bounds():

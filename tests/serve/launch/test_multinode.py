@@ -79,8 +79,11 @@ def test_parse_nodes_from_the_option_and_a_file(tmp_path):
             mn.parse_nodes(bad, None)
     with pytest.raises(UserError, match="not both"):
         mn.parse_nodes("a,b", f)
-    with pytest.raises(UserError, match="cannot read"):
+    with pytest.raises(UserError, match="missing: no such file"):
         mn.parse_nodes(None, tmp_path / "missing")
+    os.mkfifo(tmp_path / "fifo")  # refused before it is opened: reading it would wait for a writer
+    with pytest.raises(UserError, match="fifo: a FIFO, not a regular file"):
+        mn.parse_nodes(None, tmp_path / "fifo")
 
 
 def test_local_nodes_are_the_addresses_this_machine_can_bind():
