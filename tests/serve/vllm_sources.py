@@ -17,7 +17,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0")
+VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0")
 # imported at module level by vllm's platform / distributed / config modules; pure Python or small
 CPU_IMPORT_DEPS = ("pyzmq", "cbor2", "aiohttp", "openai_harmony", "openai", "pybase64", "einops", "cachetools",
                    "msgspec", "cloudpickle", "uvloop", "prometheus_client", "fastapi", "partial_json_parser")

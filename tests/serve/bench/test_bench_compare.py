@@ -424,7 +424,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])  # 0.23.0's protocol module imports gguf
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0", "0.34.0"])  # 0.23.0's protocol module imports gguf
 def test_vllm_takes_benchs_requests_with_the_running_count(version):
     """Every workload's request parses as vLLM's own ChatCompletionRequest, with the running token
     count in every chunk (continuous_usage_stats) that bench's decode timing reads switched on."""

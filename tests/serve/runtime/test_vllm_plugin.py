@@ -69,7 +69,7 @@ def _observed(info: dict) -> str:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
 def test_every_layer_resolves_to_its_scheme(version, tiny_artifact, tmp_path):
     result = _probe(version, tiny_artifact, "plugin", tmp_path)
     assert result["config_class"] == "HybridINCConfig"
@@ -83,7 +83,7 @@ def test_every_layer_resolves_to_its_scheme(version, tiny_artifact, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
 def test_stock_vllm_misreads_the_fp8_shared_experts(version, tiny_artifact, tmp_path):
     """Without the plugin the same layers come out as 8-bit integer GPTQ: the plugin is needed."""
     layers = _probe(version, tiny_artifact, "stock", tmp_path)["layers"]
@@ -182,7 +182,7 @@ def test_stored_gptq_head_unpacks_to_the_int8_rows_it_was_packed_from(n, k):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
 def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
     """Both int8 head paths through vLLM's own method classes, in a bf16, an fp16 and a float32
     engine: the head quantized at load, and the stored GPTQ head unpacked for the Triton GEMV.
@@ -231,7 +231,7 @@ def _marlin_layout(shape: list[int], perms: dict) -> list[float]:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
 def test_marlin_moe_scale_fix_on_vllms_real_weight_prep(version, tmp_path):
     """vLLM's real Marlin MoE weight prep, on CPU: with experts of 128 and group 128 (hidden 256) the
     stock code gives the gate/up scales the channel-wise layout although they hold two groups; the
