@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 # Triton reads this when it is first imported: without a GPU the kernel tests run in Triton's
@@ -27,6 +28,38 @@ import pytest  # noqa: E402
 os.environ.setdefault("SOURCE_DATE_EPOCH", "1764547200")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+_TREE = pytest.StashKey[dict]()
+
+
+def pytest_sessionstart(session):
+    """The repository as it was before the first test (the controller alone under xdist)."""
+    if not hasattr(session.config, "workerinput"):
+        from repo_tree import snapshot
+
+        session.config.stash[_TREE] = snapshot(ROOT)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run fails if it left the repository with a new, changed or removed file (tests/repo_tree.py)."""
+    before = session.config.stash.get(_TREE, None)
+    if before is None:
+        return
+    from repo_tree import changes, snapshot
+
+    left = changes(before, snapshot(ROOT))
+    if left:
+        more = f" and {len(left) - 20} more" if len(left) > 20 else ""
+        line = (f"FAILED: the suite left the repository changed (tests write under pytest's temporary folders and "
+                f"the test cache): {', '.join(left[:20])}{more}")
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(line, red=True, bold=True)
+        else:
+            print(line, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)
