@@ -99,6 +99,15 @@ def install_deps() -> Path:
     return target
 
 
+def cache_env(version: str) -> dict[str, str]:
+    """The environment a probe of ``version`` runs vLLM with beside PYTHONPATH: its own
+    ``VLLM_CACHE_ROOT``. vLLM keeps what it learns of a model class there (``modelinfos/``, one file per
+    class, keyed by its source's hash); in one folder shared by every version each version's entry
+    replaces the last, and each probe re-inspects its classes in a child process of its own (a second
+    vLLM import). It also keeps the probes out of the user's ``~/.cache/vllm``."""
+    return {"VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache" / version)}
+
+
 def cpu_pythonpath(version: str) -> str | None:
     """PYTHONPATH that imports vLLM ``version`` on CPU, or None if not prepared."""
     src = unpacked(version)

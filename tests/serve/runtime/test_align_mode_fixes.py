@@ -59,7 +59,8 @@ def _probe(version: str, cases: str, tmp_path: Path) -> dict[str, dict]:
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
     out = tmp_path / "out.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, **vllm_sources.cache_env(version),
+               PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
                VLLM_LOGGING_LEVEL="ERROR")
     r = subprocess.run([sys.executable, str(HERE / "align_probe.py"), cases, str(tmp_path / "work"), str(out)],
                        env=env, capture_output=True, text=True, timeout=900)

@@ -110,7 +110,8 @@ def _layouts(version: str, tmp: Path) -> dict[tuple[str, str], dict]:
         cases = [{"version": version, "shape": shape, "layout": name, "fixes": fixes, "unit": unit}
                  for shape in SHAPES[version] for name, fixes, unit in LAYOUTS[version]]
         (tmp / "cases.json").write_text(json.dumps(cases))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
+        env = dict(os.environ, **vllm_sources.cache_env(version),
+                   PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
                    VLLM_LOGGING_LEVEL="ERROR")
         r = subprocess.run([sys.executable, str(HERE / "kv_probe.py"), "--cases", str(tmp / "cases.json"),
                             str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=900)

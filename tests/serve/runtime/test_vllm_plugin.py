@@ -33,7 +33,8 @@ def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 
     pp = vllm_sources.cpu_pythonpath(version)
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
-    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR", HYBRID_BUILD_DISABLE_FIXES=disable)
+    env = dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR",
+               HYBRID_BUILD_DISABLE_FIXES=disable)
     env.pop(vllm_plugin.ENV_LM_HEAD, None)
     r = subprocess.run([sys.executable, str(HERE / script), *args, str(out)], env=env, capture_output=True,
                        text=True, timeout=timeout)

@@ -105,7 +105,7 @@ def test_vllm_parses_verifys_requests(version):
         pytest.skip("vLLM's CPU import dependencies not prepared (run .ci/vllm_sources.sh)")
     bodies = [request_body(p, "qwen", [5, 6, 7], 20) for p in PROTOCOLS]
     bodies.append(generation_body(SERVED, [5, 6, 7], 8, "hybrid-build-verify-x"))
-    env = dict(os.environ, PYTHONPATH=path)
+    env = dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=path)
     r = subprocess.run([sys.executable, "-c", PARSE_PROBE, json.dumps(bodies)], capture_output=True, text=True,
                        timeout=180, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
