@@ -28,6 +28,7 @@ from hybrid_build.core.cli_support import (
 from hybrid_build.core.user_paths import check_output_path
 from hybrid_build.serve.speed import bandwidth as bw
 from hybrid_build.serve.speed import multinode_plan as mnp
+from hybrid_build.serve.speed.memory_plan import ENGINE_VERSIONS
 from hybrid_build.serve.speed.speed_plan import (
     DEFAULT_ACCEPT,
     KV_DTYPES,
@@ -154,7 +155,7 @@ def register(sub, common) -> None:
     g.add_argument("--drafter-gb", type=GB, help="drafter weight bytes in GB (default: 1.6)")
     g.add_argument("--verify-block", type=VERIFY_POSITIONS, metavar="N",
                    help="count experts over N verified positions (drafted + 1) instead of the accepted ones")
-    g.add_argument("--engine", choices=["0.23.0", "0.25.1", "0.26.0", "0.33.0"], default="0.26.0",
+    g.add_argument("--engine", choices=ENGINE_VERSIONS, default="0.26.0",
                    help="vLLM version whose KV-cache planning the memory figures follow (default: %(default)s)")
     g.add_argument("--published", action="store_true", help="compare with the published GB10 figures of the 122B")
     g = p.add_argument_group("several nodes")

@@ -48,16 +48,18 @@ MIXED_RAISES = SourceFact(("0.25.1",), "vllm/model_executor/models/qwen3_dflash.
 MIXED_NEEDS_V2 = SourceFact(("0.26.0", "0.33.0"), "vllm/model_executor/models/qwen3_dflash.py",
                             "DFlash drafters with mixed sliding/full attention require")
 MIXED_FORCES_V2 = SourceFact(("0.26.0", "0.33.0"), "vllm/config/vllm.py", "if self._dflash_needs_multi_kv_group():")
-WINDOW_READ = SourceFact(("0.25.1", "0.26.0", "0.33.0"), "vllm/model_executor/models/qwen3_dflash.py",
+# 0.34.0 has no V1 model runner left, so nothing to force: it refuses VLLM_USE_V2_MODEL_RUNNER set to anything but 1
+V1_REMOVED = SourceFact(("0.34.0",), "vllm/platforms/interface.py", "Model Runner V1 has been removed")
+WINDOW_READ = SourceFact(("0.25.1", "0.26.0", "0.33.0", "0.34.0"), "vllm/model_executor/models/qwen3_dflash.py",
                          '"swa_window_size", getattr(config, "sliding_window", None)')
 # 0.25.1 grows every smaller page by a block-size ratio and asserts; a GDN page cannot grow
 PAGE_ASSERT = SourceFact(("0.25.1", "0.26.0"), "vllm/v1/core/kv_cache_utils.py",
                          "assert new_spec.page_size_bytes == max_page_size", only=False)
 PAGE_PADS_GDN = SourceFact(("0.26.0",), "vllm/v1/core/kv_cache_utils.py", "elif isinstance(layer_spec, MambaSpec):")
-FACTS = (MIXED_RAISES, MIXED_NEEDS_V2, MIXED_FORCES_V2, WINDOW_READ, PAGE_ASSERT, PAGE_PADS_GDN)
+FACTS = (MIXED_RAISES, MIXED_NEEDS_V2, MIXED_FORCES_V2, V1_REMOVED, WINDOW_READ, PAGE_ASSERT, PAGE_PADS_GDN)
 # 0.23.0 (PyPI) builds every drafter layer as full attention: its qwen3_dflash.py reads neither
 # layer_types nor a sliding window (a test checks that absence)
-CHECKED = ("0.23.0", "0.25.1", "0.26.0", "0.33.0")
+CHECKED = ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0")
 # where prefix_align (the plugin, or the 0.23.0 patch) is written for; elsewhere no warm-prefix claim
 PREFIX_ALIGN_LOCAL = ("0.25.1", "0.26.0")
 
@@ -130,6 +132,9 @@ def check(version: str | None, engine: str, spec: Shapes, off: frozenset[str], e
         if prefix_caching:
             out.caching = "unclaimed"
         return out
+    if v in V1_REMOVED.versions and env.get(V2_ENV, "1").strip() != "1":
+        raise UserError(f"vLLM {v} has only its V2 model runner and refuses {V2_ENV}={env[V2_ENV]} at start "
+                        "(platforms/interface.py: \"Model Runner V1 has been removed\"): unset it")
     if spec.mixed:
         _mixed(v, engine, spec, env, out)
     if spec.target_hybrid and spec.larger_drafter_pages:
@@ -150,7 +155,7 @@ def _mixed(v: str, engine: str, spec: Shapes, env: dict[str, str], out: Verdict)
         raise EngineCannotRun("vLLM 0.25.1 cannot run a DFlash drafter with mixed sliding/full layer_types (its "
                               "qwen3_dflash.py raises NotImplementedError); use vLLM 0.26.0 or later, or the docker "
                               "engine")
-    if v in ("0.26.0", "0.33.0") and spec.drafter_window is None:
+    if v in ("0.26.0", "0.33.0", "0.34.0") and spec.drafter_window is None:
         raise UserError(f"vLLM {v} gives this DFlash drafter's sliding-window layers no window: its config sets "
                         "neither dflash_config.swa_window_size nor use_sliding_window with sliding_window "
                         "(transformers drops sliding_window without it), so qwen3_dflash.py raises ValueError; fix "
@@ -181,7 +186,7 @@ def _caching(v: str, engine: str, spec: Shapes, off: frozenset[str], out: Verdic
                              "is claimed")
         return
     out.caching = "unclaimed"
-    why = ("vLLM 0.33's KV planning is not the source prefix_align was written for" if v == "0.33.0" else
+    why = (f"vLLM {v}'s KV planning is not the source prefix_align was written for" if v >= "0.33" else
            f"the {engine} engine's vLLM {v} has not been measured with a drafter and prefix caching")
     out.notes.append(f"prefix caching with this drafter on the hybrid target: {why}; it is on, but no "
                      "warm-prefix TTFT is claimed")

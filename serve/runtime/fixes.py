@@ -48,17 +48,17 @@ class Fix:
 FIXES: tuple[Fix, ...] = (
     Fix("inc_fp8_dispatch", "FP8 layers (the shared experts) inside an auto-round INT4 checkpoint are read as "
         "8-bit integers: INC takes data_type from the global config; the fix gives them the block-FP8 method",
-        "46311 (fix PR 46322)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"), hook="plugin:install_inc",
+        "46311 (fix PR 46322)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0"), hook="plugin:install_inc",
         patch="inc_fp8_dispatch"),
     Fix("int8_lm_head", "the int8 lm-head: a stored 8-bit head under the bare `lm_head` key reaches the VL "
         "model's nested head, a BF16 head is quantized at load (HYBRID_BUILD_LM_HEAD=quantize-at-load) and runs "
         "the int8 GEMV; off, the head is served as stock vLLM reads it",
-        "53896 (review: the head may never get quant_config)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0"),
+        "53896 (review: the head may never get quant_config)", ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0"),
         hook="plugin:install_inc", patch="int8_lm_head"),
     Fix("marlin_moe_scale", "Marlin MoE gate/up (w13) scales get the channel-wise layout when "
         "moe_intermediate_size <= group_size < hidden_size: the routed experts compute garbage (the tiny "
         "fixture; not the 122B, so the docker image does without it)",
-        "50196", ("0.25.1", "0.26.0", "0.33.0"), hook="upstream_fixes:install"),
+        "50196", ("0.25.1", "0.26.0", "0.33.0", "0.34.0"), hook="upstream_fixes:install"),
     Fix("kv_unify", "a DFlash drafter whose KV page is larger than the hybrid target's: vLLM 0.25.1 grows every "
         "smaller page by a ratio of block sizes, which cannot grow a GDN state page, and stops at `assert "
         "new_spec.page_size_bytes == max_page_size` (the 122B with its real drafter); the fix pads the GDN pages "
@@ -84,7 +84,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("align_accept_snapshot", "the V2 model runner's align preprocess reads and resets the live accepted-token "
         "buffer that async scheduling may be updating: the pre-copy gets an out-of-range offset (Xid 31); the fix "
         "hands the kernel a snapshot and writes its resets back (GPU kernel: shown on a GPU only)",
-        "56736 (PR 56756)", ("0.25.1", "0.26.0", "0.33.0"), hook="align_mode_fixes:install"),
+        "56736 (PR 56756)", ("0.25.1", "0.26.0", "0.33.0", "0.34.0"), hook="align_mode_fixes:install"),
     Fix("dflash_keep_last_block", "DFlash drops the last matching prefix-cache block as EAGLE does (0.25.1 / 0.26.0 "
         "count it under use_eagle()), so a warm prefix hits an earlier chunk end (53,760 of 65,568 tokens at 64k); "
         "DFlash writes its context K/V from the target's hidden states at the same positions, so nothing in the last "
@@ -144,6 +144,11 @@ TESTED_VERSIONS: tuple[TestedVersion, ...] = (
     TestedVersion("0.33.0", "local", "the plugin checked against its source on CPU (layer dispatch, Marlin "
                   "weight prep); not yet served on a GPU", ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale",
                                                              "align_accept_snapshot", "sliding_window_partial_hits")),
+    TestedVersion("0.34.0", "local", "checked against its source on CPU (layer dispatch, Marlin weight prep, the int8 "
+                  "head, the fixes' anchors, the memory plan against its KV planning, the scheduler's align-mode "
+                  "invariants, the drafter rules); not yet served on a GPU",
+                  ("inc_fp8_dispatch", "int8_lm_head", "marlin_moe_scale", "align_accept_snapshot",
+                    "sliding_window_partial_hits")),
 )
 
 

@@ -4,7 +4,7 @@ Applied by the plugin's ``register()`` in every vLLM process, before any model i
 is a small wrapper installed on the module that calls the buggy function; it is idempotent and a
 no-op on a vLLM that lacks the module.
 
-Marlin MoE scale layout (vLLM 0.23.0 through 0.33.0 at least)
+Marlin MoE scale layout (vLLM 0.23.0 through 0.34.0 at least)
 -------------------------------------------------------------
 ``fused_moe/oracle/int_wna16.py`` prepares GPTQ/AWQ expert scales for the Marlin MoE kernel with
 ``marlin_moe_permute_scales(s=w13_scales, size_k=layer.intermediate_size_per_partition, ...)``.
@@ -46,7 +46,9 @@ def fix_marlin_moe_scale_layout() -> bool:
     if getattr(stock, "hybrid_build_fix", False):
         return True
 
-    def marlin_moe_permute_scales(s, size_k, size_n, group_size, is_a_8bit=False):
+    # 0.34.0 dropped the is_a_8bit parameter: whatever the caller passes after group_size goes on as given
+    def marlin_moe_permute_scales(s, size_k, size_n, group_size, *rest, **kw):
+        is_a_8bit = rest[0] if rest else kw.get("is_a_8bit", False)
         true_k = marlin_scale_size_k(s, size_k, group_size)
         changed = (group_size < true_k) != (group_size < size_k) and group_size != -1 and not is_a_8bit
         if changed and not marlin_moe_permute_scales.fired:
@@ -54,7 +56,7 @@ def fix_marlin_moe_scale_layout() -> bool:
             log.warning("hybrid-build: Marlin MoE scales %s get the %s layout (vLLM passed size_k=%d, the "
                         "scales span %d): upstream layout bug worked around", tuple(s.shape),
                         "grouped" if group_size < true_k else "channel-wise", size_k, true_k)
-        return stock(s, true_k, size_n, group_size, is_a_8bit)
+        return stock(s, true_k, size_n, group_size, *rest, **kw)
 
     marlin_moe_permute_scales.hybrid_build_fix = True
     marlin_moe_permute_scales.fired = False  # set (and logged once) when the fix changed a layout

@@ -19,12 +19,12 @@ API (everything else here is a helper):
 - ``log_pool_tokens(text)``: the pool vLLM logged; ``compare_with_log(plan, text)``: a warning
   when it differs from the plan by more than 2%.
 
-What is vLLM's here, per version (0.23.0, 0.25.1, 0.26.0, 0.33.0; the code paths named are
+What is vLLM's here, per version (0.23.0, 0.25.1, 0.26.0, 0.33.0, 0.34.0; the code paths named are
 vLLM's): the GDN state shapes (``MambaStateShapeCalculator.gated_delta_net_state_shape``: conv
 ``(conv_dim, kernel - 1 + num_spec)`` in the model dtype, ssm ``(v_heads, dv, dk)`` in the
 config's ``mamba_ssm_dtype``); the attention block from ``Platform._align_hybrid_block_size`` (the
 smallest kernel-aligned block whose attention page covers the GDN page; kernel blocks of 16 for
-FLASH_ATTN, and in 0.33.0's align mode a multiple of FlashInfer's GDN checkpoint grid, 64); the
+FLASH_ATTN, and in 0.33.0+'s align mode a multiple of FlashInfer's GDN checkpoint grid, 64); the
 sliding-window block (0.25.1+: the smallest kernel block; 0.23.0: the engine block);
 ``unify_kv_cache_spec_page_size`` (smaller attention pages grow their block by the page ratio,
 GDN pages are padded, 0.26.0+ or with the ``kv_unify`` fix on 0.25.1); the grouping of
@@ -53,7 +53,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-ENGINE_VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0")
+ENGINE_VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0")
 KERNEL_BLOCK = 16  # FLASH_ATTN's smallest kernel block (MultipleOf(16))
 FLASHINFER_GDN_GRID = 64  # 0.33.0: align-mode blocks are multiples of FlashInfer's GDN checkpoint alignment
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens for the API server on a large GPU
@@ -455,7 +455,7 @@ def plan_memory(i: MemoryInputs) -> MemoryPlan:
 
 
 def log_pool_tokens(text: str) -> int | None:
-    """The pool vLLM logged at start ("GPU KV cache size: N tokens"; the same words in 0.23.0-0.33.0)."""
+    """The pool vLLM logged at start ("GPU KV cache size: N tokens"; the same words in 0.23.0-0.34.0)."""
     found = LOG_POOL.findall(text)
     return int(found[-1].replace(",", "")) if found else None
 
@@ -493,7 +493,7 @@ def profile_kv_dtype(profile) -> str:
 # where a profile's prefix_match_unit is passed (serve/launch/engine.match_unit): measured there on
 # vLLM's own code to hit within one unit with the stock pages (tests/serve/runtime/test_kv_cache_fixes.py,
 # test_window_hits.py)
-UNIT_ENGINES = ("0.26.0", "0.33.0")
+UNIT_ENGINES = ("0.26.0", "0.33.0", "0.34.0")
 WINDOW_FIX = "sliding_window_partial_hits"  # a drafter's sliding-window layers take partial hits with it
 
 

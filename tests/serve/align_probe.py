@@ -215,9 +215,11 @@ def runner_output(sched, out, rng: random.Random):
             sampled.append([])
         else:
             sampled.append([rng.randrange(100, 240000) for _ in range(rng.randint(1, drafts + 1))])
-    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}}  # 0.34.0 has no such field
-    known = getattr(ModelRunnerOutput, "__dataclass_fields__", index)
-    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **{k: v for k, v in index.items() if k in known})
+    import dataclasses
+
+    index = ({"req_id_to_index": {r: i for i, r in enumerate(ids)}}  # 0.34.0 indexes by req_ids' order
+             if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)} else {})
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)
 
 
 def converse(sched, groups, state, hasher, rng: random.Random, conversations: int, turns: int, tokens: int,

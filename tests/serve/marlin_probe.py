@@ -36,7 +36,9 @@ def main(out: str) -> int:
         w2 = torch.zeros(experts, intermediate // pack, hidden, dtype=torch.int32)
         kwargs = dict(layer=SimpleNamespace(intermediate_size_per_partition=intermediate,
                                             num_groups_w13=hidden // group, num_groups_w2=intermediate // group),
-                      input_dtype=None, num_bits=4, pack_factor=pack, group_size=group)
+                      num_bits=4, pack_factor=pack, group_size=group)
+        if "input_dtype" in params:  # 0.23.0-0.33.0
+            kwargs["input_dtype"] = None
         if canonical_n_first:
             kwargs.update(w13_qweight=w13.transpose(1, 2), w2_qweight=w2.transpose(1, 2),
                           w13_scales=w13_s.transpose(1, 2), w2_scales=w2_s.transpose(1, 2))

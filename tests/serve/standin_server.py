@@ -309,28 +309,29 @@ class PrefixCache:
     its tokens and the previous block's key, the first also by the request's ``cache_salt``
     (``generate_block_hash_extra_keys``); at most ``len - 1`` tokens can hit (the last is recomputed
     for its logits). A request asking for prompt log-probabilities skips it (``SamplingParams``);
-    ``queries``/``hits`` count tokens looked up and found (``vllm:prefix_cache_queries``/``_hits``)."""
+    ``queries``/``hits`` count tokens looked up and found (``vllm:prefix_cache_queries``/``_hits``).
+    A key is exact, not a hash of the chain: each stored (previous key, block tokens) pair gets its own
+    number, so two prompts share a block only where their tokens up to its end are the same."""
 
     def __init__(self, block: int = 16):
         self.block, self.enabled, self.stores = block, True, True
-        self.keys: set = set()
+        self.keys: dict[tuple, int] = {}
         self.lock = threading.Lock()
         self.queries = self.hits = 0
 
-    def _chain(self, prompt: list[int], salt):
-        key = ("salt", salt)
+    def _blocks(self, prompt: list[int]):
         for lo in range(0, len(prompt) - len(prompt) % self.block, self.block):
-            key = hash((key, tuple(prompt[lo:lo + self.block])))
-            yield lo + self.block, key
+            yield lo + self.block, tuple(prompt[lo:lo + self.block])
 
     def lookup(self, prompt: list[int], salt) -> int:
         """The tokens of ``prompt`` found cached (counted, as the scheduler counts them)."""
         if not self.enabled:
             return 0
-        limit, hit = len(prompt) - 1, 0
+        limit, hit, key = len(prompt) - 1, 0, ("salt", salt)
         with self.lock:
-            for end, key in self._chain(prompt, salt):
-                if end > limit or key not in self.keys:
+            for end, tokens in self._blocks(prompt):
+                key = self.keys.get((key, tokens))
+                if end > limit or key is None:
                     break
                 hit = end
             self.queries += len(prompt)
@@ -340,7 +341,9 @@ class PrefixCache:
     def store(self, prompt: list[int], salt) -> None:
         if self.enabled and self.stores:
             with self.lock:
-                self.keys.update(key for _, key in self._chain(prompt, salt))
+                key = ("salt", salt)
+                for _, tokens in self._blocks(prompt):
+                    key = self.keys.setdefault((key, tokens), len(self.keys))
 
 
 class Knobs:
@@ -529,17 +532,22 @@ class _Body:
         return iter(self.lines if self.lines is not None else self.data.splitlines(keepends=True))
 
 
-def chat_token_ids(body: dict, vocab: int = 4096) -> list[int]:
-    """The stand-in's tokenizer for chat requests: per message a role token, then one token per
-    whitespace-separated word (its crc32 modulo ``vocab``): deterministic, so a resent prefix is the
-    same tokens, as a chat template and a tokenizer make it."""
-    import zlib
+def word_id(word: str) -> int:
+    """One word's token id: its UTF-8 bytes read as one number (after a 1 byte, so that leading zero
+    bytes count). Two different words never share an id, so two sessions' prompts differ in their
+    first block whenever their session words differ (a hash modulo a vocabulary let them collide)."""
+    return int.from_bytes(b"\x01" + word.encode(), "big")
 
+
+def chat_token_ids(body: dict) -> list[int]:
+    """The stand-in's tokenizer for chat requests: per message a role token, then one token per
+    whitespace-separated word (``word_id``): deterministic, so a resent prefix is the same tokens, as
+    a chat template and a tokenizer make it."""
     out: list[int] = []
     for m in body.get("messages") or []:
-        out.append(zlib.crc32(f"<|{m.get('role')}|>".encode()) % vocab)
+        out.append(word_id(f"<|{m.get('role')}|>"))
         content = m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
-        out += [zlib.crc32(w.encode()) % vocab for w in content.split()]
+        out += [word_id(w) for w in content.split()]
     return out
 
 

@@ -1,7 +1,10 @@
-"""Resolve every linear layer of a checkpoint through a real vLLM's INC config (run as a subprocess).
+"""Resolve every linear layer of checkpoints through a real vLLM's INC config (run as a subprocess).
 
-Usage: ``PYTHONPATH=<vllm src>:<cpu deps> python vllm_probe.py ARTIFACT {plugin,stock} OUT.json``;
-writes JSON ``{vllm_layer_name: {"kind", "method", "scheme", "bits", "group_size"}}``.
+Usage: ``PYTHONPATH=<vllm src>:<cpu deps> python vllm_probe.py MODE:CHECKPOINT... OUT.json`` (MODE
+``stock`` or ``plugin``); writes JSON ``{"vllm", "runs": {"MODE:CHECKPOINT": {"config_class", "layers":
+{vllm_layer_name: {"kind", "method", "scheme", "bits", "group_size"}}}}}``. One process serves every
+job of a version (importing vLLM is most of the time): the stock jobs run first, then the plugin's
+``register()`` (once, honouring ``HYBRID_BUILD_DISABLE_FIXES``) and the plugin jobs.
 
 vLLM's config classes import on CPU, but its Qwen3.5 model module does not (torchvision ops), so
 the model's ``hf_to_vllm_mapper`` prefixes and ``packed_modules_mapping`` are read from the real
@@ -85,10 +88,9 @@ def vllm_layers(artifact: Path, prefixes: dict, packed: dict) -> dict[str, str]:
     return out
 
 
-def main() -> int:
-    artifact, mode = Path(sys.argv[1]), sys.argv[2]
+def resolve(artifact: Path, prefixes: dict, packed: dict) -> dict:
+    """``config_class`` and every layer's resolution through the INC config vLLM has now."""
     import torch
-    import vllm
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.linear import (
@@ -101,18 +103,7 @@ def main() -> int:
     from vllm.model_executor.layers.quantization.inc.schemes.factory import resolve_scheme
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.model_executor.models.utils import WeightsMapper
-    from vllm.platforms import current_platform
-    from vllm.platforms.interface import DeviceCapability
 
-    # Declare an sm90 (H200) device so vLLM chooses its GPU kernel classes (Marlin, block FP8);
-    # they are only constructed, never run.
-    type(current_platform).get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))
-    root = Path(vllm.__file__).resolve().parents[1]
-    prefixes, packed = model_mappings(root)
-    if mode == "plugin":
-        from hybrid_build.serve.runtime import plugin as vllm_plugin
-
-        vllm_plugin.register()
     classes = {"qkv": QKVParallelLinear, "merged": MergedColumnParallelLinear, "row": RowParallelLinear,
                "replicated": ReplicatedLinear, "lm_head": ParallelLMHead, "moe": RoutedExperts}
     config = json.loads((artifact / "config.json").read_text())
@@ -120,8 +111,7 @@ def main() -> int:
     vcfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
     # Fp8LinearMethod reads the model dtype; no ModelConfig can be built without a model on disk
     object.__setattr__(vcfg, "model_config", types.SimpleNamespace(dtype=torch.bfloat16))
-    result: dict = {"vllm": vllm.__version__ if hasattr(vllm, "__version__") else "?",
-                    "config_class": cls.__name__, "layers": {}}
+    result: dict = {"config_class": cls.__name__, "layers": {}}
     with set_current_vllm_config(vcfg):
         qc = cls.from_config(config["quantization_config"])
         qc.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix=prefixes))
@@ -148,8 +138,36 @@ def main() -> int:
                 if block:
                     info["fp8_block"] = list(block)
             result["layers"][name] = info
+    return result
+
+
+def main() -> int:
+    jobs, out = sys.argv[1:-1], Path(sys.argv[-1])
+    modes = [job.split(":", 1)[0] for job in jobs]
+    if not jobs or set(modes) - {"stock", "plugin"} or modes != sorted(modes, key=lambda m: m == "plugin"):
+        print("vllm_probe: give MODE:CHECKPOINT jobs (every stock one before the plugin ones), then OUT.json",
+              file=sys.stderr)
+        return 2
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    # Declare an sm90 (H200) device so vLLM chooses its GPU kernel classes (Marlin, block FP8);
+    # they are only constructed, never run.
+    type(current_platform).get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))
+    root = Path(vllm.__file__).resolve().parents[1]
+    prefixes, packed = model_mappings(root)
+    result: dict = {"vllm": vllm.__version__ if hasattr(vllm, "__version__") else "?", "runs": {}}
+    registered = False
+    for job, mode in zip(jobs, modes):
+        if mode == "plugin" and not registered:
+            from hybrid_build.serve.runtime import plugin as vllm_plugin
+
+            vllm_plugin.register()
+            registered = True
+        result["runs"][job] = resolve(Path(job.split(":", 1)[1]), prefixes, packed)
     # a file, not stdout: with 0.25.1 a piped stdout came back empty at exit
-    Path(sys.argv[3]).write_text(json.dumps(result))
+    out.write_text(json.dumps(result))
     return 0
 
 

@@ -17,7 +17,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0")
+VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0")
 # imported at module level by vllm's platform / distributed / config modules; pure Python or small
 CPU_IMPORT_DEPS = ("pyzmq", "cbor2", "aiohttp", "openai_harmony", "openai", "pybase64", "einops", "cachetools",
                    "msgspec", "cloudpickle", "uvloop", "prometheus_client", "fastapi", "partial_json_parser")
@@ -97,6 +97,15 @@ def install_deps() -> Path:
                         *CPU_IMPORT_NODEPS], check=True)
         marker.write_text(_deps_line())
     return target
+
+
+def cache_env(version: str) -> dict[str, str]:
+    """The environment a probe of ``version`` runs vLLM with beside PYTHONPATH: its own
+    ``VLLM_CACHE_ROOT``. vLLM keeps what it learns of a model class there (``modelinfos/``, one file per
+    class, keyed by its source's hash); in one folder shared by every version each version's entry
+    replaces the last, and each probe re-inspects its classes in a child process of its own (a second
+    vLLM import). It also keeps the probes out of the user's ``~/.cache/vllm``."""
+    return {"VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache" / version)}
 
 
 def cpu_pythonpath(version: str) -> str | None:

@@ -430,7 +430,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])  # 0.23.0's protocol module imports gguf
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0", "0.34.0"])  # 0.23.0's protocol module imports gguf
 def test_vllm_takes_benchs_requests_with_the_running_count(version):
     """Every workload's request parses as vLLM's own ChatCompletionRequest, with the running token
     count in every chunk (continuous_usage_stats) that bench's decode timing reads switched on."""
@@ -439,7 +439,8 @@ def test_vllm_takes_benchs_requests_with_the_running_count(version):
     if path is None:
         pytest.skip("vLLM's CPU import dependencies not prepared (run .ci/vllm_sources.sh)")
     bodies = [bench_mod.request_body(w, "qwen", 64, False) for w in bench_mod.WORKLOADS.values()]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, str(Path(bench_mod.__file__).parents[2])]))
+    env = dict(os.environ, **vllm_sources.cache_env(version),
+               PYTHONPATH=os.pathsep.join([path, str(Path(bench_mod.__file__).parents[2])]))
     r = subprocess.run([sys.executable, "-c", REQUEST_PROBE, json.dumps(bodies)], capture_output=True, text=True,
                        timeout=180, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

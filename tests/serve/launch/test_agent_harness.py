@@ -79,7 +79,8 @@ def _resolve(version: str, cases: list[tuple[str, bool | None]]) -> list:
             "    except Exception as e:\n        out.append({'error': f'{type(e).__name__}: {e}'})\n"
             "print(json.dumps(out))\n")
     r = subprocess.run([sys.executable, "-c", code, str(GPU), json.dumps(cases)], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR"))
+                       timeout=300, env=dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp,
+                                             VLLM_LOGGING_LEVEL="ERROR"))
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -87,13 +88,15 @@ def _resolve(version: str, cases: list[tuple[str, bool | None]]) -> list:
 @pytest.mark.vllm
 def test_vllms_own_dflash_layers_take_the_drafters_as_measured():
     """0.25.1 raises for the mixed drafter (what the H200 run printed) and builds the all-full one
-    non-causal; 0.26.0 builds the mixed one on the V2 runner: SWA layers causal with the window."""
+    non-causal; 0.26.0 builds the mixed one on the V2 runner: SWA layers causal with the window;
+    0.34.0, whose only runner is V2, builds it so without asking."""
     mixed, full6 = _resolve("0.25.1", [("mixed", None), ("full6", None)])
     assert mixed["error"].startswith("NotImplementedError: DFlash does not yet support mixed sliding/full attention")
     assert full6 == [[None, False]] * 6
     on_v2, on_v1 = _resolve("0.26.0", [("mixed", True), ("mixed", False)])
     assert on_v2 == [[4096, True]] * 5 + [[None, False]]
     assert "V2 model runner" in on_v1["error"]
+    assert _resolve("0.34.0", [("mixed", None), ("full6", None)]) == [on_v2, full6]
 
 
 def test_case_recipe_and_command(tmp_path):

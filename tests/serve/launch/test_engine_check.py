@@ -76,6 +76,19 @@ def test_mixed_drafter_needs_the_v2_runner(version):
         engine_check.check(version, "local", _shapes("mixed"), frozenset(), {engine_check.V2_ENV: "0"}, False)
 
 
+@pytest.mark.parametrize("shape", ["mixed", "full6"])
+def test_0340_has_no_v1_runner_to_switch_to(shape):
+    """0.34.0 runs every drafter on its V2 runner (the only one) and stops at start on the switch set to
+    anything but 1, whatever the drafter."""
+    v2 = engine_check.V2_ENV
+    assert engine_check.check("0.34.0", "local", _shapes(shape), frozenset(), {}, False).notes == []
+    assert engine_check.check("0.34.0", "local", _shapes(shape), frozenset(), {v2: "1"}, False).notes == []
+    for value in ("0", "true"):
+        with pytest.raises(UserError, match=f"refuses {v2}={value} at start") as e:
+            engine_check.check("0.34.0", "local", _shapes(shape), frozenset(), {v2: value}, False)
+        assert "\n" not in str(e.value)
+
+
 def test_full_drafter_on_0251_needs_kv_unify():
     v = engine_check.check("0.25.1", "local", _shapes("full6"), frozenset(), {}, True)
     assert v.caching == "effective" and v.notes == []
@@ -95,6 +108,7 @@ def test_a_drafter_with_the_targets_pages_needs_no_fix():
     ("0.26.0", "local", frozenset(), "effective"),
     ("0.26.0", "local", frozenset({"prefix_align"}), "coarse"),
     ("0.33.0", "local", frozenset(), "unclaimed"),
+    ("0.34.0", "local", frozenset(), "unclaimed"),
     ("0.23.0", "docker", frozenset(), "unclaimed"),
     ("0.27.0", "local", frozenset(), "unclaimed"),
 ])
@@ -181,13 +195,13 @@ def test_serve_starts_what_the_version_runs_and_prints_its_notes(served, monkeyp
 
 
 def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypatch, capsys):
-    """The 122B profiles' prefix_match_unit reaches vLLM 0.26.0 and 0.33.0 with the same --block-size (the
+    """The 122B profiles' prefix_match_unit reaches vLLM 0.26.0, 0.33.0 and 0.34.0 with the same --block-size (the
     fine_grained layout), with either drafter, and turns prefix_align (its padded pages) off there; with
     sliding_window_partial_hits off and the mixed drafter, on 0.25.1, or with dflash_keep_last_block off,
     prefix_align's layout stays (0.26.0) and no unit is passed."""
     tmp, mark = served
     unit = "--block-size 64 --prefix-match-unit 64"
-    for version in ("0.26.0", "0.33.0"):
+    for version in ("0.26.0", "0.33.0", "0.34.0"):
         for shape in ("full6", "mixed"):
             monkeypatch.setenv("STANDIN_VERSION", version)
             assert _serve(tmp, shape) == 1
@@ -199,6 +213,7 @@ def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypat
             assert "coarse" not in out and "no warm-prefix TTFT" not in out
     off_window, off_keep = ("--disable-fix", "sliding_window_partial_hits"), ("--disable-fix", "dflash_keep_last_block")
     for version, shape, extra in (("0.26.0", "mixed", off_window), ("0.33.0", "mixed", off_window),
+                                  ("0.34.0", "mixed", off_window),
                                   ("0.25.1", "full6", ()), ("0.26.0", "full6", off_keep)):
         monkeypatch.setenv("STANDIN_VERSION", version)
         assert _serve(tmp, shape, *extra) == 1, (version, shape)
@@ -208,7 +223,7 @@ def test_the_prefix_match_unit_is_passed_where_it_was_measured(served, monkeypat
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0", "0.34.0"])
 def test_mixed_drafter_without_a_window_is_refused(version):
     """transformers drops sliding_window unless use_sliding_window is true; vLLM's DFlash then raises
     ValueError for the sliding layers (seen on CPU in test_agent_harness)."""

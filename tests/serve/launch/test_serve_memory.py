@@ -46,7 +46,8 @@ def test_dry_run_prints_the_pool_and_the_streams_that_fit(tiny_artifact, capsys)
 
 def test_the_planning_version_follows_the_served_one():
     assert engine_for("0.33.0+cu130")[0] == "0.33.0"
-    assert engine_for("0.34.1")[0] == "0.33.0" and "nearest" in engine_for("0.34.1")[1]
+    assert engine_for("0.33.1")[0] == "0.33.0" and "nearest" in engine_for("0.33.1")[1]
+    assert engine_for("0.34.0")[0] == "0.34.0" and engine_for("0.35.2")[0] == "0.34.0"
     assert engine_for("0.25.2")[0] == "0.25.1"
     assert engine_for(None)[0] == engine_for("0.0.0-standin")[0] == "0.26.0"
 

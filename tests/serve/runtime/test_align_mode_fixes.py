@@ -27,6 +27,7 @@ EXPECTED = {
     # 0.26.0's coordinator gives the GDN group no margin; 0.33.0 also seeds by mamba_block_size
     "0.26.0": {"mamba_eagle_drop": "upstream", "mamba_state_seed": "applied", "align_accept_snapshot": "applied"},
     "0.33.0": {"mamba_eagle_drop": "upstream", "mamba_state_seed": "upstream", "align_accept_snapshot": "applied"},
+    "0.34.0": {"mamba_eagle_drop": "upstream", "mamba_state_seed": "upstream", "align_accept_snapshot": "applied"},
 }
 
 
@@ -42,13 +43,14 @@ def test_anchors_against_each_versions_source(version):
 def test_the_texts_the_defects_rest_on():
     """What the module's docstring quotes: the GDN lookup never reads the drop flag (every version),
     0.25.1's coordinator gives every dropping group a block of margin, 0.25.1 / 0.26.0 seed by the
-    smallest block, and the preprocess kernel reads the live accepted-token buffer (0.33.0 too)."""
+    smallest block, and the preprocess kernel reads the live accepted-token buffer (0.33.0 and 0.34.0 too)."""
     for v in EXPECTED:
         body = function_source(_root(v), ANCHORS["mamba_eagle_drop"][0])
         assert body.count("drop_eagle_block") == 1, v  # the signature only
     for v in ("0.25.1", "0.26.0"):
         assert ") // self.cache_config.block_size" in function_source(_root(v), ANCHORS["mamba_state_seed"][0])
-    assert "self.num_accepted_tokens_gpu," in function_source(_root("0.33.0"), ANCHORS["align_accept_snapshot"][0])
+    for v in ("0.33.0", "0.34.0"):
+        assert "self.num_accepted_tokens_gpu," in function_source(_root(v), ANCHORS["align_accept_snapshot"][0]), v
 
 
 def _probe(version: str, cases: str, tmp_path: Path) -> dict[str, dict]:
@@ -57,7 +59,8 @@ def _probe(version: str, cases: str, tmp_path: Path) -> dict[str, dict]:
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
     out = tmp_path / "out.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, **vllm_sources.cache_env(version),
+               PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
                VLLM_LOGGING_LEVEL="ERROR")
     r = subprocess.run([sys.executable, str(HERE / "align_probe.py"), cases, str(tmp_path / "work"), str(out)],
                        env=env, capture_output=True, text=True, timeout=900)
@@ -83,6 +86,7 @@ CASES = {
               "full6:kv_unify,prefix_align,mamba_eagle_drop,mamba_state_seed,dflash_keep_last_block",
     "0.26.0": "mtp:none;sliding6:none;mixed:none;mixed:prefix_align,mamba_state_seed,dflash_keep_last_block",
     "0.33.0": "mtp:none;mixed:none",
+    "0.34.0": "mtp:none;mixed:none",
 }
 
 
@@ -128,8 +132,9 @@ def test_0260_keeps_the_invariants_and_refuses_a_smaller_group(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_0330_keeps_the_invariants_stock(tmp_path):
-    """0.33.0 (V2 by default) with no fix: the MTP and the real drafter's layouts."""
-    res = _probe("0.33.0", CASES["0.33.0"], tmp_path)
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_v2_runner_versions_keep_the_invariants_stock(version, tmp_path):
+    """0.33.0 (V2 by default) and 0.34.0 (V2 only) with no fix: the MTP and the real drafter's layouts."""
+    res = _probe(version, CASES[version], tmp_path)
     _clean(res["mtp:none"])
     _clean(res["mixed:none"], min_hits=3)

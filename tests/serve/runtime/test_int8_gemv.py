@@ -29,9 +29,9 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-# The interpreter paths are verified with triton 3.9; 3.6's interpreter cannot iterate over a
-# runtime loop bound (seen on the GPU machine), so interpreter runs need a newer one.
-INTERPRETER_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
+# The interpreter paths pass with triton 3.7.1 (what torch 2.13.0's CUDA wheel pins) and 3.9.0; 3.6's
+# interpreter cannot iterate over a runtime loop bound, so interpreter runs need 3.7 (the test extra's floor).
+INTERPRETER_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
 
 from hybrid_build.serve.runtime import int8_gemv as g  # noqa: E402
 
@@ -65,7 +65,7 @@ def _interpret(monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
         if not INTERPRETER_OK:
-            pytest.skip(f"interpreter runs need triton >= 3.9, found {triton.__version__}")
+            pytest.skip(f"interpreter runs need triton >= 3.7, found {triton.__version__}")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
@@ -414,7 +414,7 @@ def test_gpu_modes(monkeypatch, mode):
 def test_benchmark_script_smoke(tmp_path, monkeypatch):
     """The H200 benchmark runs end to end on the CPU interpreter (numbers meaningless)."""
     if not INTERPRETER_OK:
-        pytest.skip(f"interpreter runs need triton >= 3.9, found {triton.__version__}")
+        pytest.skip(f"interpreter runs need triton >= 3.7, found {triton.__version__}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     path = ROOT / "benchmarks" / "bench_lmhead_gemv.py"
     spec = importlib.util.spec_from_file_location("bench_lmhead_gemv", path)

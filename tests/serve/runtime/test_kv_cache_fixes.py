@@ -62,6 +62,8 @@ def _root(version: str) -> Path:
     # 0.33 plans the KV cache in kv_cache_planning (GDN pages padded) and only drops for EAGLE
     ("0.33.0", {"kv_unify": ["upstream"], "prefix_align": ["differs"],
                 "dflash_keep_last_block": ["upstream", "upstream"]}),
+    ("0.34.0", {"kv_unify": ["upstream"], "prefix_align": ["differs"],
+                "dflash_keep_last_block": ["upstream", "upstream"]}),
 ])
 def test_anchors_against_each_versions_source(version, expected):
     root = _root(version)
@@ -91,9 +93,11 @@ LAYOUTS = {
                ("stock+unit64", KEEP, 64), ("stock+unit16", KEEP, 16), ("prefix_align", f"prefix_align,{KEEP}", None)],
     # 0.33 keeps DFlash's last block itself and plans in kv_cache_planning (prefix_align does not install)
     "0.33.0": [("stock", "none", None), ("stock+unit1120", "none", 1120), ("stock+unit64", "none", 64)],
+    "0.34.0": [("stock", "none", None), ("stock+unit1120", "none", 1120), ("stock+unit64", "none", 64)],
 }
 # 0.25.1 refuses a mixed drafter (test_engine_check)
-SHAPES = {"0.25.1": ("full6",), "0.26.0": ("full6", "mixed"), "0.33.0": ("full6", "mixed")}
+SHAPES = {"0.25.1": ("full6",), "0.26.0": ("full6", "mixed"), "0.33.0": ("full6", "mixed"),
+          "0.34.0": ("full6", "mixed")}
 _RUNS: dict[str, dict] = {}
 
 
@@ -106,7 +110,8 @@ def _layouts(version: str, tmp: Path) -> dict[tuple[str, str], dict]:
         cases = [{"version": version, "shape": shape, "layout": name, "fixes": fixes, "unit": unit}
                  for shape in SHAPES[version] for name, fixes, unit in LAYOUTS[version]]
         (tmp / "cases.json").write_text(json.dumps(cases))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
+        env = dict(os.environ, **vllm_sources.cache_env(version),
+                   PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
                    VLLM_LOGGING_LEVEL="ERROR")
         r = subprocess.run([sys.executable, str(HERE / "kv_probe.py"), "--cases", str(tmp / "cases.json"),
                             str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=900)
@@ -158,7 +163,7 @@ def test_prefix_align_hits_up_to_the_last_block_boundary(version, shape, tmp_pat
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0", "0.34.0"])
 def test_the_prefix_match_unit_gives_full_prefix_hits_without_padding(version, tmp_path):
     """The default the 122B's profiles ship (prefix_match_unit 64, passed on the versions of
     UNIT_ENGINES with a drafter without sliding-window layers): on vLLM's own code, with the last

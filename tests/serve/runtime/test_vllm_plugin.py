@@ -1,14 +1,14 @@
 """The vLLM plugin against the real vLLM sources of each supported version, on CPU.
 
-vLLM's quantization package is imported in a subprocess (``vllm_probe.py``) with the unpacked
-wheel and a few pure-Python dependencies on PYTHONPATH (``vllm_sources.py`` prepares them; the
-tests skip when they are not prepared). What is exercised: the real ``INCConfig.from_config``,
-``apply_vllm_mapper`` with the Qwen3.5 VL model's own prefixes, its ``packed_modules_mapping``,
-``get_quant_method`` and INC's scheme factory, for every linear and MoE layer of the artifact.
-Also run: vLLM's Marlin MoE weight preparation (its CUDA repack stubbed) with and without the
-plugin's fix, and the int8 head methods on vLLM's base classes. Not exercised: loading a whole
-model and any kernel (no GPU, and the Qwen3.5 model module itself cannot be imported on CPU because
-of torchvision's compiled ops).
+vLLM's quantization package is imported in a subprocess (``vllm_probe.py``, one per version for all
+its layer resolutions) with the unpacked wheel and a few pure-Python dependencies on PYTHONPATH
+(``vllm_sources.py`` prepares them; the tests skip when they are not prepared). What is exercised:
+the real ``INCConfig.from_config``, ``apply_vllm_mapper`` with the Qwen3.5 VL model's own prefixes,
+its ``packed_modules_mapping``, ``get_quant_method`` and INC's scheme factory, for every linear and
+MoE layer of the artifact. Also run: vLLM's Marlin MoE weight preparation (its CUDA repack stubbed)
+with and without the plugin's fix, and the int8 head methods on vLLM's base classes. Not exercised:
+loading a whole model and any kernel (no GPU, and the Qwen3.5 model module itself cannot be
+imported on CPU because of torchvision's compiled ops).
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 
     pp = vllm_sources.cpu_pythonpath(version)
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
-    env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR", HYBRID_BUILD_DISABLE_FIXES=disable)
+    env = dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR",
+               HYBRID_BUILD_DISABLE_FIXES=disable)
     env.pop(vllm_plugin.ENV_LM_HEAD, None)
     r = subprocess.run([sys.executable, str(HERE / script), *args, str(out)], env=env, capture_output=True,
                        text=True, timeout=timeout)
@@ -41,9 +42,23 @@ def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 
     return json.loads(out.read_text())
 
 
-def _probe(version: str, artifact: Path, mode: str, tmp_path: Path, disable: str = "") -> dict:
-    return _run_probe("vllm_probe.py", version, tmp_path / f"{version}-{mode}.json", str(artifact), mode,
-                      disable=disable)
+@pytest.fixture(scope="module")
+def resolved(tiny_artifact, tiny_checkpoint, tmp_path_factory):
+    """``resolved(version, mode, which="artifact", disable="") -> {"config_class", "layers"}``: the
+    artifact's or the source checkpoint's layers through vLLM ``version``'s real INC config, stock or
+    with the plugin. One ``vllm_probe.py`` process per version and ``disable`` resolves all four
+    (stock first, then the plugin's ``register()``), kept for the module's tests."""
+    paths = {"artifact": tiny_artifact, "checkpoint": tiny_checkpoint}
+    runs: dict[tuple[str, str], dict] = {}
+
+    def get(version: str, mode: str, which: str = "artifact", disable: str = "") -> dict:
+        if (version, disable) not in runs:
+            jobs = [f"{m}:{p}" for m in ("stock", "plugin") for p in paths.values()]
+            out = tmp_path_factory.mktemp("vllm-probe") / f"{version}.json"
+            runs[(version, disable)] = _run_probe("vllm_probe.py", version, out, *jobs, disable=disable)["runs"]
+        return runs[(version, disable)][f"{mode}:{paths[which]}"]
+
+    return get
 
 
 def _expected(layer: str, info: dict) -> str:
@@ -69,9 +84,9 @@ def _observed(info: dict) -> str:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
-def test_every_layer_resolves_to_its_scheme(version, tiny_artifact, tmp_path):
-    result = _probe(version, tiny_artifact, "plugin", tmp_path)
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
+def test_every_layer_resolves_to_its_scheme(version, tiny_artifact, resolved):
+    result = resolved(version, "plugin")
     assert result["config_class"] == "HybridINCConfig"
     layers = result["layers"]
     n_layers = json.loads((tiny_artifact / "config.json").read_text())["text_config"]["num_hidden_layers"]
@@ -83,16 +98,16 @@ def test_every_layer_resolves_to_its_scheme(version, tiny_artifact, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
-def test_stock_vllm_misreads_the_fp8_shared_experts(version, tiny_artifact, tmp_path):
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
+def test_stock_vllm_misreads_the_fp8_shared_experts(version, resolved):
     """Without the plugin the same layers come out as 8-bit integer GPTQ: the plugin is needed."""
-    layers = _probe(version, tiny_artifact, "stock", tmp_path)["layers"]
+    layers = resolved(version, "stock")["layers"]
     shared = [v for k, v in layers.items() if ".shared_expert." in k]
     assert shared and all(_observed(v) != "fp8" for v in shared)
 
 
 @pytest.mark.vllm
-def test_what_the_card_says_stock_vllm_does_is_what_its_code_does(tiny_artifact, tmp_path):
+def test_what_the_card_says_stock_vllm_does_is_what_its_code_does(resolved):
     """The model card's serving note (``inc_hybrid.serving_note``) states, for vLLM 0.25.1 and 0.33.0,
     how stock INC resolves the FP8 shared experts and the int8 head: the real INCConfig of each
     version, on the artifact's quantization_config, resolves them so."""
@@ -104,7 +119,7 @@ def test_what_the_card_says_stock_vllm_does_is_what_its_code_does(tiny_artifact,
     assert "0.25.1 resolves it as an unquantized layer, 0.33.0 as an 8-bit integer GPTQ layer" in note
     head = {"0.25.1": "UnquantizedLinearMethod", "0.33.0": "INCWNA16LinearScheme"}
     for version in ("0.25.1", "0.33.0"):
-        layers = _probe(version, tiny_artifact, "stock", tmp_path)["layers"]
+        layers = resolved(version, "stock")["layers"]
         shared = [v for k, v in layers.items() if ".shared_expert." in k]
         assert shared and all((v.get("scheme"), v.get("bits"), v.get("group_size")) == ("INCWNA16LinearScheme", 8, 128)
                               for v in shared), (version, shared)
@@ -114,11 +129,11 @@ def test_what_the_card_says_stock_vllm_does_is_what_its_code_does(tiny_artifact,
 
 
 @pytest.mark.vllm
-def test_switched_off_fp8_dispatch_leaves_the_shared_experts_to_stock_inc(tiny_artifact, tmp_path):
+def test_switched_off_fp8_dispatch_leaves_the_shared_experts_to_stock_inc(resolved):
     """HYBRID_BUILD_DISABLE_FIXES=inc_fp8_dispatch through the real INCConfig of 0.33.0: the shared
     experts resolve as stock vLLM resolves them, the int8 head (another fix) as with the plugin."""
-    off = _probe("0.33.0", tiny_artifact, "plugin", tmp_path, disable="inc_fp8_dispatch")
-    stock = _probe("0.33.0", tiny_artifact, "stock", tmp_path)["layers"]
+    off = resolved("0.33.0", "plugin", disable="inc_fp8_dispatch")
+    stock = resolved("0.33.0", "stock")["layers"]
     assert off["config_class"] == "HybridINCConfig"
     layers = off["layers"]
     shared = {k: v for k, v in layers.items() if ".shared_expert." in k}
@@ -128,10 +143,10 @@ def test_switched_off_fp8_dispatch_leaves_the_shared_experts_to_stock_inc(tiny_a
 
 
 @pytest.mark.vllm
-def test_plugin_is_inert_on_the_source_checkpoint(tiny_checkpoint, tmp_path):
-    stock = _probe("0.33.0", tiny_checkpoint, "stock", tmp_path)["layers"]
-    plugin = _probe("0.33.0", tiny_checkpoint, "plugin", tmp_path)["layers"]
-    assert plugin == stock
+def test_plugin_is_inert_on_the_source_checkpoint(resolved):
+    stock = resolved("0.33.0", "stock", "checkpoint")["layers"]
+    plugin = resolved("0.33.0", "plugin", "checkpoint")
+    assert plugin["config_class"] == "HybridINCConfig" and plugin["layers"] == stock
 
 
 # ---- pure-Python parts of the plugin (no vLLM needed)
@@ -182,7 +197,7 @@ def test_stored_gptq_head_unpacks_to_the_int8_rows_it_was_packed_from(n, k):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
 def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
     """Both int8 head paths through vLLM's own method classes, in a bf16, an fp16 and a float32
     engine: the head quantized at load, and the stored GPTQ head unpacked for the Triton GEMV.
@@ -231,7 +246,7 @@ def _marlin_layout(shape: list[int], perms: dict) -> list[float]:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
 def test_marlin_moe_scale_fix_on_vllms_real_weight_prep(version, tmp_path):
     """vLLM's real Marlin MoE weight prep, on CPU: with experts of 128 and group 128 (hidden 256) the
     stock code gives the gate/up scales the channel-wise layout although they hold two groups; the

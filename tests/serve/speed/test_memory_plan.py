@@ -112,7 +112,8 @@ def run_probe(version: str, tmp: Path) -> dict:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
     cs = cases(version)
     (tmp / "cases.json").write_text(json.dumps([c for c, _ in cs]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, **vllm_sources.cache_env(version),
+               PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
                VLLM_LOGGING_LEVEL="ERROR")
     r = subprocess.run([sys.executable, str(HERE / "kv_pool_probe.py"), str(tmp / "cases.json"),
                         str(tmp / "out.json"), version], env=env, capture_output=True, text=True, timeout=900)

@@ -65,7 +65,11 @@ def test_the_paths_premises_hold_in_vllms_source(version):
     params = " ".join((vllm / "sampling_params.py").read_text().split())
     assert re.search(r"self\.skip_reading_prefix_cache = \(? ?self\.prompt_logprobs is not None", params)
     manager = (vllm / "v1/core/kv_cache_manager.py").read_text()
-    assert "request.skip_reading_prefix_cache" in manager and "prefix_cache_stats.record(" in manager
+    assert "prefix_cache_stats.record(" in manager
+    if "request.skip_reading_prefix_cache" not in manager:  # 0.34.0: the skip is a hit limit of 0 tokens
+        assert "request.prefix_cache_hit_limit != 0" in manager
+        request = " ".join((vllm / "v1/request.py").read_text().split())
+        assert "if params is not None and params.skip_reading_prefix_cache: return 0" in request
     # the salt keys the first block only, so every later block's hash (chained) differs too
     utils = (vllm / "v1/core/kv_cache_utils.py").read_text()
     assert "if (start_token_idx == 0 and request.cache_salt)" in " ".join(utils.split())
@@ -93,7 +97,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.25.1", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.33.0", "0.34.0"])
 def test_vllm_parses_verifys_requests(version):
     _source(version)
     path = vllm_sources.cpu_pythonpath(version)
@@ -101,7 +105,7 @@ def test_vllm_parses_verifys_requests(version):
         pytest.skip("vLLM's CPU import dependencies not prepared (run .ci/vllm_sources.sh)")
     bodies = [request_body(p, "qwen", [5, 6, 7], 20) for p in PROTOCOLS]
     bodies.append(generation_body(SERVED, [5, 6, 7], 8, "hybrid-build-verify-x"))
-    env = dict(os.environ, PYTHONPATH=path)
+    env = dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=path)
     r = subprocess.run([sys.executable, "-c", PARSE_PROBE, json.dumps(bodies)], capture_output=True, text=True,
                        timeout=180, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
