@@ -62,7 +62,8 @@ def bounds(x, x_kernel, head, q, s_kernel, s_quant, kernel_out_dtype):
     return int8_math, vs_int8, float_math, vs_int8 + quant
 
 
-def main(out: str) -> int:
+def results() -> dict:
+    """Per method and engine dtype, what the module docstring says is written."""
     import torch
     import vllm.model_executor.parameter as vllm_parameter
     from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
@@ -140,8 +141,12 @@ def main(out: str) -> int:
         rec = record(triton_head, layer, y, x, head, q, served_scale, scale, LinearMethodBase)
         rec["params"] = sorted(name for name, _ in layer.named_parameters())
         result[f"triton_head/{name}"] = rec
+    return result
+
+
+def main(out: str) -> int:
     with open(out, "w") as f:
-        json.dump(result, f)
+        json.dump(results(), f)
     return 0
 
 

@@ -16,11 +16,10 @@ import sys
 from types import SimpleNamespace
 
 
-def main(out: str) -> int:
+def prepare_all() -> dict[int, dict[str, list]]:
+    """vLLM's Marlin MoE weight prep for experts of 128 and 256 (as ``int_wna16`` holds it now)."""
     import torch
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
-
-    from hybrid_build.serve.runtime import plugin as vllm_plugin
 
     int_wna16.ops.gptq_marlin_moe_repack = lambda w, *args, **kwargs: w
     params = inspect.signature(int_wna16._process_weights_marlin).parameters
@@ -50,16 +49,26 @@ def main(out: str) -> int:
         return {"w13": result[2].flatten().tolist(), "w2": result[3].flatten().tolist(),
                 "w13_shape": list(w13_s.shape), "w2_shape": list(w2_s.shape)}
 
-    stock = {i: prepare(i) for i in (128, 256)}
-    vllm_plugin.register()  # what vLLM's plugin loader calls: it must install the fix
-    installed = getattr(int_wna16.marlin_moe_permute_scales, "hybrid_build_fix", False)
-    fixed = {i: prepare(i) for i in (128, 256)}
+    return {i: prepare(i) for i in (128, 256)}
+
+
+def report(stock: dict, fixed: dict) -> dict:
+    """What the test reads: whether ``register()`` installed the fix, both preps and Marlin's perms."""
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
     from vllm.model_executor.layers.quantization.utils.marlin_utils import get_scale_perms
 
     grouped, single = get_scale_perms()
+    return {"installed": getattr(int_wna16.marlin_moe_permute_scales, "hybrid_build_fix", False), "stock": stock,
+            "fixed": fixed, "perms": {"grouped": grouped, "single": single}}
+
+
+def main(out: str) -> int:
+    from hybrid_build.serve.runtime import plugin as vllm_plugin
+
+    stock = prepare_all()
+    vllm_plugin.register()  # what vLLM's plugin loader calls: it must install the fix
     with open(out, "w") as f:
-        json.dump({"installed": installed, "stock": stock, "fixed": fixed,
-                   "perms": {"grouped": grouped, "single": single}}, f)
+        json.dump(report(stock, prepare_all()), f)
     return 0
 
 

@@ -1,10 +1,12 @@
 """Resolve every linear layer of checkpoints through a real vLLM's INC config (run as a subprocess).
 
 Usage: ``PYTHONPATH=<vllm src>:<cpu deps> python vllm_probe.py MODE:CHECKPOINT... OUT.json`` (MODE
-``stock`` or ``plugin``); writes JSON ``{"vllm", "runs": {"MODE:CHECKPOINT": {"config_class", "layers":
-{vllm_layer_name: {"kind", "method", "scheme", "bits", "group_size"}}}}}``. One process serves every
-job of a version (importing vLLM is most of the time): the stock jobs run first, then the plugin's
-``register()`` (once, honouring ``HYBRID_BUILD_DISABLE_FIXES``) and the plugin jobs.
+``stock`` or ``plugin``; or the job ``marlin``: ``marlin_probe.py``'s weight prep before and after
+``register()``; or ``head``: ``head_probe.py``'s int8 head methods); writes JSON ``{"vllm", "runs":
+{"MODE:CHECKPOINT": {"config_class", "layers": {vllm_layer_name: {"kind", "method", "scheme", "bits",
+"group_size"}}}, "marlin": ..., "head": ...}}``. One process serves every job of a version (importing
+vLLM is most of the time): the stock jobs run first, then the plugin's ``register()`` (once, honouring
+``HYBRID_BUILD_DISABLE_FIXES``) and the plugin jobs, then the head.
 
 vLLM's config classes import on CPU, but its Qwen3.5 model module does not (torchvision ops), so
 the model's ``hf_to_vllm_mapper`` prefixes and ``packed_modules_mapping`` are read from the real
@@ -142,12 +144,16 @@ def resolve(artifact: Path, prefixes: dict, packed: dict) -> dict:
 
 
 def main() -> int:
-    jobs, out = sys.argv[1:-1], Path(sys.argv[-1])
+    args, out = sys.argv[1:-1], Path(sys.argv[-1])
+    jobs = [a for a in args if a not in ("marlin", "head")]
     modes = [job.split(":", 1)[0] for job in jobs]
-    if not jobs or set(modes) - {"stock", "plugin"} or modes != sorted(modes, key=lambda m: m == "plugin"):
-        print("vllm_probe: give MODE:CHECKPOINT jobs (every stock one before the plugin ones), then OUT.json",
-              file=sys.stderr)
+    if not args or set(modes) - {"stock", "plugin"} or modes != sorted(modes, key=lambda m: m == "plugin"):
+        print("vllm_probe: give MODE:CHECKPOINT jobs (every stock one before the plugin ones), marlin, head, "
+              "then OUT.json", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import head_probe
+    import marlin_probe
     import vllm
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
@@ -158,14 +164,20 @@ def main() -> int:
     root = Path(vllm.__file__).resolve().parents[1]
     prefixes, packed = model_mappings(root)
     result: dict = {"vllm": vllm.__version__ if hasattr(vllm, "__version__") else "?", "runs": {}}
+    marlin_stock = marlin_probe.prepare_all() if "marlin" in args else None
     registered = False
-    for job, mode in zip(jobs, modes):
+    for job, mode in [*zip(jobs, modes), *([("marlin", "plugin")] if marlin_stock else [])]:
         if mode == "plugin" and not registered:
             from hybrid_build.serve.runtime import plugin as vllm_plugin
 
             vllm_plugin.register()
             registered = True
-        result["runs"][job] = resolve(Path(job.split(":", 1)[1]), prefixes, packed)
+        if job == "marlin":
+            result["runs"]["marlin"] = marlin_probe.report(marlin_stock, marlin_probe.prepare_all())
+        else:
+            result["runs"][job] = resolve(Path(job.split(":", 1)[1]), prefixes, packed)
+    if "head" in args:
+        result["runs"]["head"] = head_probe.results()
     # a file, not stdout: with 0.25.1 a piped stdout came back empty at exit
     out.write_text(json.dumps(result))
     return 0

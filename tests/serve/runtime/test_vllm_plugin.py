@@ -44,19 +44,21 @@ def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 
 
 @pytest.fixture(scope="module")
 def resolved(tiny_artifact, tiny_checkpoint, tmp_path_factory):
-    """``resolved(version, mode, which="artifact", disable="") -> {"config_class", "layers"}``: the
-    artifact's or the source checkpoint's layers through vLLM ``version``'s real INC config, stock or
-    with the plugin. One ``vllm_probe.py`` process per version and ``disable`` resolves all four
+    """``resolved(version, mode, which="artifact", disable="")``: the artifact's or the source
+    checkpoint's layers through vLLM ``version``'s real INC config (``{"config_class", "layers"}``),
+    ``mode`` stock or plugin; or, for ``mode`` marlin or head, what ``marlin_probe.py`` /
+    ``head_probe.py`` report. One ``vllm_probe.py`` process per version and ``disable`` runs them all
     (stock first, then the plugin's ``register()``), kept for the module's tests."""
     paths = {"artifact": tiny_artifact, "checkpoint": tiny_checkpoint}
     runs: dict[tuple[str, str], dict] = {}
 
     def get(version: str, mode: str, which: str = "artifact", disable: str = "") -> dict:
         if (version, disable) not in runs:
-            jobs = [f"{m}:{p}" for m in ("stock", "plugin") for p in paths.values()]
+            jobs = [f"{m}:{p}" for m in ("stock", "plugin") for p in paths.values()] + ["marlin", "head"]
             out = tmp_path_factory.mktemp("vllm-probe") / f"{version}.json"
-            runs[(version, disable)] = _run_probe("vllm_probe.py", version, out, *jobs, disable=disable)["runs"]
-        return runs[(version, disable)][f"{mode}:{paths[which]}"]
+            runs[(version, disable)] = _run_probe("vllm_probe.py", version, out, *jobs, disable=disable,
+                                                  timeout=900)["runs"]
+        return runs[(version, disable)][mode if mode in ("marlin", "head") else f"{mode}:{paths[which]}"]
 
     return get
 
@@ -198,7 +200,7 @@ def test_stored_gptq_head_unpacks_to_the_int8_rows_it_was_packed_from(n, k):
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
-def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
+def test_int8_head_methods_run_on_vllms_base_classes(version, resolved):
     """Both int8 head paths through vLLM's own method classes, in a bf16, an fp16 and a float32
     engine: the head quantized at load, and the stored GPTQ head unpacked for the Triton GEMV.
     Logits come back in the engine's dtype. Bounds (derived in head_probe.py, per logit, float64):
@@ -211,7 +213,7 @@ def test_int8_head_methods_run_on_vllms_base_classes(version, tmp_path):
 
     from hybrid_build.serve.runtime.int8_gemv import kernel_available
 
-    result = _run_probe("head_probe.py", version, tmp_path / "head.json", timeout=600)
+    result = resolved(version, "head")
     # tiled once at load where the kernel runs (here: the Triton interpreter, which the probe inherits)
     layout = "tiled" if kernel_available(torch.device("cpu")) else "rows"
     assert sorted(result) == sorted(f"{m}/{d}" for m in ("at_load", "triton_head")
@@ -247,12 +249,12 @@ def _marlin_layout(shape: list[int], perms: dict) -> list[float]:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("version", ["0.25.1", "0.26.0", "0.33.0", "0.34.0"])
-def test_marlin_moe_scale_fix_on_vllms_real_weight_prep(version, tmp_path):
+def test_marlin_moe_scale_fix_on_vllms_real_weight_prep(version, resolved):
     """vLLM's real Marlin MoE weight prep, on CPU: with experts of 128 and group 128 (hidden 256) the
     stock code gives the gate/up scales the channel-wise layout although they hold two groups; the
     plugin's fix gives every tensor the layout the kernel reads and leaves the shape stock vLLM got
     right (experts of 256) unchanged."""
-    res = _run_probe("marlin_probe.py", version, tmp_path / "marlin.json")
+    res = resolved(version, "marlin")
     assert res["installed"]
     stock, fixed, perms = res["stock"], res["fixed"], res["perms"]
     bug = stock["128"]
