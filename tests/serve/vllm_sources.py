@@ -10,6 +10,7 @@ Run ``python tests/serve/vllm_sources.py`` (or ``.ci/vllm_sources.sh``) to prepa
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -115,6 +116,26 @@ def cpu_pythonpath(version: str) -> str | None:
         return None
     return os.pathsep.join([str(src), str(deps_dir())])
 
+
+
+def run_kv_cases(version: str, cases: list[dict], tmp: Path) -> list[dict]:
+    """``kv_probe.py --cases``: every case of one vLLM version in one process on its own code (a probe that
+    crashed on a case fails the caller); skips the test where the version's sources are not prepared."""
+    import pytest
+
+    pp = cpu_pythonpath(version)
+    if pp is None:
+        pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
+    here = Path(__file__).resolve().parent
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    env = dict(os.environ, **cache_env(version), VLLM_LOGGING_LEVEL="ERROR",
+               PYTHONPATH=os.pathsep.join([pp, str(here), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(here / "kv_probe.py"), "--cases", str(tmp / "cases.json"),
+                        str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((tmp / "out.json").read_text())
+    assert not [x for x in results if "crash" in x], [x.get("trace") for x in results if "crash" in x]
+    return results
 
 def main() -> int:
     for v in VERSIONS:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -104,21 +103,9 @@ _RUNS: dict[str, dict] = {}
 def _layouts(version: str, tmp: Path) -> dict[tuple[str, str], dict]:
     """Every layout x drafter shape of ``version`` in one ``kv_probe.py --cases`` process (cached)."""
     if version not in _RUNS:
-        pp = vllm_sources.cpu_pythonpath(version)
-        if pp is None:
-            pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
         cases = [{"version": version, "shape": shape, "layout": name, "fixes": fixes, "unit": unit}
                  for shape in SHAPES[version] for name, fixes, unit in LAYOUTS[version]]
-        (tmp / "cases.json").write_text(json.dumps(cases))
-        env = dict(os.environ, **vllm_sources.cache_env(version),
-                   PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
-                   VLLM_LOGGING_LEVEL="ERROR")
-        r = subprocess.run([sys.executable, str(HERE / "kv_probe.py"), "--cases", str(tmp / "cases.json"),
-                            str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-3000:]
-        results = json.loads((tmp / "out.json").read_text())
-        assert not [x for x in results if "crash" in x], [x.get("trace") for x in results if "crash" in x]
-        _RUNS[version] = {(x["shape"], x["layout"]): x for x in results}
+        _RUNS[version] = {(x["shape"], x["layout"]): x for x in vllm_sources.run_kv_cases(version, cases, tmp)}
     return _RUNS[version]
 
 

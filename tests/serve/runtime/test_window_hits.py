@@ -139,21 +139,11 @@ def layouts(version: str, tmp: Path) -> dict[tuple[str, str, int], dict]:
     """Every layout x drafter shape x speculative tokens (6: the dense profile; 12: dflash) of ``version``
     in one ``kv_probe.py --cases`` process (cached); by (shape, layout, tokens)."""
     if version not in _RUNS:
-        pp = vllm_sources.cpu_pythonpath(version)
-        if pp is None:
-            pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
         cases = [{"version": version, "shape": shape, "layout": name, "fixes": fixes, "unit": unit,
                   "block_flag": unit, "spec_tokens": tokens}
                  for tokens in (DENSE_TOKENS, 12) for name, fixes, unit in LAYOUTS[version]
                  for shape in ("mixed", "full6")]
-        (tmp / "cases.json").write_text(json.dumps(cases))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([pp, str(HERE), os.environ.get("PYTHONPATH", "")]),
-                   VLLM_LOGGING_LEVEL="ERROR")
-        r = subprocess.run([sys.executable, str(HERE / "kv_probe.py"), "--cases", str(tmp / "cases.json"),
-                            str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-3000:]
-        results = json.loads((tmp / "out.json").read_text())
-        assert not [x for x in results if "crash" in x], [x.get("trace") for x in results if "crash" in x]
+        results = vllm_sources.run_kv_cases(version, cases, tmp)
         _RUNS[version] = {(x["shape"], x["layout"], x["spec_tokens"]): x for x in results}
     return _RUNS[version]
 
