@@ -83,8 +83,16 @@ class HubFiles:
         with _hub_errors(self.repo_id, self.commit):
             with get_session().stream("GET", url, headers=build_hf_headers(token=self.api.token),
                                       timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
-                if r.status_code >= 400:
-                    r.read()  # the error's body, for the library's message
+                if r.status_code >= 400:  # the library's message from at most ERROR_BODY_BYTES of the body
+                    import httpx
+
+                    head = bytearray()
+                    for chunk in r.iter_bytes():
+                        head += chunk
+                        if len(head) >= ERROR_BODY_BYTES:
+                            break
+                    hf_raise_for_status(httpx.Response(r.status_code, headers=r.headers, request=r.request,
+                                                       content=bytes(head[:ERROR_BODY_BYTES])))
                 hf_raise_for_status(r)
                 for chunk in r.iter_bytes():  # bounded whatever the listing said
                     body += chunk
@@ -133,6 +141,10 @@ class HubFiles:
             return header_from_json(Path(file), header, data_start, size)
         except SourceError as e:
             return e
+
+
+# an error answer's body is read this far for its message: the Hub's are a few hundred bytes
+ERROR_BODY_BYTES = 64 * 1024
 
 
 def _why(exc: BaseException) -> str:
