@@ -71,12 +71,9 @@ def gpu_used_mib() -> int | None:
         return None
 
 
-def up(case, floor: Path, work: Path, out: Path, record, graphs: bool, kv_bytes: int, contexts: list[int],
-       limit: float) -> None:
-    st = _state(work)
-    if st and _alive(st["pid"]):
-        record(out, "up", {"already": st})
-        return wait(work, out, record, limit)
+def serve_command(case, floor: Path, work: Path, contexts: list[int], kv_bytes: int,
+                  graphs: bool) -> tuple[list[str], int, Path]:
+    """The ``hybrid-build serve`` the lease keeps up (a CPU test dry-runs it), its max_model_len and its log."""
     max_len = max(contexts) + 4 * agent_steps.SUFFIX + 2048
     recipe = agent_steps.gpu_recipe(work, case.caching, max_len, kv_bytes, eager=not graphs)
     log = work / f"lease_{case.key}.log"
@@ -86,6 +83,16 @@ def up(case, floor: Path, work: Path, out: Path, record, graphs: bool, kv_bytes:
     cmd = [c for c in cmd if c not in ("--json", "--no-verify")] + [
         "--restart", "1", "--restart-backoff", "0", "--memory-wait", "120", "--watch-interval", "1",
         "--stall-timeout", "600"]
+    return cmd, max_len, log
+
+
+def up(case, floor: Path, work: Path, out: Path, record, graphs: bool, kv_bytes: int, contexts: list[int],
+       limit: float) -> None:
+    st = _state(work)
+    if st and _alive(st["pid"]):
+        record(out, "up", {"already": st})
+        return wait(work, out, record, limit)
+    cmd, max_len, log = serve_command(case, floor, work, contexts, kv_bytes, graphs)
     so = work / "lease_serve.out"
     with open(so, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,

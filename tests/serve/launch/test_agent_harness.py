@@ -18,6 +18,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(GPU))
 import agent_steps  # noqa: E402
 import driver  # noqa: E402
+import lease_steps  # noqa: E402
 import vllm_sources  # noqa: E402
 
 BASE = ["--hb", "h", "--src", "s", "--work", "w", "--out", "o", "--deadline", "0"]
@@ -184,6 +185,25 @@ def test_every_agent_case_is_served_by_serve_itself(floor_targets, tmp_path):
         assert spec["method"] == "dflash" and spec["model"] == str(floor_targets / f"drafter-{case.shape}")
         assert ("--enable-prefix-caching" in argv) is case.caching, case.key
         assert argv[argv.index("--load-format") + 1] == "dummy" and plan["profile"] == case.profile
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_lease_server_is_served_by_serve_itself(floor_targets, tmp_path):
+    """The server the GPU lease keeps up (``lease_steps.py up``: the dflash case with the watch and restart
+    flags, eager or with CUDA graphs) is taken by ``serve --dry-run`` as the machine will launch it."""
+    meta = _installed_vllm(tmp_path / "meta", "0.26.0")
+    case = agent_steps.Case("dflash", "mixed", True)
+    for graphs in (False, True):
+        work = tmp_path / f"graphs-{graphs}"
+        work.mkdir()
+        cmd, max_len, _ = lease_steps.serve_command(case, floor_targets, work, [8192, 32768, 65536], 0, graphs)
+        assert "--restart" in cmd and "--no-verify" not in cmd
+        r = _dry_run(cmd + ["--json"], meta)
+        assert r.returncode == 0, f"graphs={graphs}: {r.stderr[-1500:]}"
+        argv = json.loads(r.stdout)["argv"]
+        assert argv[argv.index("--max-model-len") + 1] == str(max_len)
+        assert ("--enforce-eager" in argv) is not graphs, argv
 
 
 @pytest.mark.slow
