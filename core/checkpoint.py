@@ -97,10 +97,11 @@ class QuantizationInfo:
         extra = self.extra_config
         if module in extra:
             return extra[module]
-        for pattern, value in self._regex_keys():
-            if pattern.fullmatch(module):
-                return value
-        return None
+        # the regex keys tried once per module name: a reader asks for each of a module's tensors
+        seen = self.__dict__.setdefault("_override_of", {})
+        if module not in seen:
+            seen[module] = next((value for pattern, value in self._regex_keys() if pattern.fullmatch(module)), None)
+        return seen[module]
 
     def _regex_keys(self) -> list[tuple[re.Pattern, dict]]:
         # compiled once: the real checkpoint has ~250 keys and ~100k module names to test
@@ -374,9 +375,10 @@ class Checkpoint:
             module, part = split_module(name)
             parts_of.setdefault(module, {})[part] = th.dtype
         tensors: dict[str, TensorInfo] = {}
+        module_bits = {module: quant.module_bits(module) for module in parts_of}
         for name, (f, th) in sorted(located.items()):
             module, _ = split_module(name)
-            storage = module_storage(parts_of[module], quant.module_bits(module)) or dtype_storage(th.dtype)
+            storage = module_storage(parts_of[module], module_bits[module]) or dtype_storage(th.dtype)
             in_index = (weight_map.get(name) == f) if index is not None else True
             tensors[name] = TensorInfo(name, f, in_index, th.dtype, th.shape, th.start, th.nbytes,
                                        classify(name), storage)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import IO
 
 VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0")
 # imported at module level by vllm's platform / distributed / config modules; pure Python or small
@@ -118,6 +119,95 @@ def cpu_pythonpath(version: str) -> str | None:
 
 
 
+_SERVERS: dict[tuple, tuple[subprocess.Popen, IO[bytes]]] = {}
+
+
+def _server(version: str, env: dict[str, str]) -> tuple[subprocess.Popen, IO[bytes]]:
+    """This process's fork server (``vllm_forkserver.py``) for ``version`` and the ``VLLM_*`` variables of
+    ``env`` (vLLM reads some at import), started on first use with ``env``, with its stderr in an unnamed
+    temporary file; it ends with this process (at exit, or when its stdin closes)."""
+    import atexit
+    import tempfile
+
+    key = (version, tuple(sorted((k, v) for k, v in env.items() if k.startswith("VLLM_"))))
+    got = _SERVERS.get(key)
+    if got is not None and got[0].poll() is None:
+        return got
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("vllm_forkserver.py"))], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    if not _SERVERS:
+        atexit.register(_end_servers)
+    _SERVERS[key] = (proc, err)
+    return proc, err
+
+
+def _end_servers() -> None:
+    for proc, err in _SERVERS.values():
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        err.close()
+    _SERVERS.clear()
+
+
+def _answer(proc: subprocess.Popen, err: IO[bytes], deadline: float | None) -> dict:
+    """The server's next answer line, read from its pipe unbuffered (a buffered reader could hold the
+    next answer where ``select`` cannot see it)."""
+    import select
+    import time
+
+    fd, line = proc.stdout.fileno(), b""
+    while not line.endswith(b"\n"):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([fd], [], [], left)[0]:
+            raise TimeoutError
+        byte = os.read(fd, 1)
+        if not byte:
+            err.seek(0)
+            raise RuntimeError(f"the vLLM fork server ended: {err.read().decode(errors='replace')[-3000:]}")
+        line += byte
+    return json.loads(line)
+
+
+def run_python(version: str, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``python ARGV`` (a script and its arguments, or ``-c CODE ARGS``) with ``env``, which holds vLLM
+    ``version``'s PYTHONPATH, as ``subprocess.run(..., capture_output=True, text=True)`` would run it; forked
+    from a server that imported vLLM's heavy modules once (``vllm_forkserver.py``), or a plain subprocess
+    with ``HYBRID_BUILD_TEST_FORKSERVER=0``."""
+    import tempfile
+    import time
+
+    args = [sys.executable, *argv]
+    if os.environ.get("HYBRID_BUILD_TEST_FORKSERVER", "1") == "0":
+        return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    proc, err_file = _server(version, env)
+    with tempfile.TemporaryDirectory(prefix="vllm-probe-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc.stdin.write(json.dumps({"argv": list(argv), "env": dict(env), "cwd": os.getcwd(),
+                                     "stdout": str(out), "stderr": str(err)}) + "\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = None
+        try:
+            pid = _answer(proc, err_file, deadline)["pid"]
+            rc = _answer(proc, err_file, deadline)["rc"]
+        except TimeoutError:
+            if pid is None:  # still importing: this server is of no use
+                proc.kill()
+            else:  # the probe ran out of time: the server answers its end and serves on
+                os.kill(pid, 9)
+                _answer(proc, err_file, None)
+            raise subprocess.TimeoutExpired(args, timeout, _text(out), _text(err)) from None
+        return subprocess.CompletedProcess(args, rc, _text(out), _text(err))
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def run_kv_cases(version: str, cases: list[dict], tmp: Path) -> list[dict]:
     """``kv_probe.py --cases``: every case of one vLLM version in one process on its own code (a probe that
     crashed on a case fails the caller); skips the test where the version's sources are not prepared."""
@@ -130,8 +220,8 @@ def run_kv_cases(version: str, cases: list[dict], tmp: Path) -> list[dict]:
     (tmp / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, **cache_env(version), VLLM_LOGGING_LEVEL="ERROR",
                PYTHONPATH=os.pathsep.join([pp, str(here), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(here / "kv_probe.py"), "--cases", str(tmp / "cases.json"),
-                        str(tmp / "out.json")], env=env, capture_output=True, text=True, timeout=900)
+    r = run_python(version, [str(here / "kv_probe.py"), "--cases", str(tmp / "cases.json"), str(tmp / "out.json")],
+                   env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads((tmp / "out.json").read_text())
     assert not [x for x in results if "crash" in x], [x.get("trace") for x in results if "crash" in x]

@@ -439,10 +439,9 @@ def test_vllm_takes_benchs_requests_with_the_running_count(version):
     if path is None:
         pytest.skip("vLLM's CPU import dependencies not prepared (run .ci/vllm_sources.sh)")
     bodies = [bench_mod.request_body(w, "qwen", 64, False) for w in bench_mod.WORKLOADS.values()]
-    env = dict(os.environ, **vllm_sources.cache_env(version),
+    env = dict(os.environ, **vllm_sources.cache_env(version), VLLM_LOGGING_LEVEL="ERROR",
                PYTHONPATH=os.pathsep.join([path, str(Path(bench_mod.__file__).parents[2])]))
-    r = subprocess.run([sys.executable, "-c", REQUEST_PROBE, json.dumps(bodies)], capture_output=True, text=True,
-                       timeout=180, env=env)
+    r = vllm_sources.run_python(version, ["-c", REQUEST_PROBE, json.dumps(bodies)], env, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     parsed = json.loads(r.stdout.strip().splitlines()[-1])  # vLLM logs to stdout before it
     assert [p["continuous_usage_stats"] for p in parsed] == [True] * len(bodies)

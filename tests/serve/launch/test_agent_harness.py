@@ -79,9 +79,9 @@ def _resolve(version: str, cases: list[tuple[str, bool | None]]) -> list:
             "    try:\n        out.append([q._resolve_layer_attention(cfg, i) for i in range(6)])\n"
             "    except Exception as e:\n        out.append({'error': f'{type(e).__name__}: {e}'})\n"
             "print(json.dumps(out))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(GPU), json.dumps(cases)], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp,
-                                             VLLM_LOGGING_LEVEL="ERROR"))
+    r = vllm_sources.run_python(version, ["-c", code, str(GPU), json.dumps(cases)],
+                                dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp,
+                                     VLLM_LOGGING_LEVEL="ERROR"), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -72,10 +71,9 @@ def _probe(version: str, parser: str, tokenizer: Path, tmp_path: Path) -> dict:
     if pp is None:
         pytest.skip(f"vLLM {version} sources not prepared (run .ci/vllm_sources.sh)")
     out = tmp_path / f"{version}-{parser}.json"
-    r = subprocess.run([sys.executable, str(HERE / "tool_probe.py"), str(tokenizer), parser, str(out)],
-                       env=dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp,
-                                VLLM_LOGGING_LEVEL="ERROR"), capture_output=True,
-                       text=True, timeout=300)
+    r = vllm_sources.run_python(version, [str(HERE / "tool_probe.py"), str(tokenizer), parser, str(out)],
+                                dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp,
+                                     VLLM_LOGGING_LEVEL="ERROR"), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 

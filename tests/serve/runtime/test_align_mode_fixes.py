@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -62,8 +61,8 @@ def _probe(version: str, cases: str, tmp_path: Path) -> dict[str, dict]:
     env = dict(os.environ, **vllm_sources.cache_env(version),
                PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
                VLLM_LOGGING_LEVEL="ERROR")
-    r = subprocess.run([sys.executable, str(HERE / "align_probe.py"), cases, str(tmp_path / "work"), str(out)],
-                       env=env, capture_output=True, text=True, timeout=900)
+    r = vllm_sources.run_python(version, [str(HERE / "align_probe.py"), cases, str(tmp_path / "work"), str(out)],
+                                env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return {case: res for case, res in zip(cases.split(";"), json.loads(out.read_text()))}
 

@@ -140,9 +140,9 @@ def test_kv_unify_lets_0230_place_the_real_drafters_pages(site):
 
     got = {}
     for mode in ("stock", "patched"):
-        r = subprocess.run([sys.executable, "-c", UNIFY_RUN, str(stock_file), mode], capture_output=True, text=True,
-                           timeout=300, env=dict(os.environ, **vllm_sources.cache_env("0.23.0"), PYTHONPATH=pp,
-                                                 VLLM_LOGGING_LEVEL="ERROR"))
+        r = vllm_sources.run_python("0.23.0", ["-c", UNIFY_RUN, str(stock_file), mode],
+                                    dict(os.environ, **vllm_sources.cache_env("0.23.0"), PYTHONPATH=pp,
+                                         VLLM_LOGGING_LEVEL="ERROR"), timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         got[mode] = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["stock"] == {"error": "AssertionError"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,8 +35,7 @@ def _run_probe(script: str, version: str, out: Path, *args: str, timeout: int = 
     env = dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR",
                HYBRID_BUILD_DISABLE_FIXES=disable)
     env.pop(vllm_plugin.ENV_LM_HEAD, None)
-    r = subprocess.run([sys.executable, str(HERE / script), *args, str(out)], env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    r = vllm_sources.run_python(version, [str(HERE / script), *args, str(out)], env, timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -213,10 +212,10 @@ def _align(version: str, tmp: Path) -> tuple[dict, dict]:
     base = ALIGN_FIXES[version]
     with_fix = FIX_ID if base == "none" else f"{base},{FIX_ID}"
     cases = f"mixed@{DENSE_TOKENS}:{base}:{UNIT};mixed@{DENSE_TOKENS}:{with_fix}:{UNIT}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
-               VLLM_LOGGING_LEVEL="ERROR")
-    r = subprocess.run([sys.executable, str(HERE / "align_probe.py"), cases, str(tmp / "work"), str(tmp / "out.json")],
-                       env=env, capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, **vllm_sources.cache_env(version),
+               PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]), VLLM_LOGGING_LEVEL="ERROR")
+    argv = [str(HERE / "align_probe.py"), cases, str(tmp / "work"), str(tmp / "out.json")]
+    r = vllm_sources.run_python(version, argv, env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     off, on = json.loads((tmp / "out.json").read_text())
     return off, on
@@ -260,8 +259,9 @@ def test_the_switch_through_the_plugins_register():
             "print(json.dumps([S.supports_fine_grained_hash_lookup, getattr(f, 'hybrid_build_fix', False)]))")
     got = {}
     for off in ("", FIX_ID):
-        env = dict(os.environ, PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR", HYBRID_BUILD_DISABLE_FIXES=off)
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        env = dict(os.environ, **vllm_sources.cache_env("0.26.0"), PYTHONPATH=pp, VLLM_LOGGING_LEVEL="ERROR",
+                   HYBRID_BUILD_DISABLE_FIXES=off)
+        r = vllm_sources.run_python("0.26.0", ["-c", code], env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         got[off] = (json.loads(r.stdout.strip().splitlines()[-1]), r.stderr)
     assert got[""][0] == [True, True] and "take partial prefix-cache hits" in got[""][1]

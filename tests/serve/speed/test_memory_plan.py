@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -115,8 +114,8 @@ def run_probe(version: str, tmp: Path) -> dict:
     env = dict(os.environ, **vllm_sources.cache_env(version),
                PYTHONPATH=os.pathsep.join([pp, os.environ.get("PYTHONPATH", "")]),
                VLLM_LOGGING_LEVEL="ERROR")
-    r = subprocess.run([sys.executable, str(HERE / "kv_pool_probe.py"), str(tmp / "cases.json"),
-                        str(tmp / "out.json"), version], env=env, capture_output=True, text=True, timeout=900)
+    r = vllm_sources.run_python(version, [str(HERE / "kv_pool_probe.py"), str(tmp / "cases.json"),
+                                          str(tmp / "out.json"), version], env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     got = {r["id"]: r for r in json.loads((tmp / "out.json").read_text())}
     return {c["id"]: (c, i, got[c["id"]]) for c, i in cs}

@@ -11,7 +11,6 @@ import ast
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -105,9 +104,8 @@ def test_vllm_parses_verifys_requests(version):
         pytest.skip("vLLM's CPU import dependencies not prepared (run .ci/vllm_sources.sh)")
     bodies = [request_body(p, "qwen", [5, 6, 7], 20) for p in PROTOCOLS]
     bodies.append(generation_body(SERVED, [5, 6, 7], 8, "hybrid-build-verify-x"))
-    env = dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=path)
-    r = subprocess.run([sys.executable, "-c", PARSE_PROBE, json.dumps(bodies)], capture_output=True, text=True,
-                       timeout=180, env=env)
+    env = dict(os.environ, **vllm_sources.cache_env(version), PYTHONPATH=path, VLLM_LOGGING_LEVEL="ERROR")
+    r = vllm_sources.run_python(version, ["-c", PARSE_PROBE, json.dumps(bodies)], env, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     direct, echo, generation = json.loads(r.stdout.strip().splitlines()[-1])
     plain = {"ignore_eos": False, "return_tokens_as_token_ids": None, "cache_salt": None}
