@@ -356,7 +356,7 @@ def _write_sparse(plan: ShardPlan, out_dir: Path) -> Path:
     head = plan.header_bytes()
     with open(tmp, "wb") as f:
         f.write(head)
-        f.truncate(plan.total_bytes)
+        f.truncate(len(head) + plan.data_bytes)
     used = os.stat(tmp).st_blocks * 512
     if plan.data_bytes > (64 << 20) and used > len(head) + (16 << 20):
         tmp.unlink()
