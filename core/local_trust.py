@@ -4,6 +4,9 @@ folder that came from elsewhere (a Hub download, a copy from another machine) ca
 so a claim it carries about itself is worth nothing. pip's and huggingface_hub's caches keep their
 own records beside what they fetched in the same way.
 
+The runner's stage manifests count the same way: one written here is recorded by the sha256 of its
+bytes (``STAGE_MANIFEST``), and a manifest without such a record never lets a stage be skipped.
+
 A record is keyed by the build's digest (``core.manifest.build_digest`` of its provenance: every
 output file's sha256, reports aside), so it holds for any folder whose files are those bytes,
 wherever it is; ``core.bound.open_artifact`` checks the bytes before it asks. The folder the record
@@ -26,6 +29,8 @@ from .state_dir import state_dir
 
 TRUST_ENV = "HYBRID_BUILD_TRUST_DIR"
 BUILT, VALIDATED = "built", "validated"
+# a stage manifest written here, keyed by the sha256 of its bytes (``core.manifest.StageManifest``)
+STAGE_MANIFEST = "stage-manifest"
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 

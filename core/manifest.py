@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .bounded_read import SMALL_JSON, InputRefused, open_regular, parse_json, read_bytes, read_json
+from .bounded_read import SMALL_JSON, InputRefused, open_regular, parse_json, read_bytes
 from .safetensors_io import write_text_atomic
 
 HASH_CHUNK = 16 * 1024 * 1024
@@ -51,14 +51,38 @@ class StageManifest:
 
     @classmethod
     def load(cls, path: Path) -> "StageManifest | None":
+        """The manifest at ``path`` if this machine wrote it; None otherwise (``read`` says why)."""
+        return cls.read(path)[0]
+
+    @classmethod
+    def read(cls, path: Path) -> "tuple[StageManifest | None, str]":
+        """``(manifest, "")``, or ``(None, why)``: no file, unreadable, or bytes this machine did not write.
+        A manifest tells the runner what it need not redo, and a folder from elsewhere can carry any
+        file: only one whose sha256 this machine recorded when it wrote it (``core.local_trust``) counts."""
+        from . import local_trust
+
+        if not path.exists():
+            return None, "no manifest"
         try:
-            return cls(**read_json(path, path.name, SMALL_JSON))
-        except (OSError, InputRefused, TypeError):
-            return None
+            raw = read_bytes(path, path.name, SMALL_JSON)
+        except (OSError, InputRefused) as e:
+            return None, f"manifest unreadable ({e})"
+        if not local_trust.recalled(hashlib.sha256(raw).hexdigest(), local_trust.STAGE_MANIFEST):
+            return None, "its manifest was not written on this machine (or was changed since)"
+        try:
+            return cls(**parse_json(raw, path.name)), ""
+        except (InputRefused, TypeError) as e:
+            return None, f"manifest unreadable ({e})"
 
     def save(self, path: Path) -> None:
+        """Write the manifest, and record its sha256 as written here (``read``)."""
+        from . import local_trust
+
+        text = json.dumps(asdict(self), indent=2, default=str) + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(asdict(self), indent=2, default=str) + "\n")
+        local_trust.remember(hashlib.sha256(text.encode()).hexdigest(), local_trust.STAGE_MANIFEST, path.parent.parent,
+                             stage=self.stage)
+        write_text_atomic(path, text)
 
     def still_valid(self, root: Path, key: str) -> bool:
         return self.key == key and self.output_problem(root) is None

@@ -305,9 +305,9 @@ class _Run:
 
     def _why_not_current(self, name: str) -> str:
         """For -vv: why a stage runs (the first cause found)."""
-        m = StageManifest.load(self.ctx.work / f"{name}.json")
+        m, why = StageManifest.read(self.ctx.work / f"{name}.json")
         if m is None:
-            return "no manifest"
+            return why
         key = stage_key(self.ctx, name)
         if m.key != key:
             return f"key {m.key[:12]} -> {key[:12]} (its inputs or an upstream stage changed)"

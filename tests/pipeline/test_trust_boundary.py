@@ -51,6 +51,30 @@ def serve(capsys, tiny_checkpoint):
 # ------------------------------------------------------------------ trust that a download can forge
 
 
+def test_stage_manifests_carried_in_a_folder_let_no_stage_be_skipped(art, tiny_checkpoint, another_machine, caplog):
+    """A copy with its work folder: every stage manifest, with keys that match this source and recipe. A
+    machine that did not write them runs every stage (-vv says why); the manifests it writes then count.
+    A manifest changed after it was written is not this machine's either."""
+    import logging
+
+    from hybrid_build.pipeline.build import prepare
+    from hybrid_build.pipeline.runner import run_build
+
+    def statuses() -> dict[str, str]:
+        return {r.stage: r.status for r in run_build(prepare(tiny_checkpoint, art, "tiny"))}
+
+    with caplog.at_level(logging.DEBUG, logger="hybrid_build.pipeline.runner"):
+        first = statuses()
+    assert set(first.values()) == {"ran"}, first
+    assert "assemble: its manifest was not written on this machine (or was changed since)" in caplog.text
+    assert set(statuses().values()) == {"skipped"}
+    manifest = art / WORK_DIR / "calibrate.json"
+    data = json.loads(manifest.read_text())
+    data["seconds"] += 1.0  # the same key and outputs: only its bytes differ from what was written
+    manifest.write_text(json.dumps(data, indent=2) + "\n")
+    assert statuses()["calibrate"] == "ran"
+
+
 def test_the_machine_that_built_it_serves_it_wherever_it_is(validated_artifact, download, serve):
     """The record is the build's (its bytes), kept in the state folder: the copy is served as built here.
     (The folder it names is the last one this build was made in: the suite builds the same bytes twice.)"""
