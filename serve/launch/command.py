@@ -401,11 +401,9 @@ def _bind_to_engine(args: argparse.Namespace, plan, server, warned: set[str]) ->
     ``/proc``; the docker engine, whose port docker's proxy holds), one warning, once."""
     from hybrid_build.core.errors import CannotRun
 
-    from .listener import owner
+    from .listener import engine_owner
 
-    got = owner(plan.port, plan.host, server.process.pid)
-    if got.ours is False and plan.engine == "docker" and ("docker-proxy" in got.holder or "cannot see" in got.holder):
-        got = type(got)(None, why=f"docker publishes the port ({got.holder})")
+    got = engine_owner(plan.port, plan.host, server.process.pid, plan.engine == "docker")
     if got.ours is False:
         server.stop(args.stop_grace)
         raise CannotRun(f"port {plan.port} answers, but {got.holder} holds it, not the engine serve started (pid "

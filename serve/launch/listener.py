@@ -199,6 +199,15 @@ def owner(port: int, host: str, root: int, proc: Path = PROC) -> Owner:
     return Owner(False, holder=describe(foreign, proc))
 
 
+def engine_owner(port: int, host: str, root: int, docker: bool) -> Owner:
+    """``owner`` for an engine serve started; for the docker engine, docker's proxy holding the published
+    port (or a holder this user cannot see) is "cannot be told", not another holder."""
+    got = owner(port, host, root)
+    if got.ours is False and docker and ("docker-proxy" in got.holder or "cannot see" in got.holder):
+        return Owner(None, why=f"docker publishes the port ({got.holder})")
+    return got
+
+
 def taken_by(host: str, port: int, proc: Path = PROC) -> str | None:
     """Who holds ``host:port`` against a new listener (None: it is free): tried as vLLM's server
     binds (``SO_REUSEADDR``, so a closed connection's TIME_WAIT does not count), then named from

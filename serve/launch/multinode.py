@@ -815,6 +815,38 @@ def wait_for(condition: Callable[[], object], cluster: Cluster, timeout: float, 
             raise ExternalToolError(f"{what}: stopped")
 
 
+def check_head_port(plan: MultiNodePlan) -> None:
+    """Before anything starts: the port vLLM will serve on must be free where the head is this machine
+    (``listener.taken_by``, the holder named); exit 3. A head elsewhere is checked by its own vLLM."""
+    from .listener import taken_by
+
+    held = taken_by(plan.serve.host, plan.serve.port) if plan.nodes[0].local else None
+    if held:
+        raise CannotRun(f"port {plan.serve.port} is taken by {held}: no node was started (stop that process, or "
+                        "choose another --port)")
+
+
+def bind_to_head(plan: MultiNodePlan, vllm: Started) -> None:
+    """The server answering on the port is the vLLM this bring-up started: where the head is this machine,
+    its process tree holds every listening socket a client of the port reaches (``listener.owner``);
+    another holder raises (exit 3; ``bring_up`` then stops the nodes). Where that cannot be told (a head
+    elsewhere; docker's proxy holding the port; no ``/proc``), one warning."""
+    from .listener import engine_owner
+
+    port = plan.serve.port
+    if not plan.nodes[0].local:
+        log.warning("who answers on port %d of %s cannot be told from here: it was free there when vLLM started "
+                    "(its own bind would have failed otherwise)", port, plan.nodes[0].describe())
+        return
+    got = engine_owner(port, plan.serve.host, vllm.process.pid, plan.engine == "docker")
+    if got.ours is False:
+        raise CannotRun(f"port {port} answers, but {got.holder} holds it, not the vLLM this bring-up started (pid "
+                        f"{vllm.process.pid}): nothing was verified or announced, the nodes are stopped (stop that "
+                        "process, or choose another --port)")
+    if got.ours is None:
+        log.warning("who answers on port %d cannot be told here (%s); it was free when vLLM started", port, got.why)
+
+
 def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout: float = 600,
              ready_timeout: float = 1800, smoke: bool = True, on_event: Callable[[str], None] = lambda _m: None,
              cluster: Cluster | None = None, verify: Callable[[], dict | None] | None = None) -> tuple[Cluster, dict]:
@@ -823,6 +855,7 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
     answers, before the smoke test. Returns the running cluster and what the caller prints."""
     from .launcher import Server, plan_key, smoke_test, wait_ready
 
+    check_head_port(plan)
     answers = check_nodes(plan)
     on_event(f"checked {len(plan.nodes)} nodes: same artifact, vLLM {answers[0]['vllm']}, Ray {answers[0]['ray']}, "
              f"runtime patches {answers[0]['runtime'][:12]}")
@@ -854,9 +887,11 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
         vllm = cluster.start(plan.vllm, log_path, secret_env=plan.vllm_env)
         server = Server(vllm.process, plan.serve, log_path)
         ready_s = wait_ready(server, ready_timeout)  # sends the plan's key, as verify and the smoke test do
+        bind_to_head(plan, vllm)
         verified = verify() if verify else None
         answer = smoke_test(plan.base_url, plan.serve.model_name, expect=plan.serve.smoke_expect,
                             api_key=plan_key(plan.serve)) if smoke else None
+        bind_to_head(plan, vllm)  # what was verified and is announced is still this vLLM's
         return cluster, {"base_url": plan.base_url, "model": plan.serve.model_name, "ready_s": round(ready_s, 1),
                          "smoke_answer": answer, "verify": verified, "nodes": [n.ip for n in plan.nodes],
                          "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp, "log": str(log_path)}

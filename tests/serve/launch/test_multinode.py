@@ -764,6 +764,64 @@ def test_a_failed_start_stops_the_nodes_it_started(tiny_artifact, cluster_env, h
     assert _token_files(home) == []
 
 
+def test_a_taken_port_on_the_head_starts_no_node(tiny_artifact, cluster_env, home):
+    """The head is this machine and another process listens on the served port: exit 3 naming it, before
+    any node, token file or vLLM starts (the fixture checks that no Ray process was left)."""
+    c = cluster_env
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", c["serve_port"]))
+        squatter.listen()
+        run = CliRun(_serve_argv(tiny_artifact, c), c["env"], c["cwd"])
+        assert run.proc.wait(timeout=120) == 3
+        err = run.proc.stderr.read()
+    assert f"port {c['serve_port']} is taken by pid {os.getpid()} (" in err and "no node was started" in err, err
+    assert _token_files(home) == [] and not c["record"].exists()
+
+
+LISTENER = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); " \
+           "print('listening', flush=True); time.sleep(600)"
+
+
+def test_the_head_port_must_be_held_by_the_vllm_the_bring_up_started(artifact, tmp_path, caplog):
+    """``bind_to_head`` with real processes: a port held by another process than the started vLLM's tree
+    is refused (exit 3, the holder named); held by that vLLM it passes; a head elsewhere gets one warning."""
+    from dataclasses import replace
+
+    from hybrid_build.core.errors import CannotRun
+
+    port = free_port()
+    plan = _plan(artifact)
+    plan = replace(plan, serve=replace(plan.serve, host="127.0.0.1", port=port))
+    procs = []
+
+    def start(argv: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        procs.append(p)
+        return p
+
+    try:
+        squatter = start([sys.executable, "-c", LISTENER, str(port)])
+        assert squatter.stdout.readline() == "listening\n"
+        idle = start([sys.executable, "-c", "import time; time.sleep(600)"])
+        with pytest.raises(CannotRun, match=rf"^port {port} answers, but pid {squatter.pid} \(.*not the vLLM this "
+                                            rf"bring-up started \(pid {idle.pid}\)"):
+            mn.bind_to_head(plan, mn.Started("vLLM", idle, tmp_path / "log"))
+        squatter.kill()
+        squatter.wait()
+        engine = start([sys.executable, "-c", LISTENER, str(port)])
+        assert engine.stdout.readline() == "listening\n"
+        mn.bind_to_head(plan, mn.Started("vLLM", engine, tmp_path / "log"))  # its own socket: no error
+        elsewhere = mn.plan_multinode(plan.serve, ["user@198.51.100.12", "127.0.0.2"], str(artifact), ifname="lo")
+        with caplog.at_level("WARNING", logger=mn.__name__):
+            mn.bind_to_head(elsewhere, mn.Started("vLLM", idle, tmp_path / "log"))
+        assert f"who answers on port {port} of node 1 (head, 198.51.100.12, ssh user@198.51.100.12) cannot be told " \
+               "from here: it was free there when vLLM started" in caplog.text
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
 def test_sigterm_while_starting_stops_the_nodes_and_removes_the_token_files(tiny_artifact, cluster_env, home):
     """A daemon manager's SIGTERM (SIGHUP: a closed terminal, the same path) while vLLM starts:
