@@ -386,11 +386,6 @@ class ValidationOutcome:
         return {"state": self.state, "reason": self.reason, "finished_at": self.finished_at, "report": self.report}
 
 
-def utc_now() -> str:
-    """Now, as reports record it: ISO 8601 UTC to the second."""
-    import time
-
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _record(artifact: Path, rel: str) -> dict | None:

@@ -48,7 +48,7 @@ def _path(build: str, kind: str) -> Path:
 
 def remember(build: str, kind: str, folder: Path, **details) -> Path:
     """Record that this machine ``kind`` (``BUILT``, ``VALIDATED``) the build ``build`` in ``folder``."""
-    from .artifact import utc_now
+    from .clock import utc_now
     from .safetensors_io import write_text_atomic
 
     path = _path(build, kind)
@@ -90,7 +90,7 @@ def verdict_key(signature: bytes, files: dict[str, str], anchors: list[bytes]) -
 def remember_verdict(key: str, signer: str, files: int) -> None:
     """A signature that verified here (``core.signing``): the next check of the same inputs needs not
     hash the files again."""
-    from .artifact import utc_now
+    from .clock import utc_now
     from .safetensors_io import write_text_atomic
 
     path = trust_dir() / "signatures" / f"{key}.json"

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .artifact import IN_PROGRESS, INDEX, PROVENANCE, RUN_LOCK, utc_now
+from .artifact import IN_PROGRESS, INDEX, PROVENANCE, RUN_LOCK
+from .clock import utc_now
 from .errors import CannotRun
 from .safetensors_io import write_text_atomic
 

@@ -35,10 +35,10 @@ from hybrid_build.core.artifact import (
     read_provenance,
     read_recipe_data,
     texts_report,
-    utc_now,
 )
 from hybrid_build.core.bounded_read import InputRefused, read_json
 from hybrid_build.core.checkpoint import Checkpoint
+from hybrid_build.core.clock import utc_now
 from hybrid_build.core.errors import ArtifactError, ExternalToolError, HybridBuildError, SourceError, UserError
 from hybrid_build.core.integrity import check_artifact
 from hybrid_build.core.manifest import sha256_json
