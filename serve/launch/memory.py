@@ -31,6 +31,10 @@ class LaunchMemory:
     engine_basis: str = ""
     max_num_seqs: int = 1
     unit: int | None = None  # --prefix-match-unit, when the launch passes it
+    # without a plan (no weights to read: a config-only target), the layout's inputs: the pool it gives at
+    # the budget vLLM logs is still checked (``check_log``)
+    layout: mem.MemoryInputs | None = None
+    at_logged_budget: dict | None = None  # what that check found
 
     def contexts(self) -> list[int]:
         i = self.plan.inputs
@@ -39,7 +43,8 @@ class LaunchMemory:
     def lines(self) -> list[str]:
         """What serve prints before it starts (each line begins ``memory: ``)."""
         if self.plan is None:
-            return [f"memory: not planned ({self.why})"]
+            later = (f"; the {self.layout.layout} KV layout is checked at the budget vLLM logs" if self.layout else "")
+            return [f"memory: not planned ({self.why}){later}"]
         p, i = self.plan, self.plan.inputs
         kv = {"auto": "bf16"}.get(i.kv_cache_dtype, i.kv_cache_dtype)
         fits = []
@@ -62,7 +67,8 @@ class LaunchMemory:
 
     def to_json(self) -> dict:
         if self.plan is None:
-            return {"planned": False, "why": self.why}
+            return {"planned": False, "why": self.why} | (
+                {"at_logged_budget": self.at_logged_budget} if self.at_logged_budget else {})
         p = self.plan
         fit = [{"context": c, "whole": f.whole, "next_tokens": f.next_tokens}
                for c in self.contexts() for f in [p.streams_that_fit(c)]]
@@ -77,6 +83,8 @@ class LaunchMemory:
         missing = self._layout_fix_refused(text)
         if missing:
             return None, missing, logged
+        if self.plan is None and self.layout is not None and logged is not None:
+            return self._check_at_logged_budget(text, logged)
         if self.plan is None or logged is None:
             return None, None, logged
         warning = mem.compare_with_log(self.plan, text)
@@ -85,6 +93,22 @@ class LaunchMemory:
         return (f"memory: vLLM logged a KV pool of {logged:,} tokens; the plan said {self.plan.pool_tokens:,} "
                 f"({logged / self.plan.pool_tokens - 1:+.1%})"), None, logged
 
+
+    def _check_at_logged_budget(self, text: str, logged: int) -> tuple[str | None, str | None, int | None]:
+        """No plan of the budget (the weights unknown): the layout's pool at the budget vLLM logged, which it
+        rounds to 0.01 GiB, so the logged pool must fall inside the pools of that band, give or take
+        ``memory_plan.BUDGET_SLACK``."""
+        gib = mem.log_budget_gib(text)
+        if gib is None:
+            return None, None, logged
+        lo, hi = mem.pool_at_logged_budget(self.layout, gib)
+        self.at_logged_budget = {"budget_gib": gib, "pool_tokens": [lo, hi], "logged_pool_tokens": logged}
+        band = f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
+        where = f"at the KV budget vLLM logged ({gib:g} GiB) the {self.layout.layout} layout gives {band} tokens"
+        if lo * (1 - mem.BUDGET_SLACK) <= logged <= hi * (1 + mem.BUDGET_SLACK):
+            return f"memory: vLLM logged a KV pool of {logged:,} tokens; {where}", None, logged
+        return (None, f"vLLM's KV pool is {logged:,} tokens, but {where}: the KV layout differs from what vLLM did",
+                logged)
 
     def _layout_fix(self) -> str | None:
         """The runtime fix the planned layout rests on (the plugin logs when it leaves one out)."""
@@ -181,7 +205,8 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
     try:
         ckpt = Checkpoint.read_folder(folder)
     except HybridBuildError as e:
-        return LaunchMemory(None, f"the served checkpoint's headers cannot be read ({e})")
+        why = f"the served checkpoint's headers cannot be read ({e})"
+        return LaunchMemory(None, why, hardware, layout=_layout_only(launch, folder, version, disabled))
     if "linear_attention" not in mem._layer_types(ckpt.text_config):
         return LaunchMemory(None, "not a hybrid Gated DeltaNet model: the memory plan models those")
     spec = profile.speculative
@@ -199,3 +224,24 @@ def plan_for_launch(launch, version: str | None, hardware: str | None, disabled:
     except (KeyError, TypeError, ValueError) as e:
         return LaunchMemory(None, f"the config lacks what the plan reads ({type(e).__name__}: {e})", hardware, basis)
     return LaunchMemory(plan, None, hardware, basis, profile.max_num_seqs, launch.prefix_match_unit)
+
+
+def _layout_only(launch, folder: Path, version: str | None, disabled: frozenset[str]) -> mem.MemoryInputs | None:
+    """The launch's KV layout from the folder's config.json alone (weights and budget unknown), for the
+    check at the budget vLLM logs; None where the config does not give one."""
+    profile = launch.vllm.profile
+    try:
+        config = read_json(folder / "config.json", "config.json")
+        text_config = config.get("text_config") or config  # a VL model's text part, as Checkpoint reads it
+        if "linear_attention" not in mem._layer_types(text_config):
+            return None
+        spec = profile.speculative
+        drafter_cfg = (drafter_config(launch.drafter, launch.drafter_revision)[0]
+                       if spec is not None and spec.method == "dflash" else None)
+        engine, _ = engine_for(version)
+        layout = mem.profile_layout(profile, engine, disabled, drafter_cfg, bool(launch.prefix_match_unit))
+        i = mem.profile_inputs(text_config, profile, engine, drafter_cfg, layout=layout)
+        mem.plan_memory(i)  # a layout the plan models
+        return i
+    except (OSError, InputRefused, mem.MemoryPlanError, KeyError, TypeError, ValueError, AttributeError):
+        return None

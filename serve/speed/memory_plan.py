@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ENGINE_VERSIONS = ("0.23.0", "0.25.1", "0.26.0", "0.33.0", "0.34.0")
 KERNEL_BLOCK = 16  # FLASH_ATTN's smallest kernel block (MultipleOf(16))
@@ -66,6 +66,13 @@ DFLASH_DRAFTER = {"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_va
                   "hidden_size": 3072, "sliding_window": 4096,
                   "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 LOG_POOL = re.compile(r"(?:GPU|CUDA) KV cache size: ([\d,]+) tokens")
+# vLLM's KV budget at start ("Available KV cache memory: %s GiB", round(bytes / GiB, 2); 0.23.0-0.34.0's gpu_worker.py)
+LOG_BUDGET = re.compile(r"Available KV cache memory: ([0-9]+(?:\.[0-9]+)?) GiB")
+GIB = 1 << 30
+# the pool vLLM logs sits within this of the plan at the budget it logged, beyond the budget's rounding: measured
+# 0.008% past the band on an H100 (lab/gpu_runs.md, Run 17); the layouts a check must tell apart differ by 0.65%
+# (fine_grained against vLLM's own pages) or more
+BUDGET_SLACK = 0.001
 # the prefix-cache layouts: vLLM's own; every group at the GDN block with padded pages (runtime fix
 # prefix_align); vLLM's own pages with --block-size U --prefix-match-unit U (partial hits every U tokens)
 LAYOUTS = ("stock", "prefix_align", "fine_grained")
@@ -460,6 +467,21 @@ def log_pool_tokens(text: str) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
+def log_budget_gib(text: str) -> float | None:
+    """The KV budget vLLM logged at start, in GiB as it rounds it (two decimals), or None."""
+    found = LOG_BUDGET.findall(text)
+    return float(found[-1]) if found else None
+
+
+def pool_at_logged_budget(i: MemoryInputs, gib: float) -> tuple[int, int]:
+    """The lowest and highest pool ``plan_memory`` gives for the budgets vLLM logs as ``gib`` (it prints
+    ``round(bytes / GiB, 2)``: anything within 0.005 GiB of it); the layout's own figure, whatever the
+    weights and the reserve were."""
+    lo, hi = max(int((gib - 0.005) * GIB), 0), int((gib + 0.005) * GIB)
+    return (plan_memory(replace(i, kv_cache_memory_bytes=lo)).pool_tokens,
+            plan_memory(replace(i, kv_cache_memory_bytes=hi)).pool_tokens)
+
+
 def compare_with_log(plan: MemoryPlan, text: str) -> str | None:
     """A warning when vLLM's logged pool differs from the plan's by more than 2%, else None."""
     logged = log_pool_tokens(text)
@@ -612,8 +634,6 @@ def plan_on(hardware: str, text_config: dict, profile, engine: str, weights_byte
 
 
 def with_changes(i: MemoryInputs, **changes) -> MemoryPlan:
-    from dataclasses import replace
-
     return plan_memory(replace(i, **changes))
 
 

@@ -137,3 +137,49 @@ def test_the_start_check_names_a_layout_fix_the_plugin_left_out():
     said = LaunchMemory(aligned, None, "gb10", "", 4).check_log(
         "hybrid-build: runtime fix prefix_align not applied: ...\n" + pool.format(aligned.pool_tokens))[1]
     assert said and "runtime fix prefix_align was not applied" in said
+
+
+def test_a_config_only_target_is_checked_at_the_budget_vllm_logged(tmp_path):
+    """A target with no weights to read (config-only, dummy weights: the GPU harness's) gets no plan of its
+    budget, but its KV layout is checked at the budget vLLM logs. The inputs and log lines are Run 17's
+    (lab/gpu_runs.md: the 122B's 48 layers, 64 experts, the mixed drafter, the dense profile, one H100):
+    each layout's logged pool agrees with its own layout and not with the others (0.7% to 33% apart)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts" / "gpu"))
+    from agent_steps import gpu_recipe
+
+    from hybrid_build.serve.launch.engine import plan_launch
+    from hybrid_build.serve.launch.memory import plan_for_launch
+
+    golden = Path(__file__).resolve().parents[1] / "golden" / "run17_dense_l48_e64"
+    target, drafter = tmp_path / "L48-dense", tmp_path / "drafter-mixed"
+    target.mkdir()
+    drafter.mkdir()
+    shutil.copy(golden / "config.json", target / "config.json")
+    shutil.copy(golden / "drafter-mixed.json", drafter / "config.json")
+    recipe = str(gpu_recipe(tmp_path, True, 67712, 0))
+    logs = {k: "\n".join(v) + "\n" for k, v in json.loads((golden / "vllm_log_lines.json").read_text()).items()}
+    off = {"fine_grained": (), "prefix_align": ("sliding_window_partial_hits",),
+           "stock": ("prefix_align", "sliding_window_partial_hits")}
+    for layout, disabled in off.items():
+        launch = plan_launch(str(target), "dense", recipe=recipe, drafter=str(drafter), disable_fixes=disabled,
+                             vllm_version="0.26.0")
+        memory = plan_for_launch(launch, "0.26.0", "h100", frozenset(disabled))
+        assert memory.plan is None and "headers cannot be read" in memory.why
+        assert memory.layout is not None and memory.layout.layout == layout
+        assert memory.lines()[0].endswith(f"; the {layout} KV layout is checked at the budget vLLM logs")
+        for logged_as, text in logs.items():
+            agree, warning, logged = memory.check_log(text)
+            if logged_as == layout:
+                assert warning is None, (layout, warning)
+                assert agree.startswith(f"memory: vLLM logged a KV pool of {logged:,} tokens; at the KV budget vLLM "
+                                        f"logged (41.72 GiB) the {layout} layout gives "), agree
+                assert memory.to_json()["at_logged_budget"]["logged_pool_tokens"] == logged
+            else:
+                assert agree is None and warning.startswith(f"vLLM's KV pool is {logged:,} tokens, but at the KV "
+                                                            "budget vLLM logged"), (layout, logged_as, warning)
+    # without the budget line there is nothing to compare
+    assert memory.check_log(logs["stock"].splitlines()[1] + "\n")[:2] == (None, None)
