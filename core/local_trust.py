@@ -47,7 +47,8 @@ def _path(build: str, kind: str) -> Path:
 
 
 def remember(build: str, kind: str, folder: Path, **details) -> Path:
-    """Record that this machine ``kind`` (``BUILT``, ``VALIDATED``) the build ``build`` in ``folder``."""
+    """Record that this machine ``kind`` (``BUILT``, ``VALIDATED``) the build ``build`` in ``folder``, or
+    wrote the stage manifest whose sha256 is ``build`` (``STAGE_MANIFEST``) in the output folder ``folder``."""
     from .clock import utc_now
     from .safetensors_io import write_text_atomic
 

@@ -280,7 +280,7 @@ def _serve_watched(args: argparse.Namespace, plan, log_path: Path, need: int, me
             try:
                 fault = _until_fault(args, plan, server, record, memory, limits, restarts, t_fault, event, warned)
             except EngineEnded as e:
-                if restarts >= args.restart and not args.restart:
+                if not args.restart:
                     raise  # no restart asked for: the error line with the engine's last lines
                 ended = (f"the engine {exit_cause(e.code, log_path, start=server.log_from, when=' before READY')}"
                          if e.code is not None else f"the engine was not ready after {args.ready_timeout:g} s "

@@ -127,18 +127,22 @@ class Server:
     log_from: int = 0  # where this engine's lines begin in the log (it is appended to)
     keeper: subprocess.Popen | None = None  # ends the engine's group if serve dies (``keeper``)
     keeper_pipe: int | None = None
+    stopped: str | None = None  # how ``stop`` ended it: a second stop signals nothing (the group id may be free)
 
     def stop(self, grace: float = 10.0) -> str:
         """SIGTERM to the server's process group, SIGKILL after ``grace`` seconds (the group's last
-        members too, after its leader ended); says how it ended. Its keeper then leaves."""
+        members too, after its leader ended); says how it ended. Its keeper then leaves. Once only:
+        a later call returns the first one's answer."""
         from .keeper import stand_down
         from .watch import stop_engine
 
-        how = stop_engine(self.process, grace, group=self.process.pid)
+        if self.stopped is not None:
+            return self.stopped
+        self.stopped = stop_engine(self.process, grace, group=self.process.pid)
         if self.keeper is not None and self.keeper_pipe is not None:
             stand_down(self.keeper, self.keeper_pipe)
             self.keeper = self.keeper_pipe = None
-        return how
+        return self.stopped
 
 
 def start(plan: LaunchPlan, log_path: Path, keeper_grace: float = 10.0) -> Server:

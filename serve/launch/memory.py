@@ -232,16 +232,22 @@ def _layout_only(launch, folder: Path, version: str | None, disabled: frozenset[
     profile = launch.vllm.profile
     try:
         config = read_json(folder / "config.json", "config.json")
-        text_config = config.get("text_config") or config  # a VL model's text part, as Checkpoint reads it
-        if "linear_attention" not in mem._layer_types(text_config):
-            return None
-        spec = profile.speculative
-        drafter_cfg = (drafter_config(launch.drafter, launch.drafter_revision)[0]
-                       if spec is not None and spec.method == "dflash" else None)
-        engine, _ = engine_for(version)
-        layout = mem.profile_layout(profile, engine, disabled, drafter_cfg, bool(launch.prefix_match_unit))
-        i = mem.profile_inputs(text_config, profile, engine, drafter_cfg, layout=layout)
-        mem.plan_memory(i)  # a layout the plan models
-        return i
-    except (OSError, InputRefused, mem.MemoryPlanError, KeyError, TypeError, ValueError, AttributeError):
+    except (OSError, InputRefused):
         return None
+    text_config = (config.get("text_config") or config) if isinstance(config, dict) else {}
+    try:
+        if not isinstance(text_config, dict) or "linear_attention" not in mem._layer_types(text_config):
+            return None
+    except (KeyError, TypeError, ValueError):  # no layer count: not a config the plan reads
+        return None
+    spec = profile.speculative
+    drafter_cfg = (drafter_config(launch.drafter, launch.drafter_revision)[0]
+                   if spec is not None and spec.method == "dflash" else None)
+    engine, _ = engine_for(version)
+    layout = mem.profile_layout(profile, engine, disabled, drafter_cfg, bool(launch.prefix_match_unit))
+    i = mem.profile_inputs(text_config, profile, engine, drafter_cfg, layout=layout)
+    try:
+        mem.plan_memory(i)  # a config the plan models (its widths read as the weights-based plan reads them)
+    except (mem.MemoryPlanError, KeyError, TypeError, ValueError):
+        return None
+    return i

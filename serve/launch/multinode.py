@@ -696,6 +696,7 @@ class Started:
     process: subprocess.Popen
     log_path: Path
     stop_cmd: Command | None = None
+    log_from: int = 0  # where its lines begin in the log (logs are appended to)
 
 
 class Cluster:
@@ -747,12 +748,13 @@ class Cluster:
         """Start ``cmd`` here (or over ssh); ``secret_env`` goes into its environment, never on a
         command line."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_from = log_path.stat().st_size if log_path.exists() else 0
         with open(log_path, "ab") as out, stop_signals_held():
             # a session of its own: a Ctrl-C in the terminal reaches this process only, which stops
             # the others in order
             proc = subprocess.Popen(cmd.local_argv(self.plan.remote_venv), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=child_env(secret_env), start_new_session=True)
-            s = Started(cmd.what, proc, log_path, stop_cmd)
+            s = Started(cmd.what, proc, log_path, stop_cmd, log_from)
             with self._lock:
                 self.started.append(s)
         log.info("started %s (pid %d), log %s", cmd.what, proc.pid, log_path)
@@ -787,7 +789,8 @@ class Cluster:
 def _exited(s: Started) -> ExternalToolError:
     from .launcher import tail
 
-    return ExternalToolError(f"{s.what} exited with code {s.process.returncode}; last log lines:\n{tail(s.log_path)}")
+    return ExternalToolError(f"{s.what} exited with code {s.process.returncode}; last log lines:\n"
+                             f"{tail(s.log_path, start=s.log_from)}")
 
 
 def query_nodes(plan: MultiNodePlan) -> list[dict] | None:
@@ -826,24 +829,25 @@ def check_head_port(plan: MultiNodePlan) -> None:
                         "choose another --port)")
 
 
-def bind_to_head(plan: MultiNodePlan, vllm: Started) -> None:
+def bind_to_head(plan: MultiNodePlan, vllm: Started, warn: bool = True) -> None:
     """The server answering on the port is the vLLM this bring-up started: where the head is this machine,
     its process tree holds every listening socket a client of the port reaches (``listener.owner``);
     another holder raises (exit 3; ``bring_up`` then stops the nodes). Where that cannot be told (a head
-    elsewhere; docker's proxy holding the port; no ``/proc``), one warning."""
+    elsewhere; docker's proxy holding the port; no ``/proc``), a warning where ``warn``."""
     from .listener import engine_owner
 
     port = plan.serve.port
     if not plan.nodes[0].local:
-        log.warning("who answers on port %d of %s cannot be told from here: it was free there when vLLM started "
-                    "(its own bind would have failed otherwise)", port, plan.nodes[0].describe())
+        if warn:
+            log.warning("who answers on port %d of %s cannot be told from here: it was free there when vLLM "
+                        "started (its own bind would have failed otherwise)", port, plan.nodes[0].describe())
         return
     got = engine_owner(port, plan.serve.host, vllm.process.pid, plan.engine == "docker")
     if got.ours is False:
         raise CannotRun(f"port {port} answers, but {got.holder} holds it, not the vLLM this bring-up started (pid "
                         f"{vllm.process.pid}): nothing was verified or announced, the nodes are stopped (stop that "
                         "process, or choose another --port)")
-    if got.ours is None:
+    if got.ours is None and warn:
         log.warning("who answers on port %d cannot be told here (%s); it was free when vLLM started", port, got.why)
 
 
@@ -885,13 +889,13 @@ def bring_up(plan: MultiNodePlan, log_dir: Path, log_path: Path, *, join_timeout
         wait_for(joined, cluster, join_timeout, f"{len(want)} nodes joining Ray ({', '.join(sorted(want))})")
         on_event(f"{len(want)} nodes joined: {', '.join(n.ip for n in plan.nodes)}")
         vllm = cluster.start(plan.vllm, log_path, secret_env=plan.vllm_env)
-        server = Server(vllm.process, plan.serve, log_path)
+        server = Server(vllm.process, plan.serve, log_path, vllm.log_from)
         ready_s = wait_ready(server, ready_timeout)  # sends the plan's key, as verify and the smoke test do
         bind_to_head(plan, vllm)
         verified = verify() if verify else None
         answer = smoke_test(plan.base_url, plan.serve.model_name, expect=plan.serve.smoke_expect,
                             api_key=plan_key(plan.serve)) if smoke else None
-        bind_to_head(plan, vllm)  # what was verified and is announced is still this vLLM's
+        bind_to_head(plan, vllm, warn=False)  # what was verified and is announced is still this vLLM's
         return cluster, {"base_url": plan.base_url, "model": plan.serve.model_name, "ready_s": round(ready_s, 1),
                          "smoke_answer": answer, "verify": verified, "nodes": [n.ip for n in plan.nodes],
                          "tensor_parallel_size": plan.tp, "pipeline_parallel_size": plan.pp, "log": str(log_path)}
