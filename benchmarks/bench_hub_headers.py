@@ -38,7 +38,8 @@ def cli() -> list[str]:
 
 def run(argv: list[str], env: dict) -> float:
     t = time.perf_counter()
-    proc = subprocess.run(cli() + argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cli() + argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=1800)  # a command stuck on the stand-in Hub ends the benchmark
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     return time.perf_counter() - t
@@ -57,7 +58,10 @@ def main() -> None:
                                             layers=range(args.layers) if args.layers else None, sparse=True)
         files = sorted(p for p in folder.iterdir() if p.is_file())
         shards = [p for p in files if p.suffix == ".safetensors"]
-        headers = {p.name: 8 + struct.unpack("<Q", p.open("rb").read(8))[0] for p in shards}
+        headers = {}
+        for p in shards:
+            with p.open("rb") as f:
+                headers[p.name] = 8 + struct.unpack("<Q", f.read(8))[0]
         served = {"files": len(files), "shards": len(shards), "bytes": sum(p.stat().st_size for p in files),
                   "header_bytes": sum(headers.values()), "largest_header": max(headers.values()),
                   "json_bytes": {p.name: p.stat().st_size for p in files if p.suffix == ".json"}}

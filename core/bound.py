@@ -186,7 +186,10 @@ class BoundArtifact:
         """What the signature covers, name -> (the file here, its sha256): ``shipped`` plus the generated
         card as ``README.md``: here, ``card.md`` (what ``publish`` kept of what it uploaded); in a
         downloaded copy, ``README.md``."""
-        out = {n: (self.path(n), sha) for n, sha in self.shipped().items()}
+        # a file whose bytes are not the recorded ones is compared as such (no digest matches ""): neither
+        # a remembered verdict nor the provenance's digest stands in for what it holds now
+        changed = self.integrity.by_file
+        out = {n: (self.path(n), "" if n in changed else sha) for n, sha in self.shipped().items()}
         for rel in (REPORTS["card"].main, CARD):
             path = self.path(rel)
             if path.is_file() and not path.is_symlink():

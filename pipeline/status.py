@@ -123,13 +123,15 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
     source, digests = _check_source(out, record, progress)
     recipe_data, recipe_file = _recipe(out, bound)
     ctx, why_unchecked = _context(out, record, source, digests, recipe_file)
-    manifests = {name: StageManifest.load(out / WORK_DIR / f"{name}.json") for name in STAGES}
+    read = {name: StageManifest.read(out / WORK_DIR / f"{name}.json") for name in STAGES}
+    manifests = {name: m for name, (m, _) in read.items()}
+    unread = {name: why for name, (m, why) in read.items() if m is None}
     found = bound.integrity if bound else None
     from .runner import stage_changes
 
     changed = stage_changes(found.by_file, prov, manifests) if found else {}
     known = {**bound.verified(), PROVENANCE: bound.build} if bound else None
-    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed, known, bound)
+    stages = [_stage_state(out, name, manifests, source, record, ctx, why_unchecked, changed, known, bound, unread)
               for name in STAGES]
     reports = [_report_state(out, r, prov is not None, bound) for r in REPORTS.values()]
     artifact = found.to_json() if found else None
@@ -249,10 +251,11 @@ def _context(out: Path, record: SourceRecord | None, source: SourceStatus, diges
 def _stage_state(out: Path, name: str, manifests: dict[str, StageManifest | None], source: SourceStatus,
                  record: SourceRecord | None, ctx: BuildContext | None, why_unchecked: str,
                  changed: dict[str, str], known: dict[str, str] | None = None,
-                 bound: BoundArtifact | None = None) -> StageStatus:
+                 bound: BoundArtifact | None = None, unread: dict[str, str] | None = None) -> StageStatus:
     m = manifests[name]
     if m is None:
-        return StageStatus(name, "missing", "it has not finished in this folder")
+        why = (unread or {}).get(name, "no manifest")
+        return StageStatus(name, "missing", f"it has not finished in this folder ({why})")
     why = _why_stale(out, m, manifests, source, record, ctx, changed, known, bound)
     if why:
         return StageStatus(name, "stale", why, m.finished_at)

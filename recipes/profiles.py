@@ -30,7 +30,7 @@ class DrafterSpec(BaseModel):
     method: Literal["dflash", "mtp"]
     model: str | None = Field(None, description="drafter Hub id or folder (dflash only); `{source}` stands for "
                                                 "the local source checkpoint's folder, e.g. `{source}-dflash`")
-    # a Hub repository's main moves (the 122B drafter was retrained in June, with another acceptance):
+    # a Hub repository's main moves (a drafter retrained in place accepts differently):
     # a Hub drafter names the commit its profile's figures rest on, or says `revision: null` outright
     revision: str | None = Field(None, pattern=REVISION, description=(
         "the drafter's Hub revision (a commit, tag or branch) the profile's figures rest on: required for a Hub "

@@ -1271,6 +1271,11 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.copy(seq, a.out / seq.name)
 
     if any(s in LEASE_STEPS for s in steps):  # one server kept up across calls (lease_steps.py)
+        other = [s for s in steps if s not in LEASE_STEPS]
+        if other:  # never a step skipped without a word
+            print(f"driver: {', '.join(other)}: not a lease step (those are {', '.join(LEASE_STEPS)}); run them in a "
+                  "call of their own", file=sys.stderr)
+            return 2
         lease(a, steps, left, recipe)
         RESULTS["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         save(a.out)

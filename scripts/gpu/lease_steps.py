@@ -6,11 +6,11 @@ Steps (``driver.py --steps``), in the order a lease runs them:
 - ``up``: ``hybrid-build serve`` of one agent case (``--agent-cases``, the first) in the profiles' own
   mode (``--graphs``: CUDA graphs, no --enforce-eager), with ``--restart 1``; waits for READY while the
   call has time; state in WORK/lease_server.json. ``wait``: goes on waiting in a later call.
-- ``ttft``: cold / warm time to first token per context (agent_steps.ttft) with each request's server
+- ``warm_ttft``: cold / warm time to first token per context (agent_steps.ttft) with each request's server
   phases (queue, prefill, server TTFT, end to end) and a short prompt's time: what bounds a warm hit.
 - ``accept``: draft acceptance of the same prompts cold, then warm (a whole-prompt hit), from the
   speculative counters on ``/metrics``, and whether the two continuations are the same tokens.
-- ``trace``: ``hybrid-build bench --trace agent-synthetic`` at 1 and 4 conversations at once.
+- ``agent_trace``: ``hybrid-build bench --trace agent-synthetic`` at 1 and 4 conversations at once.
 - ``kill``: 4 streams, then SIGKILL of ``VLLM::EngineCore``: serve's fault / memory / restart / verify /
   READY lines with their times after the kill, the GPU's used memory until it is back, and what each
   stream got. ``rewait``: goes on following in a later call.
@@ -254,7 +254,8 @@ def kill(work: Path, out: Path, record, limit: float) -> None:
     t_kill: list[float] = []
     for ev in started:
         threading.Thread(target=_stream, args=(st["base_url"], "qwen", results, ev, t_kill), daemon=True).start()
-    res["streaming"] = sum(ev.wait(120) for ev in started)
+    deadline = time.monotonic() + min(120.0, max(limit, 0.0))  # one wait for the four, inside the call's time
+    res["streaming"] = sum(ev.wait(max(deadline - time.monotonic(), 0.0)) for ev in started)
     res["gpu_used_mib_before"] = gpu_used_mib()
     core = _engine_core(st["pid"])
     res["engine_core_pid"] = core

@@ -7,14 +7,16 @@
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME --steps ab_start,ab_bench   (then ab_eval,ab_stop: the servers stay up)
 #   bash scripts/gpu/run.sh --deadline UNIX_TIME --floor $HOME/floor --steps starts,ttft,tools --agent-cases dense:mixed:on
 #     (the 122B at full depth with the real drafter's shape: agent_steps.py, docs/gpu.md)
-#   bash scripts/gpu/run.sh --deadline UNIX_TIME --floor $HOME/floor --steps up,ttft,accept --graphs --agent-cases dflash:mixed:on
+#   bash scripts/gpu/run.sh --deadline UNIX_TIME --floor $HOME/floor --steps up,warm_ttft,accept --graphs --agent-cases dflash:mixed:on
 #     (one server kept up across calls: lease_steps.py)
 # VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning (the linear-attention prefill kernels
 # otherwise compile every candidate config on a cold cache: minutes per engine); set it to 0 to tune.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)  # the driver beside this script (a carried copy runs its own)
 # the compile caches of an earlier machine (caches.sh save), carried in .gpucache
-if ls .gpucache/compile-cache.tar.xz.part* >/dev/null 2>&1; then bash "$here/caches.sh" restore .gpucache; fi
+if ls .gpucache/compile-cache.tar.xz.part* >/dev/null 2>&1; then
+  bash "$here/caches.sh" restore .gpucache || echo "run.sh: the carried compile caches could not be restored; going on cold" >&2
+fi
 # the tiny artifacts travel in .gpuhb (and the tiny source in .gpusrc, possibly with an earlier
 # call); stash them in $HOME, which lasts as long as the machine stays warm
 if [ -d .gpuhb ]; then rm -rf "$HOME/hb"; cp -r .gpuhb "$HOME/hb"; fi

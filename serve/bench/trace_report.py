@@ -67,7 +67,8 @@ def failure_reason(message: str | None, sent: list[dict]) -> str | None:
     if len(text) > REASON_CHARS:
         text = text[:REASON_CHARS].rstrip() + "..."
     words = text.split()
-    sent_text = _request_text(sent)
+    # the request's words as the reason's are: any run of spaces, newlines and indents as one space
+    sent_text = " ".join(printable(_request_text(sent), one_line=True).split())
     for i in range(len(words) - 2):
         phrase = " ".join(words[i:i + 3])
         if len(phrase) >= 12 and phrase in sent_text:

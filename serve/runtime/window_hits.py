@@ -54,7 +54,10 @@ ANCHORS: tuple[Anchor, ...] = (
         "resolve_block_hashes(",
         "cls._contiguous_blocks_for_hit(",
         "def get_num_skipped_tokens(",
+        "def reachable_block_mask(",  # replaced by the dense mask while a fine-grained group caches
     ), upstream=("supports_fine_grained_hash_lookup: ClassVar[bool] = True",)),
+    # the base class's caching, which asks the mask the fix makes dense
+    Anchor(MODULE, "SingleTypeKVCacheManager.cache_blocks", needs=("self.reachable_block_mask(",)),
     # the base class's copy-on-write of a partial tail, which a sliding group inherits
     Anchor(MODULE, "SingleTypeKVCacheManager.add_local_computed_blocks", needs=(
         "self._partial_hit_reqs[request_id] = (block_idx, new_computed_blocks[-1])",)),

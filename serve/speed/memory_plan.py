@@ -69,9 +69,9 @@ LOG_POOL = re.compile(r"(?:GPU|CUDA) KV cache size: ([\d,]+) tokens")
 # vLLM's KV budget at start ("Available KV cache memory: %s GiB", round(bytes / GiB, 2); 0.23.0-0.34.0's gpu_worker.py)
 LOG_BUDGET = re.compile(r"Available KV cache memory: ([0-9]+(?:\.[0-9]+)?) GiB")
 GIB = 1 << 30
-# the pool vLLM logs sits within this of the plan at the budget it logged, beyond the budget's rounding: measured
-# 0.008% past the band on an H100 (lab/gpu_runs.md, Run 17); the layouts a check must tell apart differ by 0.65%
-# (fine_grained against vLLM's own pages) or more
+# how far past the plan's pools for the budget vLLM logged (rounded to 0.01 GiB) its logged pool may sit: a real
+# start measured 0.008% past; the layouts a check must tell apart differ by 0.65% (fine_grained against vLLM's
+# own pages) or more
 BUDGET_SLACK = 0.001
 # the prefix-cache layouts: vLLM's own; every group at the GDN block with padded pages (runtime fix
 # prefix_align); vLLM's own pages with --block-size U --prefix-match-unit U (partial hits every U tokens)

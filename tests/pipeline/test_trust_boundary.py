@@ -285,6 +285,23 @@ def test_a_verified_signature_is_remembered_until_a_file_changes(art, tmp_path, 
     assert "has other bytes than the signature records" in sig["problem"]
 
 
+def test_a_remembered_verdict_does_not_cover_a_file_changed_in_place(art, tmp_path, capsys):
+    """A signed file edited after a verified check (its provenance not re-sealed): the remembered verdict
+    does not stand in for it; the signature is invalid, naming the file."""
+    from hybrid_build.core.artifact import REPORTS
+
+    private, public = keypair(tmp_path, "publisher")
+    assert cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private)[0] == 0
+    first = json.loads(cli(capsys, "verify-artifact", art, "--trust-key", public, "--json")[1])["signature"]
+    assert first["state"] == "verified"
+    md = art / REPORTS["validation"].named(".md")
+    md.write_text(md.read_text() + "\nedited\n")
+    rc, out, _ = cli(capsys, "verify-artifact", art, "--trust-key", public, "--json")
+    sig = json.loads(out)["signature"]
+    assert rc == 1 and sig["state"] == "invalid" and not sig["cached"], sig
+    assert sig["problem"].startswith(f"{md.relative_to(art)} has other bytes than the signature records"), sig
+
+
 def test_a_signature_naming_a_file_outside_is_refused_unopened(art, tmp_path, capsys):
     import base64
 

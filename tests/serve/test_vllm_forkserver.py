@@ -59,7 +59,29 @@ def test_an_uncaught_exception_and_an_exit_message_end_as_in_python(env):
 
 
 def test_a_probe_out_of_time_is_killed_and_the_server_serves_on(env):
+    assert run(["-c", "pass"], env).returncode == 0  # the server is up: the deadline below is the probe's alone
     with pytest.raises(subprocess.TimeoutExpired):
         run(["-c", "import time; time.sleep(600)"], env, timeout=2)
     # the server answers a probe only after it reaped the one before: the sleeper was killed
     assert run(["-c", "print('next')"], env).stdout == "next\n"
+
+
+def test_a_probe_exits_as_python_does(env, tmp_path):
+    """Its non-daemon threads finish, a file it left open is flushed, and what it defines pickles (its own
+    ``__main__``); PYTHONPATH comes first, in the order given."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "which_mod.py").write_text("WHERE = 'a'\n")
+    (tmp_path / "b" / "which_mod.py").write_text("WHERE = 'b'\n")
+    left = tmp_path / "left-open.txt"
+    code = (f"import pickle, threading, time, which_mod\n"
+            f"class Point:\n    pass\n"
+            f"pickle.dumps(Point())\n"
+            f"f = open({str(left)!r}, 'w'); f.write('kept')\n"
+            f"def late():\n    time.sleep(0.2); print('thread done', flush=True)\n"
+            f"threading.Thread(target=late).start()\n"
+            f"print(which_mod.WHERE, flush=True)\n")
+    order = os.pathsep.join([str(tmp_path / "b"), str(tmp_path / "a")])
+    r = run(["-c", code], dict(env, PYTHONPATH=order))
+    assert (r.returncode, r.stdout) == (0, "b\nthread done\n"), r.stderr
+    assert left.read_text() == "kept"

@@ -7,7 +7,9 @@ from the imported modules and nothing else: no probe's state reaches another, ea
 environment, working folder, ``sys.path``, ``sys.argv``, stdin (``/dev/null``), stdout and stderr
 (files) of its own, and its exit status is the probe's. Started by ``vllm_sources.run_python`` with the
 version's PYTHONPATH and the caller's ``VLLM_*`` variables (those vLLM reads at import), one server per
-version and set of them, per test process.
+version and set of them, per test process. What a child shares with the server, unlike a fresh process: what
+the preloaded modules read from the environment at import (the first caller's; only ``VLLM_*`` is keyed on),
+the hash seed, and the import-time lines they printed (into the server's stderr, not the probe's).
 
 Protocol, one JSON object per line: requests on stdin ``{"argv", "env", "cwd", "stdout", "stderr"}``;
 answers on stdout ``{"pid": N}`` when the child starts, then ``{"rc": N}`` (negative: the signal that
@@ -21,7 +23,9 @@ import json
 import os
 import runpy
 import sys
+import threading
 import traceback
+import types
 
 # what every probe imports first (present in every tested version); a module a version lacks is skipped.
 # HYBRID_BUILD_FORKSERVER_PRELOAD (names joined by commas) replaces the list: the server's own tests
@@ -55,23 +59,23 @@ def _run(request: dict) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     argv = request["argv"]
-    # what a fresh interpreter puts first on sys.path: the script's folder, or '' for -c; then PYTHONPATH
-    # (this server's own PYTHONPATH folders that the probe's lacks are left out)
-    wanted = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [p for p in sys.path if p not in _OWN_PATH or p in wanted]
-    extra = [p for p in wanted if p not in sys.path]
+    # sys.path in a fresh interpreter's order: the script's folder ('' for -c), then PYTHONPATH as given (an
+    # empty entry is the working folder), then the interpreter's own; this server's PYTHONPATH folders that the
+    # probe's lacks are left out
+    wanted = [p or os.getcwd() for p in request["env"].get("PYTHONPATH", "").split(os.pathsep)] \
+        if request["env"].get("PYTHONPATH") else []
+    rest = [p for p in sys.path if p not in _OWN_PATH and p not in wanted]
+    first = "" if argv[0] == "-c" else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first, *dict.fromkeys(wanted), *rest]
     sys.path_importer_cache.clear()  # folders made since the server started are seen, as by a new process
     importlib.invalidate_caches()
-    if argv[0] == "-c":
-        sys.path[:0] = ["", *extra]
-        sys.argv = ["-c", *argv[2:]]
-    else:
-        sys.path[:0] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
-        sys.argv = list(argv)
+    sys.argv = ["-c", *argv[2:]] if argv[0] == "-c" else list(argv)
     code = 0
     try:
-        if argv[0] == "-c":
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        if argv[0] == "-c":  # a __main__ module of its own, as python -c has (what it defines pickles by it)
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         else:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
@@ -85,7 +89,13 @@ def _run(request: dict) -> int:
     except BaseException:  # noqa: BLE001 - the probe's uncaught exception, printed as the interpreter would
         traceback.print_exc()
         code = 1
+    threading._shutdown()  # what an interpreter's exit does first: join the probe's non-daemon threads
     atexit._run_exitfuncs()
+    if argv[0] == "-c":  # then its modules go: a file the probe left open is flushed and closed
+        sys.modules["__main__"].__dict__.clear()
+    import gc
+
+    gc.collect()
     return code
 
 

@@ -685,6 +685,17 @@ def test_a_servers_words_are_bounded_sanitized_and_never_quote_the_prompt(standi
         assert f"x http 500: {shown}" in captured.out
 
 
+def test_a_quote_of_a_multi_line_prompt_is_withheld():
+    """The server's words come squashed onto one line; a prompt's newlines and indents do not hide a quote."""
+    from hybrid_build.serve.bench.trace_report import WITHHELD, failure_reason
+
+    prompt = "users:\n  alice.smith@corp.example hunter2\n\tbob.jones@corp.example   swordfish99"
+    sent = [{"role": "user", "content": prompt}]
+    said = "unexpected token near: users: alice.smith@corp.example hunter2 bob.jones@corp.example swordfish99"
+    assert failure_reason(said, sent) == WITHHELD
+    assert failure_reason("engine failed on step 12", sent) == "engine failed on step 12"
+
+
 def test_an_id_with_terminal_escapes_is_printed_without_them(standin, tmp_path, capsys):
     evil = "conv\x1b[2J\x1b]0;owned\x07\r-1"
     trace = tmp_path / "evil.jsonl"
