@@ -422,7 +422,10 @@ def open_artifact(path: str | Path, *, trusted: list[Path] | None = None, progre
         if sig.is_symlink():
             bound.signature = SignatureCheck("invalid", problem=f"{SIGNATURE} is a symbolic link")
         else:
-            bound.signature = check_signature(sig, bound.signed_files(), list(trusted or []))
+            try:
+                bound.signature = check_signature(sig, bound.signed_files(), list(trusted or []))
+            except ArtifactError as e:  # a signed name that leads outside the folder: a problem line, not a crash
+                bound.signature = SignatureCheck("invalid", problem=str(e))
         if bound.signature.state == "invalid":
             problems.append(bound.signature.line())
     return bound

@@ -59,8 +59,13 @@ def remember(build: str, kind: str, folder: Path, **details) -> Path:
 
 
 def forget(build: str, kind: str) -> None:
-    """Drop the record (a later ``validate`` here did not pass)."""
-    _path(build, kind).unlink(missing_ok=True)
+    """Drop the record (a later ``validate`` here did not pass; a stage manifest replaced by another)."""
+    path = _path(build, kind)
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()  # the digest's folder, once it holds no record
+    except OSError:
+        pass
 
 
 def recalled(build: str | None, kind: str) -> dict | None:

@@ -79,6 +79,11 @@ class StageManifest:
         from . import local_trust
 
         text = json.dumps(asdict(self), indent=2, default=str) + "\n"
+        try:  # the record of the manifest this one replaces goes: one record per manifest there is
+            local_trust.forget(hashlib.sha256(read_bytes(path, path.name, SMALL_JSON)).hexdigest(),
+                               local_trust.STAGE_MANIFEST)
+        except (OSError, InputRefused):
+            pass
         path.parent.mkdir(parents=True, exist_ok=True)
         local_trust.remember(hashlib.sha256(text.encode()).hexdigest(), local_trust.STAGE_MANIFEST, path.parent.parent,
                              stage=self.stage)

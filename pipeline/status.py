@@ -25,6 +25,7 @@ from hybrid_build.core.artifact import (
     REPORTS,
     RUN_RECIPE,
     WORK_DIR,
+    artifact_path,
     provenance_sha256,
     read_provenance,
     read_recipe_data,
@@ -33,7 +34,7 @@ from hybrid_build.core.artifact import (
 )
 from hybrid_build.core.bound import BoundArtifact, open_artifact, trusted_keys, unfinished
 from hybrid_build.core.bounded_read import SMALL_JSON, InputRefused, read_json
-from hybrid_build.core.errors import HybridBuildError, UserError
+from hybrid_build.core.errors import ArtifactError, HybridBuildError, UserError
 from hybrid_build.core.manifest import StageManifest
 from hybrid_build.core.names import name_problem
 from hybrid_build.core.progress import ProgressFactory, null_progress
@@ -119,13 +120,15 @@ def output_status(out: Path, progress: ProgressFactory = null_progress) -> Outpu
         prov = read_provenance(out, missing_ok=True)
     if prov is None and not (out / WORK_DIR).is_dir():
         raise UserError(f"{out}: not a hybrid-build output (no {PROVENANCE}, no {WORK_DIR}/): nothing was built here")
-    record = _recorded_source(out, prov)
-    source, digests = _check_source(out, record, progress)
-    recipe_data, recipe_file = _recipe(out, bound)
-    ctx, why_unchecked = _context(out, record, source, digests, recipe_file)
     read = {name: StageManifest.read(out / WORK_DIR / f"{name}.json") for name in STAGES}
     manifests = {name: m for name, (m, _) in read.items()}
     unread = {name: why for name, (m, why) in read.items() if m is None}
+    # a source path the folder records is read only where this machine built here (the build, or a stage)
+    here = bool(bound and bound.built_here) or any(m is not None for m in manifests.values())
+    record = _recorded_source(out, prov)
+    source, digests = _check_source(out, record, progress, here)
+    recipe_data, recipe_file = _recipe(out, bound)
+    ctx, why_unchecked = _context(out, record, source, digests, recipe_file)
     found = bound.integrity if bound else None
     from .runner import stage_changes
 
@@ -196,13 +199,25 @@ def _recorded_source(out: Path, prov: Provenance | None) -> SourceRecord | None:
     return SourceRecord("local", name, None, loc.get("fingerprint"), {}, loc.get("path"), loc.get("in_artifact"))
 
 
-def _check_source(out: Path, record: SourceRecord | None,
-                  progress: ProgressFactory) -> tuple[SourceStatus, SourceDigests | None]:
+def _check_source(out: Path, record: SourceRecord | None, progress: ProgressFactory,
+                  here: bool = True) -> tuple[SourceStatus, SourceDigests | None]:
+    """The recorded source checked against its bytes. A folder from elsewhere (``here`` False) names paths of
+    another machine: status reads none of them, and a place inside the folder only where it stays inside."""
     if record is None:
         return SourceStatus("unrecorded", None, "no stage has recorded its source yet"), None
-    candidates = ([out / record.in_artifact] if record.in_artifact else []) + \
-                 ([Path(record.path)] if record.path else [])
+    candidates = []
+    if record.in_artifact:
+        try:
+            candidates.append(artifact_path(out, record.in_artifact))
+        except ArtifactError:
+            pass
+    if record.path and here:
+        candidates.append(Path(record.path))
     root = next((c for c in candidates if (c / "config.json").is_file()), None)
+    if root is None and record.path and not here and record.kind != "hub":
+        return SourceStatus("unchecked", record.describe(), "recorded by the machine that built this folder: status "
+                            "reads no path a folder from elsewhere names (pass the source to `run --dry-run` to "
+                            "check it)"), None
     if root is None:
         if record.kind == "hub":
             return SourceStatus("unchecked", record.describe(),

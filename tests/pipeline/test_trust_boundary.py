@@ -51,6 +51,16 @@ def serve(capsys, tiny_checkpoint):
 # ------------------------------------------------------------------ trust that a download can forge
 
 
+def test_status_reads_no_source_path_a_copied_work_folder_names(art, another_machine, capsys):
+    """A copy with its work folder names the source's path on the machine that built it; a folder there may
+    exist here too (here: the very source). On a machine that built nothing in it, status neither hashes nor
+    trusts that path, and says why."""
+    rc, out, err = cli(capsys, "status", art, "--json")
+    source = json.loads(out)["source"]
+    assert source["state"] == "unchecked", source
+    assert "reads no path a folder from elsewhere names" in source["reason"], source
+
+
 def test_stage_manifests_carried_in_a_folder_let_no_stage_be_skipped(art, tiny_checkpoint, another_machine, caplog):
     """A copy with its work folder: every stage manifest, with keys that match this source and recipe. A
     machine that did not write them runs every stage (-vv says why); the manifests it writes then count.
@@ -300,6 +310,21 @@ def test_a_remembered_verdict_does_not_cover_a_file_changed_in_place(art, tmp_pa
     sig = json.loads(out)["signature"]
     assert rc == 1 and sig["state"] == "invalid" and not sig["cached"], sig
     assert sig["problem"].startswith(f"{md.relative_to(art)} has other bytes than the signature records"), sig
+
+
+def test_a_signed_card_linked_outside_is_a_problem_line_not_a_crash(art, tmp_path, capsys):
+    from hybrid_build.core.artifact import REPORTS
+
+    private, public = keypair(tmp_path, "publisher")
+    assert cli(capsys, "publish", art, "--repo-id", REPO, "--dry-run", "--sign-key", private)[0] == 0
+    card = art / REPORTS["card"].main
+    outside = tmp_path / "outside.md"
+    outside.write_text("# not the card\n")
+    card.unlink()
+    card.symlink_to(outside)
+    rc, out, _ = cli(capsys, "verify-artifact", art, "--trust-key", public, "--json")
+    sig = json.loads(out)["signature"]
+    assert rc == 1 and sig["state"] == "invalid" and "leads outside the artifact" in sig["problem"], sig
 
 
 def test_a_signature_naming_a_file_outside_is_refused_unopened(art, tmp_path, capsys):
