@@ -124,7 +124,9 @@ class LaunchMemory:
         (its source is not the one the fix was written for): the pool may agree while the hits do not
         (a partial hit stops vLLM 0.26.0 without sliding_window_partial_hits)."""
         fix = self._layout_fix()
-        if fix is None or f"runtime fix {fix} not applied" not in text:
+        from hybrid_build.serve.runtime.fixes import says_not_applied
+
+        if fix is None or not says_not_applied(text, fix):
             return None
         return (f"the {self.plan.inputs.layout} prefix-cache layout was planned, but vLLM's log says runtime fix {fix} "
                 "was not applied (this vLLM's source is not the one it was written for): serve with "

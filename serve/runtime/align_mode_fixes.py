@@ -43,6 +43,7 @@ from __future__ import annotations
 import inspect
 import logging
 
+from .fixes import not_applied_line
 from .kv_cache_fixes import Anchor, _resolve, source_of
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def install(enabled: frozenset[str]) -> dict[str, str]:
         if what == "refused":
             names = [a.qualname for a, v in zip(anchors, found) if v == "differs"]
             what = (f"refused: this vLLM's {', '.join(names)} is not the source the fix was written against")
-            log.warning("hybrid-build: runtime fix %s not applied: %s", fix_id, what[len("refused: "):])
+            log.warning("%s", not_applied_line(fix_id, what[len("refused: "):]))
         state[fix_id] = what
     if state.get("mamba_eagle_drop") == "applied":
         from vllm.v1.core.single_type_kv_cache_manager import MambaManager

@@ -28,6 +28,16 @@ ENV_DISABLE = "HYBRID_BUILD_DISABLE_FIXES"
 ALL = "all"
 
 
+def not_applied_line(fix: str, why: str) -> str:
+    """The line the plugin logs for a fix it left out (``says_not_applied`` reads it back from vLLM's log)."""
+    return f"hybrid-build: runtime fix {fix} not applied: {why}"
+
+
+def says_not_applied(text: str, fix: str) -> bool:
+    """Whether vLLM's log ``text`` holds the plugin's line for leaving ``fix`` out (``not_applied_line``)."""
+    return f"hybrid-build: runtime fix {fix} not applied: " in text
+
+
 @dataclass(frozen=True)
 class Fix:
     id: str

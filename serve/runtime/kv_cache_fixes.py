@@ -54,6 +54,8 @@ import inspect
 import logging
 from dataclasses import dataclass, replace
 
+from .fixes import not_applied_line
+
 log = logging.getLogger(__name__)
 
 
@@ -313,5 +315,5 @@ def install(enabled: frozenset[str]) -> dict[str, str]:
             scheduler.KVCacheManager = no_drop_manager(scheduler.KVCacheManager)
     for fix_id, what in state.items():
         if what.startswith("refused"):
-            log.warning("hybrid-build: runtime fix %s not applied: %s", fix_id, what[len("refused: "):])
+            log.warning("%s", not_applied_line(fix_id, what[len("refused: "):]))
     return state

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextvars
 import logging
 
+from .fixes import not_applied_line
 from .kv_cache_fixes import Anchor, _resolve, source_of
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ def install(enabled: frozenset[str]) -> dict[str, str]:
         missing = [a.qualname for a, v in zip(ANCHORS, found) if v == "differs"]
         what = (f"refused: this vLLM's {', '.join(missing)} is not the source the fix was written against "
                 "(vLLM 0.26.0 / 0.33.0 / 0.34.0)")
-        log.warning("hybrid-build: runtime fix %s not applied: %s", FIX_ID, what[len("refused: "):])
+        log.warning("%s", not_applied_line(FIX_ID, what[len("refused: "):]))
         return {FIX_ID: what}
     cls = stkm.SlidingWindowManager
     if not getattr(cls.__dict__["find_longest_cache_hit"].__func__, "hybrid_build_fix", False):
